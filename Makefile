@@ -1,0 +1,37 @@
+# Every target creates or reuses .venv and installs what it needs, so a fresh clone needs only Python.
+PYTHON ?= python3
+VENV ?= .venv
+# The torch requirement. The default is the CPU build; GPU users override it, e.g.
+#   make test TORCH_SPEC=torch==2.13.0    (with a CUDA index configured for pip)
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.shardwise-installed
+
+.PHONY: demo test lint typecheck bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml Makefile
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m shardwise.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/overlap_validation.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
