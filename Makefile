@@ -18,14 +18,14 @@ $(STAMP): $(BIN)/python pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m shardwise.demo
+	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

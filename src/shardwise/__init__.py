@@ -1,15 +1,68 @@
-"""shardwise: sharded tensors and distributed checkpoints for PyTorch."""
+"""shardwise: sharded tensors and distributed checkpoints for PyTorch.
 
+The API is that of PyTorch's deprecated ``torch.distributed._shard`` (with its bugs fixed), so
+code moves over by changing imports::
+
+    import shardwise as sw
+
+    spec = sw.ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+    st = sw.shard_tensor(torch.randn(8, 4), spec)
+"""
+
+from shardwise.api import shard_parameter, shard_tensor
 from shardwise.errors import MetadataFormatError
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise.ops import custom_sharded_op_impl, custom_sharding_spec_op
 from shardwise.placement import RemoteDevice
+from shardwise.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorBase,
+    empty,
+    full,
+    init_from_local_shards,
+    init_from_local_shards_and_global_metadata,
+    init_from_local_tensor,
+    ones,
+    rand,
+    randn,
+    zeros,
+)
+from shardwise.sharding_spec import (
+    ChunkShardingSpec,
+    DevicePlacementSpec,
+    EnumerableShardingSpec,
+    PlacementSpec,
+    ShardingSpec,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChunkShardingSpec",
+    "DevicePlacementSpec",
+    "EnumerableShardingSpec",
     "MetadataFormatError",
+    "PlacementSpec",
     "RemoteDevice",
+    "Shard",
     "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorBase",
     "ShardedTensorMetadata",
+    "ShardingSpec",
     "TensorProperties",
+    "custom_sharded_op_impl",
+    "custom_sharding_spec_op",
+    "empty",
+    "full",
+    "init_from_local_shards",
+    "init_from_local_shards_and_global_metadata",
+    "init_from_local_tensor",
+    "ones",
+    "rand",
+    "randn",
+    "shard_parameter",
+    "shard_tensor",
+    "zeros",
 ]

@@ -72,9 +72,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: object) -> torch.dtype:
     """The dtype called ``name`` in the JSON form; :class:`MetadataFormatError` if unknown."""
     if not isinstance(name, str) or name not in _DTYPES:
-        raise MetadataFormatError(
-            f"unknown dtype name {name!r}; expected one of {sorted(_DTYPES)}"
-        )
+        raise MetadataFormatError(f"unknown dtype name {name!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 
@@ -118,14 +116,17 @@ def _wrap(kind: str, body: dict[str, Any]) -> str:
 def _unwrap(text: str | bytes, kind: str) -> Any:
     try:
         document = json.loads(text)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        # Bytes that are not UTF-8 fail before the JSON parser sees them.
         raise MetadataFormatError(f"{kind} JSON is not valid JSON: {err}") from err
     document = _check_keys(document, ("kind", "version", "value"), f"{kind} JSON document")
     if document["kind"] != kind:
         raise MetadataFormatError(f"expected a {kind} JSON document, got kind {document['kind']!r}")
-    if document["version"] != JSON_VERSION:
+    version = document["version"]
+    # ``true == 1`` and ``1.0 == 1`` in Python: only the integer itself is version 1.
+    if type(version) is not int or version != JSON_VERSION:
         raise MetadataFormatError(
-            f"unsupported {kind} JSON version {document['version']!r}; "
+            f"unsupported {kind} JSON version {version!r}; "
             f"this shardwise reads version {JSON_VERSION}"
         )
     return document["value"]
@@ -149,17 +150,20 @@ class ShardMetadata:
     placement: RemoteDevice | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.placement, str):
+        if self.placement is not None and not isinstance(self.placement, RemoteDevice):
+            # A string, or torch's own ``_remote_device`` (code migrating from upstream).
             self.placement = RemoteDevice(self.placement)
         if len(self.shard_offsets) != len(self.shard_sizes):
             raise ValueError(
                 "shard_offsets and shard_sizes should have the same number of elements, found "
                 f"{len(self.shard_offsets)} and {self.shard_sizes} respectively"
             )
-        if any(offset < 0 for offset in self.shard_offsets):
-            raise ValueError("shard_offsets should be >=0")
-        if any(size < 0 for size in self.shard_sizes):
-            raise ValueError("shard_sizes should be >= 0")
+        # Dim by dim, offset before size: the first bad dim decides which error is raised.
+        for offset, size in zip(self.shard_offsets, self.shard_sizes, strict=False):
+            if offset < 0:
+                raise ValueError("shard_offsets should be >=0")
+            if size < 0:
+                raise ValueError("shard_sizes should be >= 0")
 
     def __hash__(self) -> int:
         return hash((tuple(self.shard_offsets), tuple(self.shard_sizes), self.placement))
@@ -178,12 +182,16 @@ class ShardMetadata:
         body = _check_keys(data, ("offsets", "sizes", "placement"), "ShardMetadata")
         placement = body["placement"]
         if placement is not None and not isinstance(placement, str):
-            raise MetadataFormatError(f"ShardMetadata placement must be a string, got {placement!r}")
-        return cls(
-            _int_list(body["offsets"], "ShardMetadata offsets"),
-            _int_list(body["sizes"], "ShardMetadata sizes"),
-            None if placement is None else RemoteDevice(placement),
-        )
+            raise MetadataFormatError(
+                f"ShardMetadata placement must be a string, got {placement!r}"
+            )
+        offsets = _int_list(body["offsets"], "ShardMetadata offsets")
+        sizes = _int_list(body["sizes"], "ShardMetadata sizes")
+        try:
+            # RemoteDevice lets torch.device's RuntimeError through for a bad device part.
+            return cls(offsets, sizes, None if placement is None else RemoteDevice(placement))
+        except (ValueError, RuntimeError) as err:
+            raise MetadataFormatError(f"invalid ShardMetadata {dict(body)!r}: {err}") from err
 
     def to_json(self) -> str:
         """The versioned JSON form."""
@@ -211,7 +219,10 @@ class TensorProperties:
     def __getstate__(
         self,
     ) -> tuple[torch.dtype, torch.layout, bool, MEM_FORMAT_ENCODING, bool]:
-        encoding = _FORMAT_TO_ENCODING.get(self.memory_format)  # type: ignore[call-overload]
+        encoding = None
+        # The isinstance guard keeps an unhashable value from failing with a TypeError.
+        if isinstance(self.memory_format, torch.memory_format):
+            encoding = _FORMAT_TO_ENCODING.get(self.memory_format)
         if encoding is None:
             raise RuntimeError(f"Invalid torch.memory_format: {self.memory_format}")
         return (self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory)
@@ -220,7 +231,9 @@ class TensorProperties:
         self, state: tuple[torch.dtype, torch.layout, bool, MEM_FORMAT_ENCODING, bool]
     ) -> None:
         dtype, layout, requires_grad, encoding, pin_memory = state
-        memory_format = _ENCODING_TO_FORMAT.get(encoding)  # type: ignore[call-overload]
+        memory_format = None
+        if isinstance(encoding, MEM_FORMAT_ENCODING):
+            memory_format = _ENCODING_TO_FORMAT.get(encoding)
         if memory_format is None:
             raise RuntimeError(f"Invalid torch.memory_format encoding: {encoding}")
         self.dtype = dtype
@@ -242,15 +255,22 @@ class TensorProperties:
 
     def to_dict(self) -> dict[str, Any]:
         """These properties as a plain JSON-able dict."""
-        memory_format = _MEMORY_FORMAT_NAMES.get(self.memory_format)  # type: ignore[call-overload]
+        memory_format = None
+        if isinstance(self.memory_format, torch.memory_format):
+            memory_format = _MEMORY_FORMAT_NAMES.get(self.memory_format)
         if memory_format is None:
             raise RuntimeError(f"Invalid torch.memory_format: {self.memory_format}")
+        # Refuse to write what from_dict would refuse to read.
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"TensorProperties.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.layout, torch.layout):
+            raise TypeError(f"TensorProperties.layout must be a torch.layout, got {self.layout!r}")
         return {
             "dtype": dtype_name(self.dtype),
             "layout": str(self.layout).removeprefix("torch."),
-            "requires_grad": self.requires_grad,
+            "requires_grad": bool(self.requires_grad),
             "memory_format": memory_format,
-            "pin_memory": self.pin_memory,
+            "pin_memory": bool(self.pin_memory),
         }
 
     @classmethod
@@ -301,7 +321,9 @@ class ShardedTensorMetadata:
         body = _check_keys(data, ("shards", "size", "tensor_properties"), "ShardedTensorMetadata")
         shards = body["shards"]
         if not isinstance(shards, list):
-            raise MetadataFormatError(f"ShardedTensorMetadata shards must be a list, got {shards!r}")
+            raise MetadataFormatError(
+                f"ShardedTensorMetadata shards must be a list, got {shards!r}"
+            )
         return cls(
             shards_metadata=[ShardMetadata.from_dict(shard) for shard in shards],
             size=torch.Size(_int_list(body["size"], "ShardedTensorMetadata size")),

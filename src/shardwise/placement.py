@@ -14,6 +14,12 @@ def _parse_error(remote_device: str) -> ValueError:
     )
 
 
+def _is_torch_remote_device(value: object) -> bool:
+    """Whether ``value`` is ``torch.distributed``'s own placement class (``_remote_device``)."""
+    cls = type(value)
+    return cls.__name__ == "_remote_device" and cls.__module__ == "torch.distributed.remote_device"
+
+
 class RemoteDevice:
     """A device, optionally on a named RPC worker or on a process-group rank.
 
@@ -25,12 +31,15 @@ class RemoteDevice:
         1
     """
 
-    __slots__ = ("_worker_name", "_rank", "_device")
+    __slots__ = ("_device", "_rank", "_worker_name")
 
     def __init__(self, remote_device: str | torch.device) -> None:
         self._worker_name: str | None = None
         self._rank: int | None = None
         self._device: torch.device
+        if _is_torch_remote_device(remote_device):
+            # torch's own ``_remote_device``: same grammar, so go through its string form.
+            remote_device = str(remote_device)
         if isinstance(remote_device, torch.device):
             self._device = remote_device
             return
@@ -58,7 +67,10 @@ class RemoteDevice:
         worker_fields = worker_part.split(":")
         if len(worker_fields) == 1:
             self._worker_name = worker_part
-        elif len(worker_fields) == 2 and worker_fields[0] == "rank" and worker_fields[1].isdigit():
+        elif (
+            len(worker_fields) == 2 and worker_fields[0] == "rank" and worker_fields[1].isdecimal()
+        ):
+            # isdecimal, not isdigit: "²" is a digit that int() rejects with its own message.
             self._rank = int(worker_fields[1])
         else:
             raise _parse_error(remote_device)
@@ -85,6 +97,8 @@ class RemoteDevice:
     __str__ = __repr__
 
     def __eq__(self, other: object) -> bool:
+        if _is_torch_remote_device(other):
+            other = RemoteDevice(str(other))
         if not isinstance(other, RemoteDevice):
             return False
         return (

@@ -1,0 +1,270 @@
+"""The one module that talks to ``torch.distributed``.
+
+Everything that crosses ranks goes through here: group and rank bookkeeping, JSON metadata
+exchange (never pickles), verdict agreement before a collective, and the point-to-point moves
+of shard bytes. Keeping it in one place makes the rest of shardwise testable without processes
+and keeps the rank/group-rank translation (a classic source of bugs) in one spot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "RemoteError",
+    "all_gather_json",
+    "all_reduce_sum_int",
+    "barrier",
+    "comm_device",
+    "exchange_or_raise",
+    "global_rank",
+    "global_ranks",
+    "group_rank",
+    "group_world_size",
+    "is_initialized",
+    "is_member",
+    "rebuild_error",
+    "resolve_group",
+    "rpc_initialized",
+    "rpc_worker_id",
+    "send_recv_bytes",
+    "to_group_rank",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Exception types that can be rebuilt with the same type on a rank that did not raise: the
+# built-in ones the API contract uses. Anything else is re-raised as RemoteError.
+_REBUILDABLE: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        RuntimeError,
+        NotImplementedError,
+        AssertionError,
+        IndexError,
+        KeyError,
+        AttributeError,
+    )
+}
+
+
+class RemoteError(RuntimeError):
+    """Another rank of the group failed; the message names the rank and its error."""
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_group(process_group: ProcessGroup | None) -> ProcessGroup:
+    """``process_group``, or the default group when it is ``None``."""
+    if process_group is not None:
+        return process_group
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group."
+        )
+    return group
+
+
+def global_rank() -> int:
+    """This process's rank in the default group."""
+    return dist.get_rank()
+
+
+def group_rank(process_group: ProcessGroup) -> int:
+    """This process's rank in ``process_group`` (-1 when not a member)."""
+    return dist.get_rank(process_group)
+
+
+def is_member(process_group: ProcessGroup) -> bool:
+    """Whether this process belongs to ``process_group``."""
+    return group_rank(process_group) >= 0
+
+
+def group_world_size(process_group: ProcessGroup) -> int:
+    """Number of ranks in ``process_group``."""
+    return dist.get_world_size(process_group)
+
+
+def global_ranks(process_group: ProcessGroup) -> list[int]:
+    """Global ranks of ``process_group``'s members, in group-rank order."""
+    return list(dist.get_process_group_ranks(process_group))
+
+
+def to_group_rank(process_group: ProcessGroup, rank: int) -> int:
+    """The group rank of global ``rank`` in ``process_group``."""
+    if process_group is dist.group.WORLD:
+        return rank
+    return dist.get_group_rank(process_group, rank)
+
+
+def comm_device(process_group: ProcessGroup) -> torch.device:
+    """The device collectives of ``process_group`` run on: CPU for gloo, else the accelerator."""
+    backend = str(dist.get_backend(process_group))
+    if "gloo" in backend.split(":") or "gloo" in backend:
+        return torch.device("cpu")
+    if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(value: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def all_gather_json(value: object, process_group: ProcessGroup) -> list[Any]:
+    """Gather one JSON-able ``value`` from every member of ``process_group``, in group-rank order.
+
+    Two collectives: the payload lengths, then the payloads padded to the longest.
+    """
+    device = comm_device(process_group)
+    world = group_world_size(process_group)
+    payload = _encode(value).to(device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=process_group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    received = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(received, padded, group=process_group)
+    return [
+        json.loads(bytes(buf[: int(n.item())].cpu().numpy()).decode())
+        for buf, n in zip(received, lengths, strict=True)
+    ]
+
+
+def _describe(error: BaseException) -> dict[str, str]:
+    message = (
+        error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
+    )
+    return {"type": type(error).__name__, "message": message}
+
+
+def exchange_or_raise(
+    process_group: ProcessGroup,
+    compute: Callable[[], T],
+    encode: Callable[[T], object] = lambda value: value,
+) -> tuple[T, list[Any]]:
+    """Run ``compute`` locally, then share its verdict with every member of the group.
+
+    Every rank reaches the same verdict before anyone moves on: if ``compute`` raised on any
+    rank, every rank raises — the failing rank its own exception, the others an exception of
+    the same built-in type and message as the lowest failing rank (or :class:`RemoteError`).
+
+    Returns:
+        The local result and the list of every rank's ``encode(result)`` in group-rank order.
+    """
+    local: T | None = None
+    error: BaseException | None = None
+    try:
+        local = compute()
+        envelope: dict[str, object] = {"ok": encode(local)}
+    except Exception as err:
+        error = err
+        envelope = {"error": _describe(err)}
+    gathered = all_gather_json(envelope, process_group)
+    if error is not None:
+        raise error
+    for rank, entry in enumerate(gathered):
+        if "error" in entry:
+            raise rebuild_error(entry["error"], rank)
+    return local, [entry["ok"] for entry in gathered]  # type: ignore[return-value]
+
+
+def rebuild_error(description: dict[str, str], rank: int) -> BaseException:
+    """An exception equal in type and message to one described by another rank."""
+    cls = _REBUILDABLE.get(description["type"])
+    if cls is None:
+        return RemoteError(
+            f"rank {rank} failed with {description['type']}: {description['message']}"
+        )
+    return cls(description["message"])
+
+
+def all_reduce_sum_int(value: int, process_group: ProcessGroup) -> int:
+    """Sum an integer over the group (used for votes)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=comm_device(process_group))
+    dist.all_reduce(tensor, group=process_group)
+    return int(tensor.item())
+
+
+def barrier(process_group: ProcessGroup) -> None:
+    """Wait for every member of ``process_group``."""
+    dist.barrier(group=process_group)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    # Move raw bytes so every dtype (bool, complex, float8, ...) travels the same way, whatever
+    # the backend supports for arithmetic collectives.
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def send_recv_bytes(
+    process_group: ProcessGroup,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+) -> None:
+    """Point-to-point exchange of contiguous tensors, as raw bytes.
+
+    Args:
+        process_group: The group the peers belong to.
+        sends: ``(peer global rank, tensor)`` pairs to send.
+        recvs: ``(peer global rank, tensor)`` pairs to receive into (filled in place).
+
+    Pairs with the same peer are matched in order on both sides. Empty tensors are skipped
+    (both sides know the sizes from the metadata, so they skip the same ones).
+    """
+    works = []
+    for peer, tensor in recvs:
+        if tensor.numel():
+            works.append(dist.irecv(_as_bytes(tensor), src=peer, group=process_group))
+    for peer, tensor in sends:
+        if tensor.numel():
+            works.append(dist.isend(_as_bytes(tensor.contiguous()), dst=peer, group=process_group))
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def rpc_initialized() -> bool:
+    """Whether ``torch.distributed.rpc`` has an agent in this process."""
+    try:
+        from torch.distributed import rpc
+    except ImportError:  # pragma: no cover - torch built without distributed RPC
+        return False
+    return bool(rpc.is_available() and rpc._is_current_rpc_agent_set())  # type: ignore[attr-defined]
+
+
+def rpc_worker_id(worker_name: str) -> int:
+    """The RPC id of the worker called ``worker_name``.
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+        ValueError: No worker has that name.
+    """
+    if not rpc_initialized():
+        raise RuntimeError(
+            f"RPC framework needs to be initialized for using worker names: {worker_name}"
+        )
+    from torch.distributed import rpc
+
+    for info in rpc._get_current_rpc_agent().get_worker_infos():  # type: ignore[attr-defined]
+        if info.name == worker_name:
+            return int(info.id)
+    raise ValueError(f"Invalid worker name: {worker_name}")

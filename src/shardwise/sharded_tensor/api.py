@@ -1,0 +1,634 @@
+"""``ShardedTensorBase`` and ``ShardedTensor``: a tensor whose shards live on several ranks.
+
+Both are wrapper subclasses of ``torch.Tensor``: the wrapper carries the global size, dtype,
+layout and requires_grad but no storage; the data lives in this rank's :class:`Shard` list.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from shardwise import collectives
+from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise.ops import registry
+from shardwise.sharded_tensor.shard import Shard
+from shardwise.sharded_tensor.utils import (
+    build_global_metadata,
+    build_metadata_from_local_shards,
+    flatten_tensor_size,
+    parse_and_validate_remote_device,
+    recalc_global_sharded_tensor_metadata,
+)
+from shardwise.sharding_spec import ShardingSpec
+from shardwise.sharding_spec._internals import (
+    check_tensor,
+    validate_non_overlapping_shards_metadata,
+)
+from shardwise.sharding_spec.inference import _infer_sharding_spec_from_shards_metadata
+
+__all__ = ["ShardedTensor", "ShardedTensorBase"]
+
+
+def _require_pinnable(pin_memory: bool) -> None:
+    if pin_memory and not torch.accelerator.is_available():
+        raise RuntimeError(
+            "pin_memory=True cannot be honored: pinned (page-locked) memory needs a CUDA or "
+            "other accelerator runtime, and this host has none. Pass pin_memory=False."
+        )
+
+
+class ShardedTensorBase(torch.Tensor):
+    """The data of a sharded tensor with no process group attached.
+
+    Built by :meth:`_init_from_local_shards_and_global_metadata` (no communication, usable
+    without ``init_process_group``); :class:`ShardedTensor` adds the process group.
+    """
+
+    _sharding_spec: ShardingSpec
+    _metadata: ShardedTensorMetadata
+    _local_shards: list[Shard]
+
+    @staticmethod
+    def __new__(cls, sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> Any:
+        if not isinstance(sharding_spec, ShardingSpec):
+            raise ValueError(f"Expecting ShardingSpec but got: {type(sharding_spec)}")
+        sizes = flatten_tensor_size(size)
+        dtype = kwargs.get("dtype")
+        properties = TensorProperties(
+            dtype=torch.get_default_dtype() if dtype is None else dtype,
+            layout=kwargs.get("layout", torch.strided),
+            requires_grad=kwargs.get("requires_grad", False),
+            pin_memory=kwargs.get("pin_memory", False),
+        )
+        metadata = sharding_spec.build_metadata(sizes, tensor_properties=properties)
+        return cls._new_wrapper(sharding_spec, metadata)
+
+    @classmethod
+    def _new_wrapper(cls, sharding_spec: ShardingSpec, metadata: ShardedTensorMetadata) -> Any:
+        properties = metadata.tensor_properties
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            metadata.size,
+            dtype=properties.dtype,
+            layout=properties.layout,
+            pin_memory=properties.pin_memory,
+            requires_grad=properties.requires_grad,
+        )
+        wrapper._sharding_spec = sharding_spec
+        wrapper._metadata = metadata
+        wrapper._local_shards = []
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        raise RuntimeError(
+            f"A {cls.__name__} object is being used from c++ while calling "
+            f"{func.__module__}.{func.__name__} but the there is no custom __torch_dispatch__ "
+            "implementation for it."
+        )
+
+    # -- accessors -------------------------------------------------------------------------
+
+    def metadata(self) -> ShardedTensorMetadata:
+        """The global metadata (the live object, not a copy)."""
+        return self._metadata
+
+    def local_shards(self) -> list[Shard]:
+        """This rank's shards (the live list; may be empty)."""
+        return self._local_shards
+
+    def sharding_spec(self) -> ShardingSpec:
+        """The sharding spec this tensor was created with or inferred to have."""
+        return self._sharding_spec
+
+    def is_pinned(self) -> bool:  # type: ignore[override]
+        """Whether the shards were created in pinned memory."""
+        return self._metadata.tensor_properties.pin_memory
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardedTensor({self._metadata})"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @classmethod
+    def _init_from_local_shards_and_global_metadata(  # type: ignore[override]
+        cls,
+        local_shards: list[Shard],
+        sharded_tensor_metadata: ShardedTensorMetadata,
+        sharding_spec: ShardingSpec | None = None,
+    ) -> ShardedTensorBase:
+        """Wrap ``local_shards`` with ``sharded_tensor_metadata``; no process group involved.
+
+        Every shard given is stored as is; the metadata is checked for overlap and coverage.
+        """
+        shards_metadata = sharded_tensor_metadata.shards_metadata
+        if len(shards_metadata) == 0:
+            raise ValueError("shards_metadata must not be empty!")
+        if sharded_tensor_metadata.tensor_properties.layout != torch.strided:
+            raise ValueError("Only torch.strided layout is currently supported")
+        spec = sharding_spec or _infer_sharding_spec_from_shards_metadata(shards_metadata)
+        from shardwise.sharded_tensor.api import ShardedTensor
+
+        result = ShardedTensor._new_wrapper(spec, sharded_tensor_metadata)
+        validate_non_overlapping_shards_metadata(shards_metadata)
+        check_tensor(shards_metadata, list(sharded_tensor_metadata.size))
+        result._local_shards = local_shards
+        return result  # type: ignore[no-any-return]
+
+
+class ShardedTensor(ShardedTensorBase):
+    """A tensor split into shards placed on the ranks of a process group.
+
+    Creating one is SPMD: call the same constructor on every rank. Placements name *global*
+    ranks; a rank owns the shards whose placement names it (possibly several, possibly none).
+
+    Args:
+        sharding_spec: How the tensor is split (e.g. :class:`ChunkShardingSpec`).
+        *size: The global size, as varargs or one sequence.
+        dtype: Element type (default: the default dtype).
+        layout: Only ``torch.strided``.
+        requires_grad: Whether autograd records operations on the shards.
+        pin_memory: Allocate shards in pinned memory (needs an accelerator runtime).
+        memory_format: Only ``torch.contiguous_format``.
+        process_group: The group the shards live on (default: the default group).
+        init_rrefs: Exchange RPC references to every shard (needs ``rpc.init_rpc``).
+
+    Example:
+        >>> spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+        >>> st = ShardedTensor(spec, 10, 4)  # rank 0 owns rows 0-4, rank 1 rows 5-9
+    """
+
+    _process_group: ProcessGroup
+    _init_rrefs: bool
+    _sharded_tensor_id: int | None
+    _remote_shards: dict[int, list[Any]]
+
+    @staticmethod
+    def __new__(cls, sharding_spec: ShardingSpec, *size: Any, **kwargs: Any) -> Any:
+        return ShardedTensorBase.__new__(cls, sharding_spec, *size, **kwargs)
+
+    def __init__(
+        self,
+        sharding_spec: ShardingSpec,
+        *size: Any,
+        dtype: torch.dtype | None = None,
+        layout: torch.layout = torch.strided,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+        memory_format: torch.memory_format = torch.contiguous_format,
+        process_group: ProcessGroup | None = None,
+        init_rrefs: bool = False,
+    ) -> None:
+        self._prepare_init(process_group=process_group, init_rrefs=init_rrefs)
+        if layout != torch.strided:
+            raise ValueError("Only torch.strided layout is currently supported")
+        if memory_format != torch.contiguous_format:
+            raise ValueError("Only torch.contiguous_format memory_format is currently supported")
+        _require_pinnable(pin_memory)
+        current_rank = collectives.global_rank()
+        properties = self._metadata.tensor_properties
+        for shard_metadata in self._metadata.shards_metadata:
+            rank, device = parse_and_validate_remote_device(
+                self._process_group, shard_metadata.placement
+            )
+            if rank == current_rank:
+                tensor = torch.empty(
+                    shard_metadata.shard_sizes,
+                    dtype=properties.dtype,
+                    layout=properties.layout,
+                    device=device,
+                    requires_grad=properties.requires_grad,
+                    memory_format=memory_format,
+                    pin_memory=properties.pin_memory,
+                )
+                self._local_shards.append(Shard(tensor, shard_metadata))
+        self._post_init()
+
+    def _prepare_init(self, process_group: ProcessGroup | None, init_rrefs: bool) -> None:
+        self._init_rrefs = init_rrefs
+        self._sharded_tensor_id = None
+        self._process_group = collectives.resolve_group(process_group)
+        self._remote_shards = {}
+
+    def _post_init(self) -> None:
+        if self._init_rrefs:
+            from shardwise.sharded_tensor import remote
+
+            remote.init_rrefs(self)
+
+    # -- torch function dispatch -----------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return registry.dispatch(func, types, args, kwargs)
+
+    # -- accessors -------------------------------------------------------------------------
+
+    def local_tensor(self) -> torch.Tensor:
+        """The tensor of this rank's only shard.
+
+        Raises:
+            NotImplementedError: This rank does not own exactly one shard.
+        """
+        if len(self._local_shards) != 1:
+            raise NotImplementedError(
+                f"Only single local shard is supported. Number of shards: {len(self._local_shards)}"
+            )
+        return self._local_shards[0].tensor
+
+    def remote_shards(self) -> dict[int, list[Any]]:
+        """RRefs to other ranks' shards, keyed by RPC rank (needs ``init_rrefs=True``)."""
+        if not self._init_rrefs:
+            raise RuntimeError(
+                "ShardedTensor created with init_rrefs=False, no RRefs to remote shards available"
+            )
+        return self._remote_shards
+
+    def _current_device(self) -> torch.device:
+        if self._local_shards:
+            return self._local_shards[0].tensor.device
+        group = getattr(self, "_process_group", None)
+        if group is None or collectives.comm_device(group).type == "cpu":
+            return torch.device("cpu")
+        return collectives.comm_device(group)  # pragma: no cover - needs a GPU
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def _init_from_local_shards(
+        cls,
+        local_shards: list[Shard],
+        *global_size: Any,
+        process_group: ProcessGroup | None = None,
+        init_rrefs: bool = False,
+    ) -> ShardedTensor:
+        """See :func:`shardwise.init_from_local_shards`."""
+        group = collectives.resolve_group(process_group)
+        sizes = list(global_size[0]) if _is_single_sequence(global_size) else list(global_size)
+        recalc = any(dim is None for dim in sizes)
+        size = flatten_tensor_size([0 if dim is None else dim for dim in sizes])
+        current_rank = collectives.global_rank()
+
+        def local_view() -> ShardedTensorMetadata | None:
+            if not local_shards:
+                return None
+            return build_metadata_from_local_shards(local_shards, size, current_rank, group)
+
+        _, views = collectives.exchange_or_raise(
+            group, local_view, lambda view: None if view is None else view.to_dict()
+        )
+        # Pure function of the gathered views: every rank reaches the same verdict.
+        global_metadata = build_global_metadata(
+            [None if view is None else ShardedTensorMetadata.from_dict(view) for view in views]
+        )
+        if recalc:
+            recalc_global_sharded_tensor_metadata(global_metadata)
+            _adopt_recalculated_metadata(local_shards, global_metadata, current_rank)
+        shards_metadata = global_metadata.shards_metadata
+        validate_non_overlapping_shards_metadata(shards_metadata)
+        check_tensor(shards_metadata, list(global_metadata.size))
+        spec = _infer_sharding_spec_from_shards_metadata(shards_metadata)
+        result: ShardedTensor = cls._new_wrapper(spec, global_metadata)
+        result._prepare_init(process_group=group, init_rrefs=init_rrefs)
+        result._local_shards = local_shards
+        result._post_init()
+        return result
+
+    @classmethod
+    def _init_from_local_shards_and_global_metadata(  # type: ignore[override]
+        cls,
+        local_shards: list[Shard],
+        sharded_tensor_metadata: ShardedTensorMetadata,
+        process_group: ProcessGroup | None = None,
+        init_rrefs: bool = False,
+        sharding_spec: ShardingSpec | None = None,
+    ) -> ShardedTensor:
+        """Wrap this rank's shards given the global metadata; no communication.
+
+        Only this rank's shards are checked against the metadata; other ranks' entries are
+        trusted (each rank checks its own).
+        """
+        group = collectives.resolve_group(process_group)
+        current_rank = collectives.global_rank()
+        shards_metadata = sharded_tensor_metadata.shards_metadata
+        owned = [
+            md
+            for md in shards_metadata
+            if parse_and_validate_remote_device(group, md.placement)[0] == current_rank
+        ]
+        if len(local_shards) != len(owned):
+            raise RuntimeError(
+                f"Number of local shards ({len(local_shards)}) does not match number of local "
+                f"shards metadata in sharded_tensor_metadata ({len(owned)}) on rank "
+                f"({current_rank}) "
+            )
+        if len(shards_metadata) == 0:
+            raise ValueError("shards_metadata must not be empty!")
+        properties = sharded_tensor_metadata.tensor_properties
+        if properties.layout != torch.strided:
+            raise ValueError("Only torch.strided layout is currently supported")
+        spec = sharding_spec or _infer_sharding_spec_from_shards_metadata(shards_metadata)
+        result: ShardedTensor = cls._new_wrapper(spec, sharded_tensor_metadata)
+        result._prepare_init(process_group=group, init_rrefs=init_rrefs)
+        for shard in local_shards:
+            _check_local_shard(shard, properties, current_rank)
+        validate_non_overlapping_shards_metadata(shards_metadata)
+        check_tensor(shards_metadata, list(sharded_tensor_metadata.size))
+        result._local_shards = local_shards
+        result._post_init()
+        return result
+
+    @classmethod
+    def _init_from_local_tensor(
+        cls,
+        local_tensor: torch.Tensor,
+        sharding_spec: ShardingSpec,
+        *global_size: Any,
+        process_group: ProcessGroup | None = None,
+        init_rrefs: bool = False,
+    ) -> ShardedTensor:
+        """See :func:`shardwise.init_from_local_tensor`."""
+        if not local_tensor.is_contiguous():
+            raise ValueError("local_tensor is not a contiguous Tensor.")
+        group = collectives.resolve_group(process_group)
+        size = flatten_tensor_size(global_size)
+        properties = TensorProperties(
+            dtype=local_tensor.dtype,
+            layout=local_tensor.layout,
+            requires_grad=local_tensor.requires_grad,
+            memory_format=torch.contiguous_format,
+            pin_memory=local_tensor.is_pinned(),
+        )
+        metadata = sharding_spec.build_metadata(size, properties)
+        current_rank = collectives.global_rank()
+        local_shards = [
+            Shard(local_tensor, md)
+            for md in metadata.shards_metadata
+            if parse_and_validate_remote_device(group, md.placement)[0] == current_rank
+        ]
+        return cls._init_from_local_shards_and_global_metadata(
+            local_shards,
+            metadata,
+            process_group=group,
+            init_rrefs=init_rrefs,
+            sharding_spec=sharding_spec,
+        )
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def gather(  # type: ignore[override]
+        self,
+        dst: int = 0,
+        out: torch.Tensor | None = None,
+        enforce_dtype: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Assemble the full tensor into ``out`` on group rank ``dst`` (collective).
+
+        Args:
+            dst: Group rank that receives the tensor.
+            out: The full-size destination tensor on ``dst``; ``None`` on every other rank.
+            enforce_dtype: Receive in ``out.dtype`` (kept for compatibility; ``dtype`` is the
+                modern spelling).
+            dtype: Element type of the transfer; default: this tensor's own dtype.
+
+        Raises:
+            ValueError: ``out`` is missing on ``dst``, has the wrong size, or is given on
+                another rank. Every rank raises, so nobody is left waiting.
+        """
+        from shardwise.sharded_tensor.gather import gather
+
+        gather(self, dst=dst, out=out, enforce_dtype=enforce_dtype, dtype=dtype)
+
+    # -- device and dtype moves --------------------------------------------------------------
+
+    def cpu(  # type: ignore[override]
+        self,
+        memory_format: torch.memory_format = torch.preserve_format,
+        process_group: ProcessGroup | None = None,
+    ) -> ShardedTensor:
+        """A copy with every shard on the CPU (``self`` when all placements already are)."""
+        _check_move_memory_format(memory_format)
+        if all(
+            md.placement is not None and md.placement.device().type == "cpu"
+            for md in self._metadata.shards_metadata
+        ):
+            return self
+        cpu = torch.device("cpu")
+        shards = [
+            Shard(shard.tensor.cpu(memory_format=memory_format), _on_device(shard.metadata, cpu))
+            for shard in self._local_shards
+        ]
+        metadata = _metadata_on_device(self._metadata, lambda device: cpu)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards,
+            metadata,
+            process_group=process_group or self._process_group,
+            init_rrefs=self._init_rrefs,
+        )
+
+    def cuda(  # type: ignore[override]  # pragma: no cover - needs a GPU
+        self,
+        device: torch.device | str | int | None = None,
+        non_blocking: bool = False,
+        memory_format: torch.memory_format = torch.preserve_format,
+        process_group: ProcessGroup | None = None,
+    ) -> ShardedTensor:
+        """A copy with every local shard on the current CUDA device."""
+        _check_move_memory_format(memory_format)
+        current = torch.device("cuda", torch.cuda.current_device())
+        if device is not None:
+            requested = torch.device("cuda", device) if isinstance(device, int) else device
+            if torch.device(requested).index != current.index:
+                raise AssertionError(
+                    'Only device without device id (e.g. "cpu" or "cuda") is expected for '
+                    "ShardedTensor!"
+                )
+        shards = [
+            Shard(
+                shard.tensor.cuda(
+                    device=current, non_blocking=non_blocking, memory_format=memory_format
+                ),
+                _on_device(shard.metadata, current),
+            )
+            for shard in self._local_shards
+        ]
+        metadata = _metadata_on_device(
+            self._metadata, lambda old: old if old.type == "cuda" else current
+        )
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards,
+            metadata,
+            process_group=process_group or self._process_group,
+            init_rrefs=self._init_rrefs,
+        )
+
+    def to(self, *args: Any, **kwargs: Any) -> ShardedTensor:  # type: ignore[override]
+        """Move or convert the shards, like ``Tensor.to``.
+
+        Accepts ``to(dtype)``, ``to(device)``, ``to(tensor)``, ``to(device, dtype)``, the
+        ``(device, dtype, non_blocking)`` form that ``nn.Module.to`` uses, and the keywords
+        ``device``, ``dtype``, ``non_blocking``, ``copy``, ``memory_format``, ``process_group``.
+        Returns ``self`` when nothing changes and ``copy`` is false.
+        """
+        current_device = self._current_device()
+        device: torch.device = current_device
+        dtype: torch.dtype = self.dtype
+        non_blocking = kwargs.get("non_blocking", False)
+        if len(args) == 1:
+            arg = args[0]
+            if isinstance(arg, torch.dtype):
+                dtype = arg
+            elif isinstance(arg, torch.device):
+                device = arg
+            elif isinstance(arg, (str, int)):
+                device = torch.device(arg)
+            elif isinstance(arg, torch.Tensor):
+                dtype, device = arg.dtype, arg.device
+            else:
+                raise RuntimeError(f"ShardedTensor.to() have wrong arguments: {args}")
+        elif len(args) in (2, 3):
+            # (device, dtype) and nn.Module.to's (device, dtype, non_blocking).
+            if args[0] is not None:
+                device = torch.device(args[0])
+            if args[1] is not None:
+                dtype = args[1]
+            if len(args) == 3:
+                non_blocking = bool(args[2])
+        if kwargs.get("dtype") is not None:
+            dtype = kwargs["dtype"]
+        if kwargs.get("device") is not None:
+            device = torch.device(kwargs["device"])
+        copy_ = kwargs.get("copy", False)
+        memory_format = kwargs.get("memory_format", torch.preserve_format)
+        process_group = kwargs.get("process_group")
+
+        if device.type != "cpu":
+            device = _force_current_accelerator_index(device)  # pragma: no cover - needs a GPU
+        if not copy_ and dtype == self.dtype and device == current_device:
+            return self
+
+        shards = [
+            Shard(
+                shard.tensor.to(
+                    device=device,
+                    dtype=dtype,
+                    non_blocking=non_blocking,
+                    copy=copy_,
+                    memory_format=memory_format,
+                ),
+                _on_device(shard.metadata, device),
+            )
+            for shard in self._local_shards
+        ]
+        metadata = _metadata_on_device(self._metadata, lambda old: device)
+        metadata.tensor_properties.dtype = dtype
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards,
+            metadata,
+            process_group=process_group or self._process_group,
+            init_rrefs=self._init_rrefs,
+        )
+
+
+def _is_single_sequence(size: Sequence[Any]) -> bool:
+    return len(size) == 1 and isinstance(size[0], Sequence)
+
+
+def _adopt_recalculated_metadata(
+    local_shards: list[Shard], metadata: ShardedTensorMetadata, current_rank: int
+) -> None:
+    num_entries = len(metadata.shards_metadata)
+    if not local_shards or num_entries <= current_rank:
+        raise AssertionError(
+            "# for metadata recalculation, local_shards must be larger than 0 "
+            f"actual:{len(local_shards)}, # glb metadata must be greater than any rank id, "
+            f"# metadata:{num_entries}, rank id:{current_rank}"
+        )
+    mine = [
+        md
+        for md in metadata.shards_metadata
+        if md.placement is not None and md.placement.rank() == current_rank
+    ]
+    if len(mine) != 1:
+        raise AssertionError(f"should has and only has one metadata for local rank, actual:{mine}")
+    local_shards[0].metadata = mine[0]
+
+
+def _check_local_shard(shard: Shard, properties: TensorProperties, rank: int) -> None:
+    tensor = shard.tensor
+    metadata = shard.metadata
+    if metadata.placement is None:
+        raise AssertionError("Must specify placement for `Shard`!")
+
+    def mismatch(prop: str, source: str, expected: Any, actual: Any) -> None:
+        if expected != actual:
+            raise ValueError(
+                f"Local shards' tensor {prop} property is incompatible with {source} on rank "
+                f"{rank}: {source} {prop}={expected}, local shard tensor {prop}={actual}."
+            )
+
+    mismatch("layout", "tensor property", properties.layout, tensor.layout)
+    if not tensor.is_contiguous():
+        raise ValueError("Only torch.contiguous_format memory_format is currently supported")
+    mismatch("size", "local ShardMetadata", metadata.shard_sizes, list(tensor.size()))
+    mismatch("pin_memory", "tensor property", properties.pin_memory, tensor.is_pinned())
+    mismatch("device", "local ShardMetadata", metadata.placement.device(), tensor.device)
+    mismatch("dtype", "tensor property", properties.dtype, tensor.dtype)
+    mismatch("requires_grad", "tensor property", properties.requires_grad, tensor.requires_grad)
+
+
+def _check_move_memory_format(memory_format: torch.memory_format) -> None:
+    if memory_format not in (torch.preserve_format, torch.contiguous_format):
+        raise RuntimeError(
+            "Only `torch.contiguous_format` or `torch.preserve_format` is supported!"
+        )
+
+
+def _on_device(metadata: ShardMetadata, device: torch.device) -> ShardMetadata:
+    moved = copy.deepcopy(metadata)
+    if moved.placement is not None:
+        moved.placement._device = device
+    return moved
+
+
+def _metadata_on_device(
+    metadata: ShardedTensorMetadata, new_device: Callable[[torch.device], torch.device]
+) -> ShardedTensorMetadata:
+    moved = copy.deepcopy(metadata)
+    for shard in moved.shards_metadata:
+        if shard.placement is not None:
+            shard.placement._device = new_device(shard.placement.device())
+    return moved
+
+
+def _force_current_accelerator_index(device: torch.device) -> torch.device:  # pragma: no cover
+    index = torch.accelerator.current_device_index()
+    current = torch.device(device.type, index)
+    if device != current:
+        warnings.warn(
+            "ShardedTensor.to only move tensor to its current device"
+            "If you want to put to different device, use `reshard` instead.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return current

@@ -1,0 +1,110 @@
+"""The sharding-spec and placement-spec base classes.
+
+A :class:`ShardingSpec` says how a global tensor of a given size is cut into shards and
+where each shard lives; a :class:`PlacementSpec` says where a whole (unsharded) entity lives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardwise.metadata import ShardedTensorMetadata, TensorProperties
+from shardwise.placement import RemoteDevice
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from shardwise.sharded_tensor.api import ShardedTensor
+
+__all__ = ["DevicePlacementSpec", "PlacementSpec", "ShardingSpec"]
+
+
+class PlacementSpec(ABC):  # noqa: B024 - a marker base: subclasses add what they need
+    """Base class of placements of a whole entity (as opposed to a sharded one).
+
+    Subclass it to describe placements the built-in specs do not cover.
+    """
+
+    __slots__ = ()
+
+
+@dataclass(slots=True)
+class DevicePlacementSpec(PlacementSpec):
+    """Places an entity on a single device.
+
+    Args:
+        device: Where the entity lives; anything but a :class:`RemoteDevice` is parsed by
+            :class:`RemoteDevice` (``"rank:0/cpu"``, ``"cuda:1"``, ``torch.device(...)``).
+
+    Raises:
+        TypeError: ``device`` is neither a string nor a ``torch.device``.
+        ValueError: ``device`` is a string :class:`RemoteDevice` cannot parse.
+        RuntimeError: The device part is not a valid ``torch.device``.
+    """
+
+    device: RemoteDevice | str | torch.device
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, RemoteDevice):
+            self.device = RemoteDevice(self.device)
+
+
+class ShardingSpec(ABC):
+    """Base class of sharding specifications: how a tensor is cut into shards, and where.
+
+    A subclass implements :meth:`build_metadata` (the global metadata every rank agrees on
+    when it creates a sharded tensor with this spec) and :meth:`shard` (scatter a tensor).
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    def build_metadata(
+        self, tensor_sizes: torch.Size, tensor_properties: TensorProperties
+    ) -> ShardedTensorMetadata:
+        """Lay out a tensor of size ``tensor_sizes`` according to this spec.
+
+        Args:
+            tensor_sizes: The global size of the tensor to shard.
+            tensor_properties: Properties shared by every shard (dtype, layout, ...).
+
+        Returns:
+            The metadata of every shard, the global size and ``tensor_properties``.
+        """
+
+    @abstractmethod
+    def shard(
+        self,
+        tensor: torch.Tensor,
+        src_rank: int = 0,
+        process_group: ProcessGroup | None = None,
+    ) -> ShardedTensor:
+        """Scatter ``tensor`` from group rank ``src_rank`` according to this spec (collective).
+
+        Args:
+            tensor: The full tensor; only the source rank's data is used.
+            src_rank: Group rank that holds the data.
+            process_group: The group to scatter over (default: the default group).
+
+        Returns:
+            The ShardedTensor holding this rank's shards.
+        """
+
+
+def scatter_with_spec(
+    spec: ShardingSpec,
+    tensor: torch.Tensor,
+    src_rank: int,
+    process_group: ProcessGroup | None,
+) -> ShardedTensor:
+    """Scatter ``tensor`` by ``spec``'s metadata (the built-in specs' :meth:`ShardingSpec.shard`).
+
+    Imported lazily: scattering lives above the spec layer (it builds a ShardedTensor).
+    """
+    from shardwise.api import scatter
+
+    return scatter(tensor, spec, src_rank=src_rank, process_group=process_group)
