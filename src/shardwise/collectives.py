@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 __all__ = [
     "RemoteError",
     "all_gather_json",
+    "all_reduce",
     "all_reduce_sum_int",
     "barrier",
     "comm_device",
@@ -268,3 +269,22 @@ def rpc_worker_id(worker_name: str) -> int:
         if info.name == worker_name:
             return int(info.id)
     raise ValueError(f"Invalid worker name: {worker_name}")
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, op: str, process_group: ProcessGroup) -> None:
+    """All-reduce ``tensor`` in place over ``process_group`` (on the group's device).
+
+    Args:
+        op: ``"sum"``, ``"max"`` or ``"min"``.
+    """
+    reduce_op = _REDUCE_OPS[op]
+    device = comm_device(process_group)
+    if tensor.device == device:
+        dist.all_reduce(tensor, op=reduce_op, group=process_group)
+        return
+    staged = tensor.to(device)
+    dist.all_reduce(staged, op=reduce_op, group=process_group)
+    tensor.copy_(staged)

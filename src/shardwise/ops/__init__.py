@@ -3,8 +3,12 @@
 Importing this package registers the built-in ops.
 """
 
-from shardwise.ops import autograd as _autograd  # noqa: F401 - registers the ops
+from shardwise.ops import autograd as _autograd  # noqa: F401 - each import registers its ops
+from shardwise.ops import compare as _compare  # noqa: F401
+from shardwise.ops import pointwise as _pointwise  # noqa: F401
 from shardwise.ops import properties as _properties  # noqa: F401
+from shardwise.ops import reduction as _reduction  # noqa: F401
+from shardwise.ops import tensor_ops as _tensor_ops  # noqa: F401
 from shardwise.ops.registry import custom_sharded_op_impl, custom_sharding_spec_op
 
 __all__ = ["custom_sharded_op_impl", "custom_sharding_spec_op"]

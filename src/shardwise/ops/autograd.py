@@ -7,31 +7,24 @@ from typing import Any
 
 import torch
 
-from shardwise.ops.properties import _sharded_input
+from shardwise.ops._common import rebuild, sharded_input
 from shardwise.ops.registry import builtin_op, disabled_torch_function
 
 
 @builtin_op(torch.Tensor.detach)
 def _detach(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    from shardwise.sharded_tensor.api import ShardedTensor
     from shardwise.sharded_tensor.shard import Shard
 
-    st = _sharded_input(args)
+    st = sharded_input(args)
     shards = [Shard(shard.tensor.detach(), shard.metadata) for shard in st.local_shards()]
     metadata = copy.deepcopy(st.metadata())
     metadata.tensor_properties.requires_grad = False
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards,
-        metadata,
-        process_group=st._process_group,
-        init_rrefs=st._init_rrefs,
-        sharding_spec=st.sharding_spec(),
-    )
+    return rebuild(st, shards, metadata)
 
 
 @builtin_op(torch.Tensor.requires_grad_)
 def _requires_grad_(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    st = _sharded_input(args)
+    st = sharded_input(args)
     requires_grad = args[1] if len(args) > 1 else (kwargs or {}).get("requires_grad", True)
     if requires_grad == st.requires_grad:
         return st

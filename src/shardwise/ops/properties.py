@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from shardwise.ops._common import sharded_input
 from shardwise.ops.registry import builtin_op, disabled_torch_function
 
 # Answered by the wrapper tensor, which carries the global size, dtype, layout and
@@ -47,19 +48,11 @@ def _contiguous(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
     return args[0]
 
 
-def _sharded_input(args: Any) -> Any:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    if not args or not isinstance(args[0], ShardedTensor):
-        raise TypeError("input needs to be a ShardedTensor")
-    return args[0]
-
-
 @builtin_op(torch.Tensor.device.__get__)  # type: ignore[attr-defined,union-attr]
 def _device(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    return _sharded_input(args)._current_device()
+    return sharded_input(args)._current_device()
 
 
 @builtin_op(torch.Tensor.is_meta.__get__)  # type: ignore[attr-defined,union-attr]
 def _is_meta(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    return _sharded_input(args).local_tensor().is_meta
+    return sharded_input(args).local_tensor().is_meta

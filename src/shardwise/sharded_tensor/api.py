@@ -439,6 +439,7 @@ class ShardedTensor(ShardedTensorBase):
             for shard in self._local_shards
         ]
         metadata = _metadata_on_device(self._metadata, lambda device: cpu)
+        metadata.tensor_properties.requires_grad = _grad_after_copy(self.requires_grad, self.dtype)
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards,
             metadata,
@@ -542,6 +543,7 @@ class ShardedTensor(ShardedTensorBase):
         ]
         metadata = _metadata_on_device(self._metadata, lambda old: device)
         metadata.tensor_properties.dtype = dtype
+        metadata.tensor_properties.requires_grad = _grad_after_copy(self.requires_grad, dtype)
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards,
             metadata,
@@ -595,6 +597,12 @@ def _check_local_shard(shard: Shard, properties: TensorProperties, rank: int) ->
     mismatch("device", "local ShardMetadata", metadata.placement.device(), tensor.device)
     mismatch("dtype", "tensor property", properties.dtype, tensor.dtype)
     mismatch("requires_grad", "tensor property", properties.requires_grad, tensor.requires_grad)
+
+
+def _grad_after_copy(requires_grad: bool, dtype: torch.dtype) -> bool:
+    """Whether a copy of a tensor is tracked by autograd (what ``Tensor.to`` would give)."""
+    differentiable = dtype.is_floating_point or dtype.is_complex
+    return requires_grad and differentiable and torch.is_grad_enabled()
 
 
 def _check_move_memory_format(memory_format: torch.memory_format) -> None:
