@@ -12,6 +12,13 @@ code moves over by changing imports::
 from shardwise.api import shard_parameter, shard_tensor
 from shardwise.errors import MetadataFormatError
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise.module import (
+    collect_local_shard,
+    pre_load_state_dict_hook,
+    reshard_output,
+    shard_module,
+    state_dict_hook,
+)
 from shardwise.ops import custom_sharded_op_impl, custom_sharding_spec_op
 from shardwise.placement import RemoteDevice
 from shardwise.sharded_tensor import (
@@ -28,6 +35,9 @@ from shardwise.sharded_tensor import (
     randn,
     zeros,
 )
+from shardwise.sharded_tensor.serialization import load_with_process_group
+from shardwise.sharder import Sharder
+from shardwise.sharding_plan import ShardingPlan, ShardingPlanner
 from shardwise.sharding_spec import (
     ChunkShardingSpec,
     DevicePlacementSpec,
@@ -50,8 +60,12 @@ __all__ = [
     "ShardedTensor",
     "ShardedTensorBase",
     "ShardedTensorMetadata",
+    "Sharder",
+    "ShardingPlan",
+    "ShardingPlanner",
     "ShardingSpec",
     "TensorProperties",
+    "collect_local_shard",
     "custom_sharded_op_impl",
     "custom_sharding_spec_op",
     "empty",
@@ -59,10 +73,15 @@ __all__ = [
     "init_from_local_shards",
     "init_from_local_shards_and_global_metadata",
     "init_from_local_tensor",
+    "load_with_process_group",
     "ones",
+    "pre_load_state_dict_hook",
     "rand",
     "randn",
+    "reshard_output",
+    "shard_module",
     "shard_parameter",
     "shard_tensor",
+    "state_dict_hook",
     "zeros",
 ]

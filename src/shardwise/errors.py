@@ -5,14 +5,110 @@ Hierarchy::
     ValueError
     └── MetadataFormatError          a JSON metadata document shardwise cannot read
 
+    CheckpointError                  any failure to read, validate or load a checkpoint
+    ├── CheckpointFormatError        malformed index, unknown format version, key or dtype name
+    │                                (also a MetadataFormatError, hence a ValueError)
+    ├── CheckpointNotFoundError      no committed checkpoint at the path (also FileNotFoundError)
+    ├── CheckpointKeyError           a requested key is not in the checkpoint (also KeyError)
+    ├── CheckpointMismatchError      saved and target size or dtype differ (also ValueError)
+    ├── CheckpointDataError          a data file is missing or truncated (also OSError)
+    │   └── ChecksumError            the bytes of a chunk do not match their checksum
+    └── PickleNotAllowedError        an entry needs pickle and the caller did not opt in
+                                     (also TypeError)
+
 User mistakes otherwise raise the built-in ``ValueError``/``TypeError``/``RuntimeError``
 with the upstream ``torch.distributed._shard`` messages, which are part of the API contract.
+
+Every :class:`CheckpointError` takes the optional keywords ``key``, ``file`` and ``rank``; the
+ones given are kept as attributes and named at the end of the message, e.g.
+``checksum mismatch (key 'layer.weight', file 'data/rank-00001.safetensors', rank 1)``.
 """
 
 from __future__ import annotations
 
-__all__ = ["MetadataFormatError"]
+import os
+
+__all__ = [
+    "CheckpointDataError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointKeyError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "MetadataFormatError",
+    "PickleNotAllowedError",
+]
 
 
 class MetadataFormatError(ValueError):
     """A JSON metadata document is malformed, of an unknown version, or names an unknown value."""
+
+
+class CheckpointError(Exception):
+    """Base class of every failure to read, validate or load a checkpoint.
+
+    Args:
+        message: What went wrong, and how to fix it where that is not obvious.
+        key: The fully qualified name of the state-dict entry concerned, if any.
+        file: The checkpoint file concerned (index or data file), if any.
+        rank: The rank that detected the failure, if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        file: str | os.PathLike[str] | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.key = key
+        self.file = None if file is None else os.fspath(file)
+        self.rank = rank
+        context = []
+        if key is not None:
+            context.append(f"key {key!r}")
+        if self.file is not None:
+            context.append(f"file {self.file!r}")
+        if rank is not None:
+            context.append(f"rank {rank}")
+        if context:
+            message = f"{message} ({', '.join(context)})"
+        super().__init__(message)
+
+
+class CheckpointFormatError(CheckpointError, MetadataFormatError):
+    """The index is malformed, has an unknown format version, or names an unknown key, dtype,
+    layout or memory format."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no committed checkpoint at the path (missing directory, or no index: a save that
+    did not finish)."""
+
+
+class CheckpointKeyError(CheckpointError, KeyError):
+    """A key requested from the checkpoint (with ``strict=True``) is not in it."""
+
+    def __str__(self) -> str:
+        # KeyError would show the repr of the message, quotes and escapes included.
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A saved tensor and the tensor it should load into differ in size or dtype."""
+
+
+class CheckpointDataError(CheckpointError, OSError):
+    """A data file named by the index is missing, or shorter than the byte ranges it should
+    hold."""
+
+
+class ChecksumError(CheckpointDataError):
+    """The bytes read for a chunk do not match the checksum recorded in the index."""
+
+
+class PickleNotAllowedError(CheckpointError, TypeError):
+    """An entry can only be saved or loaded with pickle, and ``allow_pickle=True`` was not
+    given."""

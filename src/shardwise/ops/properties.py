@@ -56,3 +56,9 @@ def _device(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
 @builtin_op(torch.Tensor.is_meta.__get__)  # type: ignore[attr-defined,union-attr]
 def _is_meta(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
     return sharded_input(args).local_tensor().is_meta
+
+
+@builtin_op(torch.Tensor.__reduce_ex__)
+def _reduce_ex(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
+    # torch's own wrapper-subclass pickling, which calls ShardedTensor.__getstate__.
+    return disabled_torch_function(torch.Tensor.__reduce_ex__, args, kwargs)

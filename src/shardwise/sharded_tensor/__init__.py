@@ -92,3 +92,12 @@ def init_from_local_tensor(
         process_group=process_group,
         init_rrefs=init_rrefs,
     )
+
+
+def _register() -> None:
+    from shardwise.sharded_tensor.serialization import register_safe_globals
+
+    register_safe_globals()
+
+
+_register()

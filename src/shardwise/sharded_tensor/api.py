@@ -229,6 +229,30 @@ class ShardedTensor(ShardedTensorBase):
 
             remote.init_rrefs(self)
 
+    # -- resharding and pickling ------------------------------------------------------------
+
+    def reshard(self, resharding_spec: ShardingSpec) -> ShardedTensor:
+        """Move the data to the layout of ``resharding_spec``, in place; returns ``self``.
+
+        Collective. Any layout to any layout: chunk or enumerable specs, any dims, several
+        shards per rank, uneven chunks. Only bytes that change owner cross the network. A
+        chunk spec with the same dim and placements is a no-op; a chunk target keeps its shard
+        metadata ordered by placement rank.
+        """
+        from shardwise.sharded_tensor.reshard import reshard
+
+        return reshard(self, resharding_spec)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        from shardwise.sharded_tensor.serialization import get_state
+
+        return get_state(self)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        from shardwise.sharded_tensor.serialization import set_state
+
+        set_state(self, state)
+
     # -- torch function dispatch -----------------------------------------------------------
 
     @classmethod
