@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 __all__ = [
+    "Comm",
     "RemoteError",
     "all_gather_json",
+    "all_gather_tensor",
     "all_reduce",
     "all_reduce_sum_int",
+    "all_to_all",
     "barrier",
     "comm_device",
     "exchange_or_raise",
@@ -31,6 +34,7 @@ __all__ = [
     "group_world_size",
     "is_initialized",
     "is_member",
+    "new_gloo_group_like",
     "rebuild_error",
     "resolve_group",
     "rpc_initialized",
@@ -288,3 +292,126 @@ def all_reduce(tensor: torch.Tensor, op: str, process_group: ProcessGroup) -> No
     staged = tensor.to(device)
     dist.all_reduce(staged, op=reduce_op, group=process_group)
     tensor.copy_(staged)
+
+
+class Comm:
+    """A process group seen by the checkpoint layer, or a single process without one.
+
+    ``Comm(None)`` with no default group initialized is a world of one: gathers return the
+    local value, barriers return at once. So save/load work in a plain process.
+    """
+
+    def __init__(self, process_group: ProcessGroup | None) -> None:
+        self.group: ProcessGroup | None
+        if process_group is None and not is_initialized():
+            self.group = None
+            self.rank = 0
+            self.world_size = 1
+        else:
+            self.group = resolve_group(process_group)
+            self.rank = group_rank(self.group)
+            self.world_size = group_world_size(self.group)
+
+    def all_gather_json(self, value: object) -> list[Any]:
+        """Every rank's JSON-able ``value``, in group-rank order."""
+        if self.group is None:
+            return [json.loads(json.dumps(value))]
+        return all_gather_json(value, self.group)
+
+    def broadcast_json(self, value: object, src: int) -> Any:
+        """Group rank ``src``'s JSON-able ``value`` on every rank (others pass anything)."""
+        if self.group is None:
+            return json.loads(json.dumps(value))
+        device = comm_device(self.group)
+        payload = _encode(value).to(device) if self.rank == src else None
+        length = torch.tensor([0 if payload is None else payload.numel()], device=device)
+        src_global = dist.get_global_rank(self.group, src)
+        dist.broadcast(length, src=src_global, group=self.group)
+        buffer = (
+            payload
+            if payload is not None
+            else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        )
+        dist.broadcast(buffer, src=src_global, group=self.group)
+        return json.loads(bytes(buffer.cpu().numpy()).decode())
+
+    def exchange_or_raise(
+        self, compute: Callable[[], T], encode: Callable[[T], object] = lambda value: value
+    ) -> tuple[T, list[Any]]:
+        """:func:`exchange_or_raise` over this group (plain call in a single process)."""
+        if self.group is None:
+            local = compute()
+            return local, [json.loads(json.dumps(encode(local)))]
+        return exchange_or_raise(self.group, compute, encode)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.group is not None:
+            barrier(self.group)
+
+
+def new_gloo_group_like(process_group: ProcessGroup | None) -> ProcessGroup | None:
+    """A new gloo group over the same ranks (collective over the default group).
+
+    Background checkpoint writes use it so that they never interleave with the training
+    job's own collectives on the original group.
+    """
+    if process_group is None and not is_initialized():
+        return None
+    ranks = global_ranks(resolve_group(process_group))
+    group: ProcessGroup | None = dist.new_group(ranks=ranks, backend="gloo")
+    return group
+
+
+def all_gather_tensor(tensor: torch.Tensor, process_group: ProcessGroup) -> list[torch.Tensor]:
+    """Gather ``tensor`` from every member of ``process_group``, in group-rank order.
+
+    Every member must pass a tensor of the same shape and dtype (agree on them first, e.g.
+    with :func:`exchange_or_raise`). Raw bytes travel, so any dtype works on any backend. The
+    results are new tensors on ``tensor``'s device; no autograd history.
+    """
+    world = group_world_size(process_group)
+    if tensor.numel() == 0:
+        # Nothing to move; gloo also rejects zero-byte collectives on some versions.
+        return [torch.empty_like(tensor) for _ in range(world)]
+    device = comm_device(process_group)
+    payload = _as_bytes(tensor.detach().to(device).contiguous())
+    received = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(received, payload, group=process_group)
+    return [
+        buffer.view(tensor.dtype).reshape(tensor.shape).to(tensor.device) for buffer in received
+    ]
+
+
+def all_to_all(
+    sends: Sequence[torch.Tensor],
+    recvs: Sequence[torch.Tensor],
+    process_group: ProcessGroup,
+) -> None:
+    """Send ``sends[j]`` to group rank ``j`` and fill ``recvs[j]`` from it, for every ``j``.
+
+    Splits may be uneven (any size per peer, empty included): each side allocates what it
+    receives, so both must agree on the sizes. Built on point-to-point messages, which every
+    backend supports, because gloo's own ``all_to_all`` only takes even splits. ``recvs`` are
+    filled in place; the tensor for this rank is copied locally.
+    """
+    me = group_rank(process_group)
+    peers = global_ranks(process_group)
+    device = comm_device(process_group)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    send_pairs: list[tuple[int, torch.Tensor]] = []
+    recv_pairs: list[tuple[int, torch.Tensor]] = []
+    for peer_index, (send, recv) in enumerate(zip(sends, recvs, strict=True)):
+        if peer_index == me:
+            recv.copy_(send)
+            continue
+        send_pairs.append((peers[peer_index], send.detach().to(device).contiguous()))
+        if recv.device == device and recv.is_contiguous():
+            recv_pairs.append((peers[peer_index], recv))
+        else:
+            buffer = torch.empty(recv.shape, dtype=recv.dtype, device=device)
+            staged.append((buffer, recv))
+            recv_pairs.append((peers[peer_index], buffer))
+    send_recv_bytes(process_group, send_pairs, recv_pairs)
+    for buffer, recv in staged:
+        recv.copy_(buffer)

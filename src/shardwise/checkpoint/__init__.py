@@ -1,5 +1,6 @@
-"""Distributed checkpoints: metadata (DCP-compatible classes and the index JSON form)."""
+"""Distributed checkpoints: pickle-free, verified, atomic and reshardable save and load."""
 
+from shardwise.checkpoint.load import load, load_tensor, read_metadata
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -8,6 +9,7 @@ from shardwise.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
+from shardwise.checkpoint.save import async_save, save
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
@@ -34,4 +36,9 @@ __all__ = [
     "PickleNotAllowedError",
     "StorageMeta",
     "TensorStorageMetadata",
+    "async_save",
+    "load",
+    "load_tensor",
+    "read_metadata",
+    "save",
 ]

@@ -5,6 +5,7 @@ Importing this package registers the built-in ops.
 
 from shardwise.ops import autograd as _autograd  # noqa: F401 - each import registers its ops
 from shardwise.ops import compare as _compare  # noqa: F401
+from shardwise.ops import embedding as _embedding  # noqa: F401
 from shardwise.ops import pointwise as _pointwise  # noqa: F401
 from shardwise.ops import properties as _properties  # noqa: F401
 from shardwise.ops import reduction as _reduction  # noqa: F401

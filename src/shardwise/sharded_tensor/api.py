@@ -291,6 +291,10 @@ class ShardedTensor(ShardedTensorBase):
         if self._local_shards:
             return self._local_shards[0].tensor.device
         group = getattr(self, "_process_group", None)
+        if group is not None and not collectives.is_member(group):
+            # A rank outside the group has no handle on its backend; answer for the default
+            # group's instead (upstream failed there).
+            group = collectives.resolve_group(None)
         if group is None or collectives.comm_device(group).type == "cpu":
             return torch.device("cpu")
         return collectives.comm_device(group)  # pragma: no cover - needs a GPU
@@ -309,10 +313,12 @@ class ShardedTensor(ShardedTensorBase):
         group = collectives.resolve_group(process_group)
         sizes = list(global_size[0]) if _is_single_sequence(global_size) else list(global_size)
         recalc = any(dim is None for dim in sizes)
-        size = flatten_tensor_size([0 if dim is None else dim for dim in sizes])
         current_rank = collectives.global_rank()
 
         def local_view() -> ShardedTensorMetadata | None:
+            # The size is validated here, inside the exchange, so that a bad size on one rank
+            # makes every rank raise instead of leaving the others waiting.
+            size = flatten_tensor_size([0 if dim is None else dim for dim in sizes])
             if not local_shards:
                 return None
             return build_metadata_from_local_shards(local_shards, size, current_rank, group)
@@ -320,16 +326,23 @@ class ShardedTensor(ShardedTensorBase):
         _, views = collectives.exchange_or_raise(
             group, local_view, lambda view: None if view is None else view.to_dict()
         )
-        # Pure function of the gathered views: every rank reaches the same verdict.
+        # Pure functions of the gathered views from here on: every rank reaches the same verdict.
         global_metadata = build_global_metadata(
             [None if view is None else ShardedTensorMetadata.from_dict(view) for view in views]
         )
         if recalc:
             recalc_global_sharded_tensor_metadata(global_metadata)
-            _adopt_recalculated_metadata(local_shards, global_metadata, current_rank)
         shards_metadata = global_metadata.shards_metadata
         validate_non_overlapping_shards_metadata(shards_metadata)
         check_tensor(shards_metadata, list(global_metadata.size))
+        if recalc:
+            # This rank's own verdict first (its own numbers in the message), then every other
+            # member's, computed from the gathered views, so that all ranks raise together.
+            mine = _recalculated_entry(global_metadata, len(local_shards), current_rank)
+            for view, rank in zip(views, collectives.global_ranks(group), strict=True):
+                num_shards = 0 if view is None else len(view["shards"])
+                _recalculated_entry(global_metadata, num_shards, rank)
+            local_shards[0].metadata = mine
         spec = _infer_sharding_spec_from_shards_metadata(shards_metadata)
         result: ShardedTensor = cls._new_wrapper(spec, global_metadata)
         result._prepare_init(process_group=group, init_rrefs=init_rrefs)
@@ -374,7 +387,7 @@ class ShardedTensor(ShardedTensorBase):
         result: ShardedTensor = cls._new_wrapper(spec, sharded_tensor_metadata)
         result._prepare_init(process_group=group, init_rrefs=init_rrefs)
         for shard in local_shards:
-            _check_local_shard(shard, properties, current_rank)
+            _check_local_shard(shard, properties)
         validate_non_overlapping_shards_metadata(shards_metadata)
         check_tensor(shards_metadata, list(sharded_tensor_metadata.size))
         result._local_shards = local_shards
@@ -580,31 +593,36 @@ def _is_single_sequence(size: Sequence[Any]) -> bool:
     return len(size) == 1 and isinstance(size[0], Sequence)
 
 
-def _adopt_recalculated_metadata(
-    local_shards: list[Shard], metadata: ShardedTensorMetadata, current_rank: int
-) -> None:
+def _recalculated_entry(
+    metadata: ShardedTensorMetadata, num_local_shards: int, rank: int
+) -> ShardMetadata:
+    """The one recalculated entry of global ``rank``, which must own ``num_local_shards`` > 0."""
     num_entries = len(metadata.shards_metadata)
-    if not local_shards or num_entries <= current_rank:
+    if not num_local_shards or num_entries <= rank:
         raise AssertionError(
             "# for metadata recalculation, local_shards must be larger than 0 "
-            f"actual:{len(local_shards)}, # glb metadata must be greater than any rank id, "
-            f"# metadata:{num_entries}, rank id:{current_rank}"
+            f"actual:{num_local_shards}, # glb metadata must be greater than any rank id, "
+            f"# metadata:{num_entries}, rank id:{rank}"
         )
-    mine = [
+    entries = [
         md
         for md in metadata.shards_metadata
-        if md.placement is not None and md.placement.rank() == current_rank
+        if md.placement is not None and md.placement.rank() == rank
     ]
-    if len(mine) != 1:
-        raise AssertionError(f"should has and only has one metadata for local rank, actual:{mine}")
-    local_shards[0].metadata = mine[0]
+    if len(entries) != 1:
+        raise AssertionError(
+            f"should has and only has one metadata for local rank, actual:{entries}"
+        )
+    return entries[0]
 
 
-def _check_local_shard(shard: Shard, properties: TensorProperties, rank: int) -> None:
+def _check_local_shard(shard: Shard, properties: TensorProperties) -> None:
     tensor = shard.tensor
     metadata = shard.metadata
     if metadata.placement is None:
         raise AssertionError("Must specify placement for `Shard`!")
+    # Messages name the rank of the shard's own placement (upstream's choice).
+    rank = metadata.placement.rank()
 
     def mismatch(prop: str, source: str, expected: Any, actual: Any) -> None:
         if expected != actual:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise import collectives
-from shardwise.metadata import ShardMetadata
+from shardwise.metadata import ShardMetadata, dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
@@ -61,20 +61,22 @@ def gather(
     rank = collectives.group_rank(group)
     world_size = collectives.group_world_size(group)
 
-    def verdict() -> list[int]:
+    def verdict() -> list[object]:
         _validate(st, dst, out, rank, world_size)
-        return [dst]
+        if enforce_dtype and out is not None:
+            wire = out.dtype
+        elif dtype is not None:
+            wire = dtype
+        else:
+            wire = st.dtype
+        return [dst, dtype_name(wire)]
 
-    _, dsts = collectives.exchange_or_raise(group, verdict)
-    if any(other != [dst] for other in dsts):
-        raise ValueError(f"gather: ranks disagree on dst: {[d[0] for d in dsts]}")
-
-    if enforce_dtype and out is not None:
-        wire_dtype = out.dtype
-    elif dtype is not None:
-        wire_dtype = dtype
-    else:
-        wire_dtype = st.dtype
+    _, verdicts = collectives.exchange_or_raise(group, verdict)
+    if any(other[0] != dst for other in verdicts):
+        raise ValueError(f"gather: ranks disagree on dst: {[v[0] for v in verdicts]}")
+    # The destination decides the element type on the wire (with enforce_dtype only it knows
+    # out.dtype), so senders and receiver always agree on the byte count of every message.
+    wire_dtype = dtype_from_name(verdicts[dst][1])
     dst_global = collectives.global_ranks(group)[dst]
 
     if rank != dst:
@@ -95,7 +97,8 @@ def gather(
         by_owner.setdefault(owner, []).append(metadata)
     with torch.no_grad():
         for shard in st.local_shards():
-            _region(out, shard.metadata).copy_(shard.tensor)
+            # Through the wire dtype like every other shard, so dtype= rounds all regions alike.
+            _region(out, shard.metadata).copy_(shard.tensor.to(wire_dtype))
         sizes = {
             owner: sum(_numel(md) for md in shards)
             for owner, shards in by_owner.items()

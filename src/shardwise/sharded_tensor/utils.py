@@ -107,10 +107,11 @@ def build_metadata_from_local_shards(
                 f"local shard metadata placement device: {device}"
             )
         _raise_local_mismatch(metadata.shard_sizes, list(tensor.size()), "size", current_rank)
-        _raise_local_mismatch(first.is_pinned(), tensor.is_pinned(), "pin_memory", current_rank)
-        _raise_local_mismatch(first.dtype, tensor.dtype, "dtype", current_rank)
+        # Upstream's message order: "one local shard" is this shard, "the other" the first.
+        _raise_local_mismatch(tensor.is_pinned(), first.is_pinned(), "pin_memory", current_rank)
+        _raise_local_mismatch(tensor.dtype, first.dtype, "dtype", current_rank)
         _raise_local_mismatch(
-            first.requires_grad, tensor.requires_grad, "requires_grad", current_rank
+            tensor.requires_grad, first.requires_grad, "requires_grad", current_rank
         )
     properties = TensorProperties(
         dtype=first.dtype,

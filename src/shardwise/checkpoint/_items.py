@@ -1,0 +1,206 @@
+"""What a state dict holds, rank by rank: tensor boxes with their local data, and objects.
+
+Shared by save (which writes the boxes it holds) and load (which fills the boxes it holds).
+Every supported value kind is described by the global box(es) this rank holds and the local
+tensors backing them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint.planner import Box
+from shardwise.metadata import TensorProperties
+
+__all__ = ["LocalBox", "TensorValue", "describe_object", "describe_tensor", "is_tensor_value"]
+
+
+@dataclass(slots=True)
+class LocalBox:
+    """A global box of a tensor and the local tensor holding exactly that box."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def box(self) -> Box:
+        return self.offsets, self.sizes
+
+
+@dataclass(slots=True)
+class TensorValue:
+    """A tensor-like state-dict value as this rank sees it.
+
+    Attributes:
+        size: Global size, or ``None`` when only the union of every rank's boxes tells it
+            (a standalone LocalShardsWrapper).
+        dtype: Element type.
+        properties: Tensor properties to record.
+        boxes: The boxes this rank holds.
+    """
+
+    size: tuple[int, ...] | None
+    dtype: torch.dtype
+    properties: TensorProperties
+    boxes: list[LocalBox]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def is_tensor_value(value: object) -> bool:
+    """Whether the checkpoint stores ``value`` as a tensor."""
+    return isinstance(value, torch.Tensor)
+
+
+def _wrapper_boxes(wrapper: Any) -> list[LocalBox]:
+    return [
+        LocalBox(tuple(int(o) for o in offsets), tuple(shard.size()), shard)
+        for offsets, shard in zip(wrapper.local_offsets(), wrapper.local_shards(), strict=False)
+    ]
+
+
+def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
+    """The boxes of ``value`` this rank holds (no copies; the tensors are the live data).
+
+    Raises:
+        ValueError: A DTensor with a ``Partial`` placement (it needs a reduction first).
+    """
+    from shardwise.local_shards import LocalShardsWrapper
+    from shardwise.sharded_tensor.api import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        boxes = [
+            LocalBox(
+                tuple(shard.metadata.shard_offsets),
+                tuple(shard.metadata.shard_sizes),
+                shard.tensor,
+            )
+            for shard in value.local_shards()
+        ]
+        properties = value.metadata().tensor_properties
+        return TensorValue(tuple(value.size()), properties.dtype, _plain(properties), boxes)
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return _describe_dtensor(fqn, value)
+    if isinstance(value, LocalShardsWrapper):
+        boxes = _wrapper_boxes(value)
+        dtype = boxes[0].tensor.dtype if boxes else torch.get_default_dtype()
+        properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
+        return TensorValue(None, dtype, properties, boxes)
+    tensor = value.detach()
+    properties = TensorProperties(dtype=tensor.dtype, requires_grad=value.requires_grad)
+    full = LocalBox((0,) * tensor.dim(), tuple(tensor.size()), tensor)
+    return TensorValue(tuple(tensor.size()), tensor.dtype, properties, [full])
+
+
+def _plain(properties: TensorProperties) -> TensorProperties:
+    # Pinning and memory format describe where the saver kept the data, not the data.
+    return TensorProperties(dtype=properties.dtype, requires_grad=properties.requires_grad)
+
+
+def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from shardwise.local_shards import LocalShardsWrapper
+
+    if any(isinstance(placement, Partial) for placement in value.placements):
+        raise ValueError(
+            f"cannot checkpoint {fqn!r}: its DTensor has a Partial placement; reduce it first "
+            "(e.g. dtensor.redistribute(placements=[Replicate()]))"
+        )
+    local = value._local_tensor
+    size = tuple(value.size())
+    if isinstance(local, LocalShardsWrapper):
+        boxes = _wrapper_boxes(local)
+        dtype = boxes[0].tensor.dtype if boxes else value.dtype
+    else:
+        dtype = local.dtype
+        if value.device_mesh.get_coordinate() is None:
+            boxes = []
+        else:
+            shape, offsets = compute_local_shape_and_global_offset(
+                value.size(), value.device_mesh, value.placements
+            )
+            boxes = [LocalBox(tuple(offsets), tuple(shape), local.detach())]
+    properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
+    return TensorValue(size, dtype, properties, boxes)
+
+
+def _is_json_value(value: object) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json_value(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_json_value(item) for key, item in value.items())
+    return False
+
+
+@dataclass(slots=True)
+class ObjectValue:
+    """A non-tensor state-dict value.
+
+    Attributes:
+        encoding: ``"json"`` (stored in the index), ``"bytes"``, ``"bytesio"`` or ``"pickle"``
+            (stored as a blob in a data file).
+        payload: JSON text for ``json``; the blob bytes otherwise.
+    """
+
+    encoding: str
+    payload: bytes
+
+
+def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
+    """How a non-tensor value is stored.
+
+    Raises:
+        TypeError: The value needs pickle and ``allow_pickle`` is false.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ObjectValue("bytes", bytes(value))
+    if isinstance(value, io.BytesIO):
+        return ObjectValue("bytesio", value.getvalue())
+    if _is_json_value(value):
+        # JSON text with NaN/Infinity allowed, so float('inf') round-trips.
+        return ObjectValue("json", json.dumps(value).encode())
+    if allow_pickle:
+        return ObjectValue("pickle", pickle.dumps(value))
+    raise TypeError(
+        f"cannot save state_dict[{fqn!r}] of type {type(value).__name__}: shardwise stores "
+        "tensors, bytes, io.BytesIO and JSON values (None, bool, int, float, str, lists and "
+        "dicts of them) without pickle; pass allow_pickle=True to pickle it"
+    )
+
+
+def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) -> Any:
+    """The value a stored object decodes to (``loads`` unpickles)."""
+    if encoding == "json":
+        return json.loads(payload)
+    if encoding == "bytes":
+        return payload
+    if encoding == "bytesio":
+        return io.BytesIO(payload)
+    if encoding == "pickle":
+        return loads(payload)
+    raise ValueError(f"unknown object encoding {encoding!r}")
+
+
+def nbytes_of(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a box of ``sizes`` elements of ``dtype``."""
+    return math.prod(sizes) * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,341 @@
+"""Pure planning for save and load: which rank writes which chunk, and which bytes each rank
+reads for each target box. No I/O, no collectives: every rank runs the same functions on the
+same exchanged metadata and reaches the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise.metadata import ShardMetadata
+from shardwise.sharding_spec._internals import (
+    check_tensor,
+    validate_non_overlapping_shards_metadata,
+)
+
+__all__ = [
+    "Box",
+    "ChunkRead",
+    "SavedChunk",
+    "TensorPlan",
+    "assign_writers",
+    "flatten_state_dict",
+    "merge_tensor_plans",
+    "plan_reads",
+]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts flattened to dotted keys (``{"a": {"b": 1}}`` → ``{"a.b": 1}``).
+
+    Only plain ``dict`` values nest; everything else is a leaf.
+
+    Raises:
+        ValueError: Two paths flatten to the same key.
+    """
+    flat: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"state_dict keys must be strings, found {key!r}")
+        name = f"{prefix}{key}"
+        if type(value) is dict and value:
+            nested = flatten_state_dict(value, prefix=f"{name}.")
+            duplicates = nested.keys() & flat.keys()
+            flat.update(nested)
+        else:
+            duplicates = {name} & flat.keys()
+            flat[name] = value
+        if duplicates:
+            raise ValueError(f"state_dict keys {sorted(duplicates)} appear twice after flattening")
+    return flat
+
+
+def numel(sizes: Sequence[int]) -> int:
+    """Number of elements of a box of ``sizes``."""
+    return math.prod(sizes)
+
+
+@dataclass(slots=True)
+class TensorPlan:
+    """Everything the ranks said about one tensor: its global facts and who holds which box.
+
+    Attributes:
+        fqn: The state-dict key.
+        dtype: dtype name (see :func:`shardwise.metadata.dtype_name`).
+        size: Global size.
+        properties: The TensorProperties dict.
+        itemsize: Bytes per element.
+        holders: For every distinct box, the group ranks that hold it.
+    """
+
+    fqn: str
+    dtype: str
+    size: tuple[int, ...]
+    properties: dict[str, Any]
+    itemsize: int
+    holders: dict[Box, list[int]] = field(default_factory=dict)
+
+
+def merge_tensor_plans(local_plans: Sequence[Sequence[dict[str, Any]]]) -> dict[str, TensorPlan]:
+    """Merge every rank's tensor entries (in group-rank order) into one plan per key.
+
+    Each entry is ``{"fqn", "dtype", "size", "properties", "itemsize", "chunks": [[offsets,
+    sizes], ...]}``. Identical boxes held by several ranks (replicated data) become one box
+    with several holders.
+
+    Raises:
+        ValueError: Ranks disagree on a tensor's dtype or size, or its distinct boxes overlap
+            or do not cover it.
+    """
+    local_plans = _fill_unknown_sizes(local_plans)
+    merged: dict[str, TensorPlan] = {}
+    first_rank: dict[str, int] = {}
+    for rank, entries in enumerate(local_plans):
+        for entry in entries:
+            fqn = entry["fqn"]
+            plan = merged.get(fqn)
+            if plan is None:
+                plan = TensorPlan(
+                    fqn=fqn,
+                    dtype=entry["dtype"],
+                    size=tuple(entry["size"]),
+                    properties=entry["properties"],
+                    itemsize=entry["itemsize"],
+                )
+                merged[fqn] = plan
+                first_rank[fqn] = rank
+            elif plan.dtype != entry["dtype"] or plan.size != tuple(entry["size"]):
+                raise ValueError(
+                    f"cannot save {fqn!r}: rank {first_rank[fqn]} has dtype {plan.dtype} and "
+                    f"size {list(plan.size)}, rank {rank} has dtype {entry['dtype']} and size "
+                    f"{entry['size']}"
+                )
+            for offsets, sizes in entry["chunks"]:
+                box = (tuple(offsets), tuple(sizes))
+                holders = plan.holders.setdefault(box, [])
+                if rank not in holders:
+                    holders.append(rank)
+    for plan in merged.values():
+        _validate_tiling(plan)
+    return merged
+
+
+def _fill_unknown_sizes(
+    local_plans: Sequence[Sequence[dict[str, Any]]],
+) -> list[list[dict[str, Any]]]:
+    """Entries whose size is ``None`` (known only from the union of every rank's boxes, e.g. a
+    standalone LocalShardsWrapper) get the bounding size of all boxes of that key."""
+    unknown = {
+        entry["fqn"] for entries in local_plans for entry in entries if entry["size"] is None
+    }
+    bounds: dict[str, list[int]] = {}
+    for entries in local_plans:
+        for entry in entries:
+            if entry["fqn"] not in unknown:
+                continue
+            for offsets, sizes in entry["chunks"]:
+                stops = [o + s for o, s in zip(offsets, sizes, strict=True)]
+                known = bounds.get(entry["fqn"])
+                bounds[entry["fqn"]] = stops if known is None else list(map(max, known, stops))
+    return [
+        [
+            {**entry, "size": bounds.get(entry["fqn"], [])} if entry["size"] is None else entry
+            for entry in entries
+        ]
+        for entries in local_plans
+    ]
+
+
+def _validate_tiling(plan: TensorPlan) -> None:
+    boxes = [ShardMetadata(list(offsets), list(sizes)) for offsets, sizes in plan.holders]
+    if not plan.size:
+        if len(boxes) != 1:
+            raise ValueError(f"cannot save {plan.fqn!r}: a 0-d tensor must be one chunk")
+        return
+    try:
+        validate_non_overlapping_shards_metadata(boxes)
+        check_tensor(boxes, list(plan.size))
+    except ValueError as err:
+        raise ValueError(f"cannot save {plan.fqn!r}: its chunks do not tile it: {err}") from err
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAssignment:
+    """One chunk a rank writes."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+
+
+def assign_writers(
+    plans: Mapping[str, TensorPlan],
+    world_size: int,
+    preassigned: Mapping[int, int] | None = None,
+) -> list[list[WriteAssignment]]:
+    """Choose one writer per distinct chunk, balancing bytes across ranks.
+
+    Largest chunks first, each to the holder with the fewest bytes so far (lowest rank on a
+    tie): every rank's total is within one chunk of the even share whenever the chunk may go to
+    any rank (replicated data), and duplicates are written exactly once.
+
+    Args:
+        plans: Output of :func:`merge_tensor_plans`.
+        world_size: Number of ranks.
+        preassigned: Bytes already given to a rank (e.g. object blobs on the coordinator).
+
+    Returns:
+        Per rank, its chunks sorted by key and offsets (the order inside its data file).
+    """
+    load = [0] * world_size
+    for rank, nbytes in (preassigned or {}).items():
+        load[rank] += nbytes
+    work = []
+    for plan in plans.values():
+        for (offsets, sizes), holders in plan.holders.items():
+            nbytes = numel(sizes) * plan.itemsize if plan.size else plan.itemsize
+            work.append((nbytes, plan.fqn, offsets, sizes, holders))
+    work.sort(key=lambda item: (-item[0], item[1], item[2]))
+    assigned: list[list[WriteAssignment]] = [[] for _ in range(world_size)]
+    for nbytes, fqn, offsets, sizes, holders in work:
+        writer = min(holders, key=lambda rank: (load[rank], rank))
+        load[writer] += nbytes
+        assigned[writer].append(WriteAssignment(fqn, offsets, sizes, nbytes))
+    for items in assigned:
+        items.sort(key=lambda item: (item.fqn, item.offsets))
+    return assigned
+
+
+@dataclass(frozen=True, slots=True)
+class SavedChunk:
+    """A chunk as the index records it."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    begin: int
+    end: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRead:
+    """One read from a saved chunk into a target box.
+
+    Attributes:
+        chunk: Index of the saved chunk.
+        file_offset: Absolute byte offset of the read in the chunk's file.
+        nbytes: Bytes to read.
+        overlap: The global box the read serves, ``(offsets, sizes)``.
+        whole_chunk: The read is the entire chunk (its checksum can be verified).
+        rows: ``None`` when the bytes are exactly the overlap in C order; otherwise the read
+            covers rows ``[rows[0], rows[1])`` along dim 0 of the chunk and the overlap is cut
+            out of them.
+    """
+
+    chunk: int
+    file_offset: int
+    nbytes: int
+    overlap: Box
+    whole_chunk: bool
+    rows: tuple[int, int] | None
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    offsets = []
+    sizes = []
+    for a_off, a_size, b_off, b_size in zip(a[0], a[1], b[0], b[1], strict=True):
+        start = max(a_off, b_off)
+        stop = min(a_off + a_size, b_off + b_size)
+        if stop <= start:
+            return None
+        offsets.append(start)
+        sizes.append(stop - start)
+    return tuple(offsets), tuple(sizes)
+
+
+def _contiguous_in(chunk_sizes: Sequence[int], overlap_sizes: Sequence[int]) -> bool:
+    """Whether a sub-box is one contiguous run of a C-ordered chunk: after the first dim
+    where it spans more than one index, it must span the chunk fully."""
+    spanning = False
+    for chunk_size, size in zip(chunk_sizes, overlap_sizes, strict=True):
+        if spanning and size != chunk_size:
+            return False
+        if size > 1:
+            spanning = True
+    return True
+
+
+def plan_reads(target: Box, chunks: Sequence[SavedChunk], itemsize: int) -> list[ChunkRead]:
+    """The reads that fill ``target`` from ``chunks`` (only the needed bytes).
+
+    A contiguous overlap is one read of exactly its bytes; otherwise the smallest covering
+    range of dim-0 rows of the chunk is read. Reads are ordered by file and offset.
+
+    Raises:
+        ValueError: The chunks do not cover ``target``.
+    """
+    reads = []
+    covered = 0
+    for index, chunk in enumerate(chunks):
+        box = (chunk.offsets, chunk.sizes)
+        if not target[0]:
+            overlap: Box | None = ((), ())
+        else:
+            overlap = _intersect(target, box)
+        if overlap is None:
+            continue
+        covered += numel(overlap[1])
+        whole = overlap == box
+        if whole:
+            reads.append(
+                ChunkRead(index, chunk.begin, chunk.end - chunk.begin, overlap, True, None)
+            )
+            continue
+        relative = [o - c for o, c in zip(overlap[0], chunk.offsets, strict=True)]
+        if _contiguous_in(chunk.sizes, overlap[1]):
+            strides = _strides(chunk.sizes)
+            first = sum(r * s for r, s in zip(relative, strides, strict=True))
+            nbytes = numel(overlap[1]) * itemsize
+            reads.append(
+                ChunkRead(index, chunk.begin + first * itemsize, nbytes, overlap, False, None)
+            )
+            continue
+        row_bytes = numel(chunk.sizes[1:]) * itemsize
+        start_row = relative[0]
+        stop_row = start_row + overlap[1][0]
+        reads.append(
+            ChunkRead(
+                index,
+                chunk.begin + start_row * row_bytes,
+                (stop_row - start_row) * row_bytes,
+                overlap,
+                False,
+                (start_row, stop_row),
+            )
+        )
+    if covered != numel(target[1]):
+        raise ValueError(
+            f"saved chunks cover {covered} of the {numel(target[1])} elements of the box at "
+            f"offsets {list(target[0])} with sizes {list(target[1])}"
+        )
+    reads.sort(key=lambda read: (chunks[read.chunk].file, read.file_offset))
+    return reads
+
+
+def _strides(sizes: Sequence[int]) -> list[int]:
+    strides = [1] * len(sizes)
+    for dim in range(len(sizes) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * sizes[dim + 1]
+    return strides
+
+
+def total_bytes(reads: Iterable[ChunkRead]) -> int:
+    """Bytes a list of reads fetches."""
+    return sum(read.nbytes for read in reads)

@@ -1,0 +1,589 @@
+"""``F.embedding`` and ``F.embedding_bag`` with a chunk-sharded 2-D weight.
+
+Both ops are collective. Every rank of the weight's process group calls the op with its own
+ids (the same shape on every rank) and gets the result for its own ids, equal to the op on
+the unsharded weight. The weight must hold exactly one shard per rank.
+
+Algorithms (the ids of every rank are all-gathered first):
+
+* **Row-wise** (``dim=0``): each rank looks up only the ids inside its own row range, for
+  every rank's input, and leaves zeros (or, for ``max`` bags, ``-inf``) for the rest. An
+  all-to-all sends each rank the partial results for its input, which it reduces: summed
+  for lookups and ``sum``/``mean`` bags (``mean`` divides by the bag sizes afterwards, since
+  a sum of means is not a mean), maximum for ``max`` bags. In other words a reduce-scatter,
+  done with point-to-point messages so that it runs on gloo with any chunk sizes.
+* **Column-wise** (``dim=1``): each rank computes its own columns for every rank's input
+  (every column is independent, so every mode is exact); an all-to-all with uneven splits
+  sends each rank its slices, which it concatenates in column order.
+
+``max_norm`` renormalises the stored local shard in place, as the unsharded op would after
+seeing the ids of every rank: row-wise each rank renormalises the rows it owns; column-wise
+the per-row norms need every rank's columns, so the powered partial sums are all-reduced
+first. The scale is the unsharded op's (``max_norm / (norm + 1e-7)``).
+
+Autograd: the local result is differentiable with respect to the local shard (the
+all-to-all is an autograd function whose backward is the reverse all-to-all), so every rank
+must run the backward pass. ``per_sample_weights`` get no gradient.
+
+Validation happens before any data moves and every rank reaches the same verdict: the
+upstream checks (with their exact messages), the unsharded op's own checks (run on a weight
+with no columns), and an agreement check that every rank passed the same input shape and
+options.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional alias
+from torch.distributed import ProcessGroup
+
+from shardwise import collectives
+from shardwise.ops.registry import custom_sharding_spec_op
+from shardwise.sharding_spec import ChunkShardingSpec
+
+__all__ = ["sharded_embedding", "sharded_embedding_bag"]
+
+_MODES = ("sum", "mean", "max")
+
+#: The unsharded op's guard against dividing by a zero norm in ``embedding_renorm_``.
+_RENORM_EPS = 1e-7
+
+
+# -- arguments and validation --------------------------------------------------------------
+
+
+def _bind(op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
+    # F.embedding forwards everything after (input, weight) as keywords, but a direct call of
+    # the registered function (or a future torch) may pass them positionally.
+    bound = inspect.signature(op).bind(*args, **(kwargs or {}))
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _check_ids_in_range(ids: torch.Tensor, weight_size: torch.Size) -> None:
+    if ids.numel() == 0:
+        return
+    # Upstream passes the values as extra exception arguments (not %-formatted) and reports
+    # the number of columns; both kept so that messages match.
+    lowest = int(torch.min(ids).item())
+    if lowest < 0:
+        raise ValueError("Index out of range in Input %d %d", lowest, weight_size[1])
+    highest = int(torch.max(ids).item())
+    if highest >= weight_size[0]:
+        raise ValueError("Index out of range in Input %d %d", highest, weight_size[1])
+
+
+def _check_unsupported_flags(params: Any) -> None:
+    if params["scale_grad_by_freq"]:
+        raise RuntimeError(
+            'nn.Embedding weight sharded with flag on "scale_grad_by_freq" not supported!'
+        )
+    if params["sparse"]:
+        raise RuntimeError('nn.Embedding weight sharded with flag on "sparse" not supported!')
+
+
+def _check_max_norm(max_norm: float | None) -> None:
+    if max_norm and max_norm <= 0.0:
+        raise ValueError('"max_norm" must be larger than zero!')
+
+
+def _check_weight_layout(weight: Any) -> None:
+    if not isinstance(weight.sharding_spec(), ChunkShardingSpec):
+        raise ValueError("Only ChunkShardingSpec supported for ShardedTensor ops!")
+    if len(weight.local_shards()) != 1:
+        raise ValueError("Only one local shard supported!")
+
+
+def _sharding_dim(weight: Any, module_name: str) -> int:
+    spec_dim = weight.sharding_spec().dim
+    # A 2-D weight: -2/-1 name the same dims as 0/1 (upstream only accepted 0 and 1).
+    dim = spec_dim + 2 if isinstance(spec_dim, int) and -2 <= spec_dim < 0 else spec_dim
+    if dim not in (0, 1):
+        raise RuntimeError(f"nn.{module_name} weight sharded on dim {spec_dim} not supported!")
+    return int(dim)
+
+
+def _validate_embedding(params: Any) -> int:
+    from shardwise.sharded_tensor.api import ShardedTensor
+
+    ids, weight = params["input"], params["weight"]
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError("input need to be torch.Tensor")
+    if not isinstance(weight, ShardedTensor):
+        raise TypeError("weight needs to be ShardedTensor")
+    weight_size = weight.size()
+    if len(weight_size) != 2:
+        raise ValueError("Weight needs to have exactly 2 dims")
+    _check_ids_in_range(ids, weight_size)
+    _check_unsupported_flags(params)
+    _check_max_norm(params["max_norm"])
+    _check_weight_layout(weight)
+    dim = _sharding_dim(weight, "Embedding")
+    # The unsharded op's own checks (ids dtype, padding_idx range), on a weight of the same
+    # rows and dtype but no columns: nothing is computed, and the errors are torch's own.
+    F.embedding(ids, _no_columns(weight), padding_idx=params["padding_idx"])
+    return dim
+
+
+def _validate_embedding_bag(params: Any) -> int:
+    from shardwise.sharded_tensor.api import ShardedTensor
+
+    ids, weight = params["input"], params["weight"]
+    offsets, per_sample_weights = params["offsets"], params["per_sample_weights"]
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError("input need to be torch.Tensor")
+    if offsets is not None and not isinstance(offsets, torch.Tensor):
+        raise TypeError("offsets need to be torch.Tensor")
+    if per_sample_weights is not None and not isinstance(per_sample_weights, torch.Tensor):
+        raise TypeError("per_sample_weights need to be torch.Tensor")
+    if not isinstance(weight, ShardedTensor):
+        raise TypeError("weight needs to be ShardedTensor")
+    if ids.dim() > 2:
+        raise ValueError("Input more than 2 dims not supported")
+    weight_size = weight.size()
+    if len(weight_size) != 2:
+        raise ValueError("Weight needs to have exactly 2 dims")
+    _check_ids_in_range(ids, weight_size)
+    if offsets is not None and ids.dim() != 1:
+        raise ValueError("Input dimension needs to be exactly 1 dim")
+    if ids.dim() == 1 and offsets is None:
+        raise ValueError("offsets is required for 1D input")
+    if per_sample_weights is not None and per_sample_weights.size() != ids.size():
+        raise ValueError(
+            f"per_sample_weights size {per_sample_weights.size()} not equal to input size "
+            f"{ids.size()}"
+        )
+    mode = _mode(params)
+    if mode not in _MODES:
+        raise ValueError(f"mode '{mode}' is not supported")
+    _check_unsupported_flags(params)
+    if params["include_last_offset"]:
+        if offsets is None:
+            raise ValueError('offsets is required for flag "include_last_offset"!')
+        if offsets.numel() == 0 or int(offsets[-1].item()) != ids.size(0):
+            raise ValueError(
+                "offsets need to have the input size in the end when the flag "
+                '"include_last_offset" is on!'
+            )
+    _check_max_norm(params["max_norm"])
+    _check_weight_layout(weight)
+    dim = _sharding_dim(weight, "EmbeddingBag")
+    F.embedding_bag(
+        ids,
+        _no_columns(weight),
+        offsets,
+        mode=mode,
+        per_sample_weights=per_sample_weights,
+        include_last_offset=params["include_last_offset"],
+        padding_idx=params["padding_idx"],
+    )
+    return dim
+
+
+def _no_columns(weight: Any) -> torch.Tensor:
+    local = weight.local_tensor()
+    return torch.empty((weight.size(0), 0), dtype=local.dtype, device=local.device)
+
+
+def _mode(params: Any) -> Any:
+    return "mean" if params["mode"] is None else params["mode"]
+
+
+def _norm_type(params: Any) -> float:
+    return 2.0 if params["norm_type"] is None else float(params["norm_type"])
+
+
+def _jsonable(value: object) -> object:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)
+
+
+def _agree(
+    op_name: str,
+    group: ProcessGroup,
+    validate: Callable[[], int],
+    describe: Callable[[], dict[str, object]],
+) -> int:
+    """Validate on every rank and check that the ranks called the op alike.
+
+    Returns the sharding dim. Every rank raises (the same error) if any rank fails.
+    """
+    if not collectives.is_member(group):
+        validate()  # raises: a rank outside the group holds no shard
+        raise ValueError("Only one local shard supported!")
+    dims: list[int] = []
+
+    def local() -> dict[str, object]:
+        dims.append(validate())
+        return {"sharding dim": dims[0], **describe()}
+
+    _, everyone = collectives.exchange_or_raise(group, local)
+    ranks = collectives.global_ranks(group)
+    for key, value in everyone[0].items():
+        for rank, entry in zip(ranks[1:], everyone[1:], strict=True):
+            if entry[key] != value:
+                raise ValueError(
+                    f"{op_name} with a sharded weight needs the same {key} on every rank, "
+                    f"found {value} on rank {ranks[0]} and {entry[key]} on rank {rank}"
+                )
+    return dims[0]
+
+
+# -- layout ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where each group rank's shard sits along the sharding dim."""
+
+    me: int
+    starts: list[int]
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, weight: Any, dim: int, group: ProcessGroup) -> _Layout:
+        world = collectives.group_world_size(group)
+        starts, lengths = [0] * world, [0] * world
+        for shard_metadata in weight.metadata().shards_metadata:
+            rank = collectives.to_group_rank(group, shard_metadata.placement.rank())
+            starts[rank] = shard_metadata.shard_offsets[dim]
+            lengths[rank] = shard_metadata.shard_sizes[dim]
+        return cls(collectives.group_rank(group), starts, lengths)
+
+    def column_order(self) -> list[int]:
+        """Group ranks sorted by where their columns start."""
+        return sorted(range(len(self.starts)), key=lambda rank: self.starts[rank])
+
+
+# -- autograd-aware exchange ----------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """Send the ``j``-th tensor to group rank ``j``; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, group: ProcessGroup, recv_shapes: list[torch.Size], *sends: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.send_shapes = [send.shape for send in sends]
+        recvs = [sends[0].new_empty(shape) for shape in recv_shapes]
+        collectives.all_to_all(sends, recvs, group)
+        return tuple(recvs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        grad_sends = [grads[0].new_empty(shape) for shape in ctx.send_shapes]
+        collectives.all_to_all([grad.contiguous() for grad in grads], grad_sends, ctx.group)
+        return (None, None, *grad_sends)
+
+
+def _exchange(
+    sends: Sequence[torch.Tensor], recv_shapes: list[torch.Size], group: ProcessGroup
+) -> list[torch.Tensor]:
+    received = _AllToAll.apply(group, recv_shapes, *sends)  # type: ignore[no-untyped-call]
+    return list(received)
+
+
+def _reduce_scatter(
+    chunks: Sequence[torch.Tensor], group: ProcessGroup, reduce: str
+) -> torch.Tensor:
+    """Sum (or max) over ranks of each rank's ``chunks[me]``; all chunks have equal shapes."""
+    received = torch.stack(_exchange(chunks, [chunk.shape for chunk in chunks], group))
+    if reduce == "max":
+        return received.max(dim=0).values
+    return received.sum(dim=0)
+
+
+def _per_rank(batch: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Split a batch made of every rank's equal part (rank-major) into those parts."""
+    return list(batch.reshape(world, batch.size(0) // world, *batch.shape[1:]).unbind(0))
+
+
+def _gather_columns(
+    pieces_for_ranks: Sequence[torch.Tensor], layout: _Layout, group: ProcessGroup
+) -> torch.Tensor:
+    """Send each rank its column slice; concatenate the received slices in column order."""
+    batch_shape = pieces_for_ranks[0].shape[:-1]
+    recv_shapes = [torch.Size([*batch_shape, length]) for length in layout.lengths]
+    received = _exchange(pieces_for_ranks, recv_shapes, group)
+    return torch.cat([received[rank] for rank in layout.column_order()], dim=-1)
+
+
+# -- max_norm -------------------------------------------------------------------------------
+
+
+def _renorm_owned_rows(shard: torch.Tensor, rows: torch.Tensor, max_norm: float, p: float) -> None:
+    with torch.no_grad():
+        torch.embedding_renorm_(shard, rows, max_norm, p)
+
+
+def _renorm_split_rows(
+    shard: torch.Tensor, rows: torch.Tensor, max_norm: float, p: float, group: ProcessGroup
+) -> None:
+    """Renormalise ``rows`` of a column shard: the row norms need every rank's columns."""
+    with torch.no_grad():
+        values = shard.index_select(0, rows).to(torch.float64).abs()
+        if math.isinf(p):
+            # Identity of the reduction for ranks that hold no columns.
+            fill = 0.0 if p > 0 else math.inf
+            partial = torch.full((rows.numel(),), fill, dtype=torch.float64)
+            if values.size(1):
+                partial = values.amax(dim=1) if p > 0 else values.amin(dim=1)
+            collectives.all_reduce(partial, "max" if p > 0 else "min", group)
+            norms = partial
+        elif p == 0:
+            partial = (values != 0).sum(dim=1, dtype=torch.float64)
+            collectives.all_reduce(partial, "sum", group)
+            norms = partial
+        else:
+            partial = values.pow(p).sum(dim=1)
+            collectives.all_reduce(partial, "sum", group)
+            norms = partial.pow(1.0 / p)
+        too_long = norms > max_norm
+        scale = (max_norm / (norms[too_long] + _RENORM_EPS)).to(shard.dtype)
+        selected = rows[too_long]
+        shard.index_copy_(0, selected, shard.index_select(0, selected) * scale.unsqueeze(1))
+
+
+# -- F.embedding ------------------------------------------------------------------------------
+
+
+@custom_sharding_spec_op(ChunkShardingSpec, F.embedding)
+def sharded_embedding(
+    types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any], pg: Any
+) -> torch.Tensor:
+    """``F.embedding(input, weight, ...)`` with a chunk-sharded weight (collective).
+
+    Every rank passes its own ``input`` of the same shape and gets the embeddings of its own
+    ids. Row-wise and column-wise sharding; ``padding_idx`` and ``max_norm`` (which
+    renormalises the local shard in place, as for the ids of all ranks together) work as in
+    the unsharded op.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: The upstream validation errors (a non-tensor
+            input, an id out of range, ``sparse``/``scale_grad_by_freq``, ...), the unsharded
+            op's own errors, or ranks disagreeing on the input shape or options.
+
+    Example:
+        >>> spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+        >>> weight = shardwise.shard_tensor(torch.randn(10, 4), spec)
+        >>> F.embedding(torch.tensor([[1, 7]]), weight).shape
+        torch.Size([1, 2, 4])
+    """
+    params = _bind(F.embedding, args, kwargs)
+    group = collectives.resolve_group(pg)
+    ids, weight = params["input"], params["weight"]
+
+    def describe() -> dict[str, object]:
+        return {
+            "input shape": list(ids.shape),
+            "input dtype": str(ids.dtype),
+            **{name: _jsonable(params[name]) for name in ("padding_idx", "max_norm", "norm_type")},
+        }
+
+    dim = _agree("F.embedding", group, lambda: _validate_embedding(params), describe)
+    layout = _Layout.of(weight, dim, group)
+    shard = weight.local_tensor()
+    gathered = torch.stack(collectives.all_gather_tensor(ids, group)).to(torch.int64)
+    padding_idx = params["padding_idx"]
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.size(0)
+    max_norm = params["max_norm"]
+    if dim == 0:
+        return _embedding_row_wise(
+            gathered, shard, layout, padding_idx, max_norm, _norm_type(params), group
+        )
+    if max_norm is not None:
+        _renorm_split_rows(shard, torch.unique(gathered), max_norm, _norm_type(params), group)
+    looked_up = F.embedding(gathered, shard, padding_idx=padding_idx)
+    return _gather_columns(list(looked_up.unbind(0)), layout, group)
+
+
+def _embedding_row_wise(
+    gathered: torch.Tensor,
+    shard: torch.Tensor,
+    layout: _Layout,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    group: ProcessGroup,
+) -> torch.Tensor:
+    start, length = layout.starts[layout.me], layout.lengths[layout.me]
+    local = gathered.reshape(-1) - start
+    owned = (local >= 0) & (local < length)
+    if max_norm is not None:
+        _renorm_owned_rows(shard, torch.unique(local[owned]), max_norm, norm_type)
+    positions = owned.nonzero().squeeze(1)
+    rows = F.embedding(local[positions], shard, padding_idx=_local_padding(padding_idx, layout))
+    partial = shard.new_zeros((local.numel(), shard.size(1))).index_copy(0, positions, rows)
+    mine = _reduce_scatter(_per_rank(partial, len(layout.starts)), group, "sum")
+    return mine.reshape(*gathered.shape[1:], shard.size(1))
+
+
+def _local_padding(padding_idx: int | None, layout: _Layout) -> int | None:
+    start, length = layout.starts[layout.me], layout.lengths[layout.me]
+    if padding_idx is None or not start <= padding_idx < start + length:
+        return None
+    return padding_idx - start
+
+
+# -- F.embedding_bag --------------------------------------------------------------------------
+
+
+@custom_sharding_spec_op(ChunkShardingSpec, F.embedding_bag)
+def sharded_embedding_bag(
+    types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any], pg: Any
+) -> torch.Tensor:
+    """``F.embedding_bag(input, weight, ...)`` with a chunk-sharded weight (collective).
+
+    Every rank passes its own ``input`` (and ``offsets`` / ``per_sample_weights``) of the
+    same shapes and gets the bags of its own input. Modes ``sum``, ``mean`` (default) and
+    ``max``; ``offsets`` for 1-D input, ``include_last_offset``, ``per_sample_weights``
+    (``sum`` mode), ``padding_idx`` and ``max_norm`` work as in the unsharded op.
+
+    Raises:
+        TypeError, ValueError, RuntimeError, NotImplementedError: The upstream validation
+            errors, the unsharded op's own errors, or ranks disagreeing on shapes or options.
+    """
+    params = _bind(F.embedding_bag, args, kwargs)
+    group = collectives.resolve_group(pg)
+    ids, weight = params["input"], params["weight"]
+    offsets, per_sample_weights = params["offsets"], params["per_sample_weights"]
+
+    def describe() -> dict[str, object]:
+        return {
+            "input shape": list(ids.shape),
+            "input dtype": str(ids.dtype),
+            "offsets length": None if offsets is None else offsets.numel(),
+            "per_sample_weights": per_sample_weights is not None,
+            "mode": _jsonable(_mode(params)),
+            **{
+                name: _jsonable(params[name])
+                for name in ("include_last_offset", "padding_idx", "max_norm", "norm_type")
+            },
+        }
+
+    dim = _agree("F.embedding_bag", group, lambda: _validate_embedding_bag(params), describe)
+    layout = _Layout.of(weight, dim, group)
+    bags = _Bags.gather(params, group)
+    padding_idx = params["padding_idx"]
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.size(0)
+    shard = weight.local_tensor()
+    mode, max_norm, norm_type = _mode(params), params["max_norm"], _norm_type(params)
+    if dim == 0:
+        return _embedding_bag_row_wise(
+            bags, shard, layout, mode, padding_idx, max_norm, norm_type, group
+        )
+    if max_norm is not None:
+        _renorm_split_rows(shard, torch.unique(bags.ids), max_norm, norm_type, group)
+    pooled = F.embedding_bag(
+        bags.ids,
+        shard,
+        bags.starts,
+        mode=mode,
+        per_sample_weights=bags.per_sample_weights,
+        padding_idx=padding_idx,
+    )
+    return _gather_columns(_per_rank(pooled, len(layout.starts)), layout, group)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bags:
+    """Every rank's bags as one 1-D batch: ids, weights, and the start of each bag.
+
+    Rank ``r``'s bags come ``r``-th, ``per_rank`` bags each; starts are positions in ``ids``.
+    """
+
+    ids: torch.Tensor
+    starts: torch.Tensor
+    per_sample_weights: torch.Tensor | None
+    per_rank: int
+    own_ids: torch.Tensor
+    own_starts: torch.Tensor
+
+    @classmethod
+    def gather(cls, params: Any, group: ProcessGroup) -> _Bags:
+        ids, offsets = params["input"], params["offsets"]
+        flat = ids.reshape(-1).to(torch.int64)
+        if ids.dim() == 2:
+            starts = torch.arange(ids.size(0), dtype=torch.int64, device=ids.device) * ids.size(1)
+        else:
+            starts = offsets.to(torch.int64)
+            if params["include_last_offset"]:
+                # Without the trailing offset, the last bag runs to the end of the input.
+                starts = starts[:-1]
+        count = flat.numel()
+        packed = collectives.all_gather_tensor(torch.cat([flat, starts]), group)
+        all_ids = torch.cat([entry[:count] for entry in packed])
+        all_starts = torch.cat([entry[count:] + rank * count for rank, entry in enumerate(packed)])
+        weights = params["per_sample_weights"]
+        all_weights = None
+        if weights is not None:
+            all_weights = torch.cat(collectives.all_gather_tensor(weights.reshape(-1), group))
+        return cls(all_ids, all_starts, all_weights, starts.numel(), flat, starts)
+
+    def own_sizes(self, padding_idx: int | None) -> torch.Tensor:
+        """Number of non-padding ids in each of this rank's bags."""
+        counted = self.own_ids != padding_idx if padding_idx is not None else None
+        bag_of = _bag_of(self.own_starts, self.own_ids.numel())
+        if counted is not None:
+            bag_of = bag_of[counted]
+        return torch.bincount(bag_of, minlength=self.per_rank)
+
+
+def _bag_of(starts: torch.Tensor, count: int) -> torch.Tensor:
+    """For each of ``count`` positions, the bag it belongs to (``starts`` is sorted)."""
+    positions = torch.arange(count, device=starts.device)
+    return torch.searchsorted(starts, positions, right=True) - 1
+
+
+def _embedding_bag_row_wise(
+    bags: _Bags,
+    shard: torch.Tensor,
+    layout: _Layout,
+    mode: str,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    group: ProcessGroup,
+) -> torch.Tensor:
+    start, length = layout.starts[layout.me], layout.lengths[layout.me]
+    local = bags.ids - start
+    owned = (local >= 0) & (local < length)
+    if max_norm is not None:
+        _renorm_owned_rows(shard, torch.unique(local[owned]), max_norm, norm_type)
+    # Drop the ids other ranks own; each bag now starts after the kept ids before it.
+    kept_before = torch.cat([owned.new_zeros(1, dtype=torch.int64), owned.cumsum(0)])
+    positions = owned.nonzero().squeeze(1)
+    weights = bags.per_sample_weights
+    partial = F.embedding_bag(
+        local[positions],
+        shard,
+        kept_before[bags.starts],
+        mode="sum" if mode == "mean" else mode,
+        per_sample_weights=None if weights is None else weights[positions],
+        padding_idx=_local_padding(padding_idx, layout),
+    )
+    if mode == "max":
+        # A bag with none of its ids here must not win the max with the op's empty-bag zero.
+        counted = owned if padding_idx is None else owned & (bags.ids != padding_idx)
+        bag_of = _bag_of(bags.starts, bags.ids.numel())
+        here = torch.bincount(bag_of[counted], minlength=bags.starts.numel()) > 0
+        partial = torch.where(here.unsqueeze(1), partial, -math.inf)
+    mine = _reduce_scatter(_per_rank(partial, len(layout.starts)), group, mode)
+    if mode == "sum":
+        return mine
+    sizes = bags.own_sizes(padding_idx).unsqueeze(1)
+    if mode == "mean":
+        # Empty and all-padding bags are zero, as in the unsharded op.
+        return mine / sizes.clamp(min=1).to(mine.dtype)
+    return torch.where(sizes > 0, mine, 0.0)
