@@ -9,8 +9,22 @@ code moves over by changing imports::
     st = sw.shard_tensor(torch.randn(8, 4), spec)
 """
 
+# Set before the imports below: submodules read it while the package is initializing.
+__version__ = "0.1.0"
+
 from shardwise.api import shard_parameter, shard_tensor
-from shardwise.errors import MetadataFormatError
+from shardwise.errors import (
+    CheckpointDataError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    MetadataFormatError,
+    PickleNotAllowedError,
+)
+from shardwise.local_shards import LocalShardsWrapper
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardwise.module import (
     collect_local_shard,
@@ -46,13 +60,20 @@ from shardwise.sharding_spec import (
     ShardingSpec,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "CheckpointDataError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointKeyError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
     "ChunkShardingSpec",
     "DevicePlacementSpec",
     "EnumerableShardingSpec",
+    "LocalShardsWrapper",
     "MetadataFormatError",
+    "PickleNotAllowedError",
     "PlacementSpec",
     "RemoteDevice",
     "Shard",

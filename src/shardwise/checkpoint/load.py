@@ -13,9 +13,9 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pickle
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -33,6 +33,7 @@ from shardwise.checkpoint.save import CHECKSUM_ALGORITHM, INDEX_NAME
 from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.errors import (
     CheckpointDataError,
+    CheckpointError,
     CheckpointFormatError,
     CheckpointKeyError,
     CheckpointMismatchError,
@@ -45,6 +46,78 @@ __all__ = ["load", "load_tensor", "read_metadata"]
 
 # Reads are I/O bound (the GIL is released in preadv and in copies); a few threads overlap them.
 _READ_THREADS = 4
+
+_T = TypeVar("_T")
+
+_CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError,
+        CheckpointDataError,
+        CheckpointFormatError,
+        CheckpointKeyError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        ChecksumError,
+        PickleNotAllowedError,
+    )
+}
+
+
+def _error_record(error: Exception) -> dict[str, Any]:
+    args = error.args
+    message = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
+    record: dict[str, Any] = {"type": type(error).__name__, "message": message}
+    if isinstance(error, CheckpointError):
+        record.update(key=error.key, file=error.file, rank=error.rank)
+    return record
+
+
+def _rebuild(record: dict[str, Any], rank: int) -> BaseException:
+    """The exception another rank described, as the same class where it is a CheckpointError
+    (message, key, file and rank kept; the rank is that of the failing rank when unnamed)."""
+    cls = _CHECKPOINT_ERRORS.get(record["type"])
+    if cls is None or "key" not in record:
+        return collectives.rebuild_error(record, rank)
+    message: str = record["message"]
+    context = str(cls("", key=record["key"], file=record["file"], rank=record["rank"]))
+    if context and message.endswith(context):
+        message = message[: len(message) - len(context)]
+    failing = record["rank"] if record["rank"] is not None else rank
+    return cls(message, key=record["key"], file=record["file"], rank=failing)
+
+
+def _agree(
+    comm: collectives.Comm,
+    compute: Callable[[], _T],
+    share: Callable[[_T], object] = lambda _: None,
+) -> tuple[_T, list[Any]]:
+    """Run ``compute`` on every rank; if it fails on any rank, every rank raises.
+
+    As :func:`shardwise.collectives.exchange_or_raise`, except that a
+    :class:`~shardwise.errors.CheckpointError` of another rank is raised as the same
+    subclass, so every rank reports e.g. a ``ChecksumError`` rather than a generic error.
+
+    Returns:
+        The local result and every rank's ``share(result)``, in group-rank order.
+    """
+    if comm.group is None:
+        local = compute()
+        return local, [share(local)]
+    error: Exception | None = None
+    try:
+        local = compute()
+        envelope: dict[str, Any] = {"ok": share(local)}
+    except Exception as err:
+        error = err
+        envelope = {"error": _error_record(err)}
+    gathered = comm.all_gather_json(envelope)
+    if error is not None:
+        raise error
+    for rank, entry in enumerate(gathered):
+        if "error" in entry:
+            raise _rebuild(entry["error"], rank)
+    return local, [entry["ok"] for entry in gathered]
 
 
 def _read_index(storage: Storage, path: str) -> str:
@@ -156,16 +229,21 @@ class _Reader:
             self._sizes[name] = self.storage.size(path)
         return self._sizes[name]
 
-    def _read(self, chunk: planner.SavedChunk, offset: int, buffer: memoryview, fqn: str) -> None:
-        path = self.storage.join(*chunk.file.split("/"))
-        if offset + len(buffer) > self._file_size(chunk.file, fqn):
+    def check_range(self, name: str, stop: int, fqn: str) -> None:
+        """Raise unless data file ``name`` exists and has at least ``stop`` bytes."""
+        size = self._file_size(name, fqn)
+        if stop > size:
             raise CheckpointDataError(
-                f"data file is truncated: it has {self._file_size(chunk.file, fqn)} bytes, "
-                f"the chunk at {list(chunk.offsets)} needs bytes up to {offset + len(buffer)}",
+                f"data file is truncated: it has {size} bytes, the index says it holds bytes "
+                f"up to {stop}",
                 key=fqn,
-                file=path,
+                file=self.storage.join(*name.split("/")),
                 rank=self.rank,
             )
+
+    def _read(self, chunk: planner.SavedChunk, offset: int, buffer: memoryview, fqn: str) -> None:
+        path = self.storage.join(*chunk.file.split("/"))
+        self.check_range(chunk.file, offset + len(buffer), fqn)
         count = self.storage.read_into(path, offset, buffer)
         self.bytes_read += count
         if count != len(buffer):
@@ -190,23 +268,29 @@ class _Reader:
             _region(target.tensor, target.offsets, overlap) if overlap[0] else target.tensor
         )
         direct = (
-            read.rows is None and destination.is_contiguous() and destination.device.type == "cpu"
+            read.strides is None
+            and destination.is_contiguous()
+            and destination.device.type == "cpu"
         )
-        if read.rows is None:
-            buffer = destination if direct else torch.empty(overlap[1], dtype=dtype)
-            self._read(chunk, read.file_offset, _byte_view(buffer), fqn)
+        if direct:
+            self._read(chunk, read.file_offset, _byte_view(destination), fqn)
             if read.whole_chunk:
-                self._check(chunk, buffer, fqn)
-            if not direct:
-                with torch.no_grad():
-                    destination.copy_(buffer)
+                self._check(chunk, destination, fqn)
             return
-        start, stop = read.rows
-        rows = torch.empty((stop - start, *chunk.sizes[1:]), dtype=dtype)
-        self._read(chunk, read.file_offset, _byte_view(rows), fqn)
-        origin = (chunk.offsets[0] + start, *chunk.offsets[1:])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buffer = torch.empty(read.nbytes // itemsize, dtype=dtype)
+        self._read(chunk, read.file_offset, _byte_view(buffer), fqn)
+        if read.whole_chunk:
+            self._check(chunk, buffer, fqn)
+        # A strided read covers the overlap from its first to its last element; the overlap
+        # is the view of those bytes with the chunk's strides.
+        source = (
+            buffer.view(overlap[1])
+            if read.strides is None
+            else buffer.as_strided(overlap[1], read.strides)
+        )
         with torch.no_grad():
-            destination.copy_(_region(rows, origin, overlap))
+            destination.copy_(source)
 
     def _check(self, chunk: planner.SavedChunk, data: torch.Tensor, fqn: str) -> None:
         if not self.verify:
@@ -249,6 +333,7 @@ def _check_target(fqn: str, value: torch.Tensor, entry: TensorStorageMetadata) -
     if described.size is None and any(
         o + s > bound
         for box in described.boxes
+        if planner.numel(box.sizes) > 0  # an empty shard may sit past the end (ceil rule)
         for o, s, bound in zip(box.offsets, box.sizes, entry.size, strict=True)
     ):
         raise CheckpointMismatchError(
@@ -303,12 +388,16 @@ def _plan_load(
     return targets, objects
 
 
-def _execute(
-    reader: _Reader,
-    metadata: Metadata,
-    targets: list[_Target],
-) -> None:
-    jobs: list[tuple[_Target, planner.SavedChunk, planner.ChunkRead, torch.dtype]] = []
+_Job = tuple[_Target, planner.SavedChunk, planner.ChunkRead, torch.dtype]
+# Reads are handed to the thread pool in batches of this many (one future per read costs
+# more than a small read).
+_BATCH = 64
+
+
+def _plan_jobs(reader: _Reader, metadata: Metadata, targets: list[_Target]) -> list[_Job]:
+    """Every read the targets need, in file and offset order, after checking that the data
+    files exist and are long enough (so those failures come before anything is copied)."""
+    jobs: list[_Job] = []
     chunks_by_fqn: dict[str, list[planner.SavedChunk]] = {}
     for target in targets:
         entry = metadata.state_dict_metadata[target.fqn]
@@ -324,17 +413,30 @@ def _execute(
             raise CheckpointFormatError(str(err), key=target.fqn) from err
         jobs.extend((target, chunks[read.chunk], read, dtype) for read in reads)
     jobs.sort(key=lambda job: (job[1].file, job[2].file_offset))
-    if len(jobs) <= 1:
-        for target, chunk, read, dtype in jobs:
+    for target, chunk, read, _ in jobs:
+        reader.check_range(chunk.file, read.file_offset + read.nbytes, target.fqn)
+    return jobs
+
+
+def _run_jobs(reader: _Reader, jobs: list[_Job], bar: Any = None) -> None:
+    """Perform the reads (in parallel threads), advancing ``bar`` by the bytes read."""
+
+    def run(batch: list[_Job]) -> int:
+        for target, chunk, read, dtype in batch:
             reader.fill(target.fqn, target.box, chunk, read, dtype)
+        return sum(job[2].nbytes for job in batch)
+
+    batches = [jobs[start : start + _BATCH] for start in range(0, len(jobs), _BATCH)]
+    if len(jobs) <= 1:
+        done = [run(batch) for batch in batches]
+        if bar is not None:
+            bar.update(sum(done))
         return
-    with concurrent.futures.ThreadPoolExecutor(_READ_THREADS) as pool:
-        futures = [
-            pool.submit(reader.fill, target.fqn, target.box, chunk, read, dtype)
-            for target, chunk, read, dtype in jobs
-        ]
-        for future in futures:
-            future.result()
+    with concurrent.futures.ThreadPoolExecutor(min(_READ_THREADS, len(batches))) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(run, b) for b in batches]):
+            nbytes = future.result()
+            if bar is not None:
+                bar.update(nbytes)
 
 
 def _set_nested(state_dict: MutableMapping[str, Any], fqn: str, value: Any) -> None:
@@ -391,33 +493,47 @@ def load(
     def index_text() -> str:
         return _read_index(storage, path_text) if comm.rank == 0 else ""
 
-    _, texts = comm.exchange_or_raise(index_text)
+    _, texts = _agree(comm, index_text, lambda text: text)
     metadata = _parse_index(texts[0], storage.join(INDEX_NAME))
-    flat = planner.flatten_state_dict(state_dict)
-
-    targets, objects = comm.exchange_or_raise(
-        lambda: _plan_load(flat, metadata, strict, allow_pickle), lambda _: None
-    )[0]
-
     reader = _Reader(storage, verify, comm.rank)
+
+    def plan() -> tuple[list[_Job], dict[str, Mapping[str, Any]]]:
+        flat = planner.flatten_state_dict(state_dict)
+        targets, objects = _plan_load(flat, metadata, strict, allow_pickle)
+        jobs = _plan_jobs(reader, metadata, targets)
+        for fqn, info in objects.items():
+            if info["encoding"] != "json":
+                reader.check_range(info["file"], int(info["end"]), fqn)
+        return jobs, objects
+
+    # Everything that can be checked without the data is, on every rank, before any copy.
+    (jobs, objects), _ = _agree(comm, plan)
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm  # type: ignore[import-untyped]
 
-        bar = tqdm(total=len(targets), unit="box", desc=f"loading {path_text}")
-    try:
-        _execute(reader, metadata, targets)
-        if bar is not None:
-            bar.update(len(targets))
+        total = sum(job[2].nbytes for job in jobs)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path_text}")
+
+    def run() -> dict[str, Any]:
+        _run_jobs(reader, jobs, bar)
+        values = {}
         for fqn, info in objects.items():
             if info["encoding"] == "json":
-                value = decode_object("json", info["text"].encode(), pickle.loads)
+                values[fqn] = decode_object("json", info["text"].encode(), pickle.loads)
             else:
-                value = decode_object(info["encoding"], reader.read_blob(fqn, info), pickle.loads)
-            _set_nested(state_dict, fqn, value)
+                blob = reader.read_blob(fqn, info)
+                values[fqn] = decode_object(info["encoding"], blob, pickle.loads)
+        return values
+
+    try:
+        values, _ = _agree(comm, run)
     finally:
         if bar is not None:
             bar.close()
+    # Objects are replaced only once every rank has loaded everything.
+    for fqn, value in values.items():
+        _set_nested(state_dict, fqn, value)
 
 
 def load_tensor(
@@ -462,5 +578,6 @@ def load_tensor(
         )
     result = torch.empty(box_sizes, dtype=entry.properties.dtype)
     reader = _Reader(storage, True, 0)
-    _execute(reader, metadata, [_Target(fqn, LocalBox(box_offsets, box_sizes, result))])
+    target = _Target(fqn, LocalBox(box_offsets, box_sizes, result))
+    _run_jobs(reader, _plan_jobs(reader, metadata, [target]))
     return result

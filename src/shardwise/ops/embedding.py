@@ -6,8 +6,9 @@ the unsharded weight. The weight must hold exactly one shard per rank.
 
 Algorithms (the ids of every rank are all-gathered first):
 
-* **Row-wise** (``dim=0``): each rank looks up only the ids inside its own row range, for
-  every rank's input, and leaves zeros (or, for ``max`` bags, ``-inf``) for the rest. An
+* **Row-wise** (``dim=0``): each rank looks up (and pools) only the ids inside its own row
+  range, for every rank's input: other ids contribute zeros, and a ``max`` bag with none of
+  its ids here is ``-inf`` (empty and all-padding bags are zero again at the end). An
   all-to-all sends each rank the partial results for its input, which it reduces: summed
   for lookups and ``sum``/``mean`` bags (``mean`` divides by the bag sizes afterwards, since
   a sum of means is not a mean), maximum for ``max`` bags. In other words a reduce-scatter,
@@ -21,9 +22,9 @@ seeing the ids of every rank: row-wise each rank renormalises the rows it owns; 
 the per-row norms need every rank's columns, so the powered partial sums are all-reduced
 first. The scale is the unsharded op's (``max_norm / (norm + 1e-7)``).
 
-Autograd: the local result is differentiable with respect to the local shard (the
-all-to-all is an autograd function whose backward is the reverse all-to-all), so every rank
-must run the backward pass. ``per_sample_weights`` get no gradient.
+Autograd: the local result is differentiable with respect to the local shard and to
+``per_sample_weights`` (the all-to-all is an autograd function whose backward is the reverse
+all-to-all), so every rank must run the backward pass.
 
 Validation happens before any data moves and every rank reaches the same verdict: the
 upstream checks (with their exact messages), the unsharded op's own checks (run on a weight
@@ -295,7 +296,11 @@ def _exchange(
 def _reduce_scatter(
     chunks: Sequence[torch.Tensor], group: ProcessGroup, reduce: str
 ) -> torch.Tensor:
-    """Sum (or max) over ranks of each rank's ``chunks[me]``; all chunks have equal shapes."""
+    """Send ``chunks[j]`` to group rank ``j``; reduce what every rank computed for this one.
+
+    A reduce-scatter (``reduce`` is ``"max"``, or anything else for a sum) built on the
+    autograd all-to-all; all chunks have the same shape.
+    """
     received = torch.stack(_exchange(chunks, [chunk.shape for chunk in chunks], group))
     if reduce == "max":
         return received.max(dim=0).values
@@ -528,7 +533,10 @@ class _Bags:
         weights = params["per_sample_weights"]
         all_weights = None
         if weights is not None:
-            all_weights = torch.cat(collectives.all_gather_tensor(weights.reshape(-1), group))
+            # Through the autograd all-to-all, so that the weights get their gradients back.
+            mine = weights.reshape(-1)
+            world = collectives.group_world_size(group)
+            all_weights = torch.cat(_exchange([mine] * world, [mine.shape] * world, group))
         return cls(all_ids, all_starts, all_weights, starts.numel(), flat, starts)
 
     def own_sizes(self, padding_idx: int | None) -> torch.Tensor:

@@ -95,7 +95,8 @@ def _register_like(op: Callable[..., Any], factory_name: str, takes_fill: bool) 
         from shardwise.sharded_tensor import factories
 
         st = sharded_input(args)
-        options = dict(kwargs or {})
+        # A None keyword means "not given" (torch's *_like keep the source dtype for dtype=None).
+        options = {key: value for key, value in (kwargs or {}).items() if value is not None}
         options.pop("memory_format", None)
         options.setdefault("dtype", st.dtype)
         options.setdefault("requires_grad", st.requires_grad)
@@ -130,7 +131,10 @@ def _required(kwargs: dict[str, Any], *names: str) -> list[Any]:
 def _register_init(op: Callable[..., Any], names: tuple[str, ...]) -> None:
     @builtin_op(op)
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        options = dict(kwargs or {})
+        # torch.nn.init passes everything as keywords; upstream insists on them.
+        if kwargs is None:
+            raise ValueError("param: kwargs shouldn't be None!")
+        options = dict(kwargs)
         if args:
             options.setdefault("tensor", args[0])
         st, *values = _required(options, *names)

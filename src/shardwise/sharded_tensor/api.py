@@ -229,6 +229,26 @@ class ShardedTensor(ShardedTensorBase):
 
             remote.init_rrefs(self)
 
+    # -- torch.distributed.checkpoint (DCP) object protocol ---------------------------------
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        """DCP protocol: one write item per local shard (DCP's own classes)."""
+        from shardwise.sharded_tensor import dcp_protocol
+
+        return dcp_protocol.write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        """DCP protocol: the boxes of this rank's shards (DCP ``ChunkStorageMetadata``)."""
+        from shardwise.sharded_tensor import dcp_protocol
+
+        return dcp_protocol.chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """DCP protocol: the local shard tensor at ``index.offset``."""
+        from shardwise.sharded_tensor import dcp_protocol
+
+        return dcp_protocol.tensor_shard(self, index)
+
     # -- resharding and pickling ------------------------------------------------------------
 
     def reshard(self, resharding_spec: ShardingSpec) -> ShardedTensor:

@@ -151,9 +151,13 @@ def reshard(st: ShardedTensor, resharding_spec: ShardingSpec) -> ShardedTensor:
 
     group = st._process_group
     old_spec = st.sharding_spec()
-    _, specs = collectives.exchange_or_raise(group, lambda: repr(resharding_spec))
-    if any(other != repr(resharding_spec) for other in specs):
-        raise ValueError(f"reshard: ranks passed different specs: {sorted(set(specs))}")
+    # A rank outside the group owns nothing before or after (placements name members), so it
+    # only updates its metadata, without taking part in the group's communication.
+    member = collectives.is_member(group)
+    if member:
+        _, specs = collectives.exchange_or_raise(group, lambda: repr(resharding_spec))
+        if any(other != repr(resharding_spec) for other in specs):
+            raise ValueError(f"reshard: ranks passed different specs: {sorted(set(specs))}")
     if (
         isinstance(old_spec, ChunkShardingSpec)
         and isinstance(resharding_spec, ChunkShardingSpec)
@@ -172,6 +176,11 @@ def reshard(st: ShardedTensor, resharding_spec: ShardingSpec) -> ShardedTensor:
         _owner(shard)
     old_shards = st.metadata().shards_metadata
     me = collectives.global_rank()
+    if not member and any(_owner(shard) == me for shard in new_shards):
+        raise ValueError(
+            f"reshard: rank {me} is not a member of the tensor's process group, but "
+            f"{resharding_spec} places a shard on it"
+        )
     local_by_offsets = {tuple(s.metadata.shard_offsets): s.tensor for s in st.local_shards()}
 
     targets: list[Shard] = []

@@ -1,0 +1,454 @@
+"""``shardwise.checkpoint`` in a single process with no process group: every value kind round
+trips, the index and the safetensors data files hold what they should, ``load_tensor`` reads
+boxes and verifies checksums, pickle needs an explicit opt-in on both sides, a crashed save
+leaves the previous checkpoint intact, ``async_save`` snapshots, and random tilings reshard
+exactly with lean reads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import save as save_module
+from shardwise.checkpoint.storage import LocalStorage
+from shardwise.local_shards import LocalShardsWrapper
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float64,
+    torch.float16,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,  # safetensors has no code for it: stored as U8 bytes
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> None:
+    # These tests are about the no-process-group path of the pytest process itself.
+    assert not dist.is_initialized()
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Small exact values of ``dtype`` (integers in [-50, 50], exact in bfloat16)."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(-50, 51, shape, generator=g)
+    if dtype == torch.bool:
+        return values > 0
+    if dtype == torch.uint8:
+        return (values + 50).to(dtype)
+    if dtype.is_complex:
+        return torch.complex(values.double(), -values.double() / 4).to(dtype)
+    return values.to(dtype)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    return {
+        "model": {
+            **{f"w_{str(dt)[6:]}": _sample(dt, (5, 7), seed + i) for i, dt in enumerate(DTYPES)},
+            "scalar": torch.tensor(2.5 + seed),
+            "empty": torch.empty(0, 3),
+            "param": torch.nn.Parameter(_sample(torch.float32, (3,), seed)),
+        },
+        "lsw": LocalShardsWrapper(
+            [_sample(torch.float64, (4, 2), seed), _sample(torch.float64, (4, 3), seed + 1)],
+            [(0, 0), (0, 2)],
+        ),
+        "blob": b"\x00\x01raw" + bytes([seed]),
+        "stream": io.BytesIO(b"stream" + bytes([seed])),
+        "step": 100 + seed,
+        "config": {"lr": 0.5, "name": "run", "flags": [True, None, 3], "pair": (1, 2)},
+        "limits": [float("inf"), -float("inf")],
+        "nothing": None,
+        "empty_dict": {},
+    }
+
+
+def _blank(state: dict[str, Any]) -> dict[str, Any]:
+    """A target shaped like ``state`` with different contents everywhere."""
+    model = {
+        key: torch.zeros_like(value) if value.dtype != torch.bool else torch.ones_like(value)
+        for key, value in state["model"].items()
+        if key != "param"
+    }
+    model["param"] = torch.nn.Parameter(torch.full((3,), 99.0))
+    return {
+        "model": model,
+        "lsw": LocalShardsWrapper(
+            [torch.zeros(2, 5, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64)],
+            [(0, 0), (2, 0)],
+        ),
+        "blob": None,
+        "stream": None,
+        "step": 0,
+        "config": {"lr": 0.0, "name": "", "flags": [], "pair": ()},
+        "limits": [],
+        "nothing": "something",
+        "empty_dict": {"x": 1},
+    }
+
+
+def _lsw_full(wrapper: LocalShardsWrapper, size: tuple[int, ...]) -> torch.Tensor:
+    shards = wrapper.local_shards()
+    out = torch.zeros(size, dtype=shards[0].dtype)
+    for shard, offsets in zip(shards, wrapper.local_offsets(), strict=True):
+        region = out
+        for dim, (o, n) in enumerate(zip(offsets, shard.shape, strict=True)):
+            region = region.narrow(dim, o, n)
+        region.copy_(shard)
+    return out
+
+
+def test_round_trip_of_every_value_kind(tmp_path: Path) -> None:
+    source = _state(1)
+    metadata = ckpt.save(source, tmp_path / "c")
+    target = _blank(source)
+    model_before = dict(target["model"])
+    ckpt.load(target, tmp_path / "c")
+
+    for key, value in source["model"].items():
+        loaded = target["model"][key]
+        assert loaded is model_before[key], "tensors are filled in place"
+        assert loaded.dtype == value.dtype and torch.equal(loaded, value), key
+    assert isinstance(target["model"]["param"], torch.nn.Parameter)
+    assert target["model"]["param"].requires_grad
+    assert torch.equal(_lsw_full(target["lsw"], (4, 5)), _lsw_full(source["lsw"], (4, 5)))
+    assert target["blob"] == source["blob"]
+    assert isinstance(target["stream"], io.BytesIO)
+    assert target["stream"].getvalue() == b"stream\x01"
+    assert target["step"] == 101
+    # Nested dicts come back nested; JSON turns tuples into lists.
+    assert target["config"] == {"lr": 0.5, "name": "run", "flags": [True, None, 3], "pair": [1, 2]}
+    assert target["limits"] == [math.inf, -math.inf]
+    assert target["nothing"] is None
+    assert target["empty_dict"] == {}
+
+    # What save returns is what read_metadata reads back.
+    assert ckpt.read_metadata(tmp_path / "c") == metadata
+    assert sorted(metadata.state_dict_metadata) == sorted(
+        [f"model.{key}" for key in source["model"]]
+        + ["lsw", "blob", "stream", "step", "config.lr", "config.name", "config.flags"]
+        + ["config.pair", "limits", "nothing", "empty_dict"]
+    )
+
+
+def test_index_records_entries_chunks_and_storage(tmp_path: Path) -> None:
+    source = _state(2)
+    ckpt.save(source, tmp_path / "c")
+    metadata = ckpt.read_metadata(str(tmp_path / "c"))
+    assert metadata.version == "1"
+    assert metadata.planner_data["world_size"] == 1
+    assert metadata.planner_data["checksum_algorithm"] == "xxh3_64"
+    assert metadata.storage_meta is not None and metadata.storage_meta.save_id
+
+    entry = metadata.state_dict_metadata["model.w_bfloat16"]
+    assert isinstance(entry, ckpt.TensorStorageMetadata)
+    assert entry.size == torch.Size([5, 7])
+    assert entry.properties.dtype == torch.bfloat16
+    assert entry.chunks == [ckpt.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([5, 7]))]
+    lsw = metadata.state_dict_metadata["lsw"]
+    assert isinstance(lsw, ckpt.TensorStorageMetadata)
+    assert lsw.size == torch.Size([4, 5]) and lsw.properties.dtype == torch.float64
+    assert [list(c.offsets) for c in lsw.chunks] == [[0, 0], [0, 2]]
+    scalar = metadata.state_dict_metadata["model.scalar"]
+    assert isinstance(scalar, ckpt.TensorStorageMetadata) and scalar.size == torch.Size([])
+
+    storage = metadata.storage_data
+    info = storage[ckpt.MetadataIndex("model.w_float32", torch.Size([0, 0]))]
+    assert set(info) == {"file", "begin", "end", "checksum"}
+    assert info["end"] - info["begin"] == 5 * 7 * 4
+    assert isinstance(metadata.state_dict_metadata["blob"], ckpt.BytesStorageMetadata)
+    assert storage[ckpt.MetadataIndex("step")] == {"encoding": "json", "text": "102"}
+    assert storage[ckpt.MetadataIndex("blob")]["encoding"] == "bytes"
+    assert storage[ckpt.MetadataIndex("stream")]["encoding"] == "bytesio"
+    # The index is plain JSON (no pickle anywhere) and lists exactly the committed files.
+    index = json.loads((tmp_path / "c" / "shardwise.json").read_text())
+    assert index["format"] == "shardwise-checkpoint" and index["format_version"] == 1
+    files = {i["file"] for i in storage.values() if "file" in i}
+    assert {f"data/{name}" for name in os.listdir(tmp_path / "c" / "data")} == files
+
+
+def test_data_files_are_safetensors_files(tmp_path: Path) -> None:
+    source = _state(3)
+    metadata = ckpt.save(source, tmp_path / "c")
+    flat = {f"model.{k}": v.detach() for k, v in source["model"].items()}
+    seen = set()
+    for name in os.listdir(tmp_path / "c" / "data"):
+        path = tmp_path / "c" / "data" / name
+        raw = path.read_bytes()
+        (header_len,) = struct.unpack("<Q", raw[:8])
+        assert (8 + header_len) % 64 == 0, "data starts 64-byte aligned"
+        with safe_open(str(path), "pt") as handle:
+            assert handle.metadata()["format"] == "shardwise"
+            for key in handle.keys():
+                fqn, _, offsets = key.rpartition("@")
+                stored = handle.get_tensor(key)
+                seen.add(fqn)
+                if offsets == "bytes":
+                    expected = source[fqn] if fqn == "blob" else source[fqn].getvalue()
+                    assert bytes(stored.numpy()) == expected
+                    continue
+                if fqn == "lsw":
+                    sizes = [4, 2] if offsets == "0,0" else [4, 3]
+                    index = 0 if offsets == "0,0" else 1
+                    expected_t = source["lsw"].local_shards()[index]
+                    assert list(stored.shape) == sizes
+                else:
+                    expected_t = flat[fqn]
+                if expected_t.dtype == torch.complex128:
+                    # No safetensors code: raw bytes under U8.
+                    assert stored.dtype == torch.uint8
+                    assert stored.shape == (expected_t.numel() * 16,)
+                    assert bytes(stored.numpy()) == expected_t.contiguous().numpy().tobytes()
+                else:
+                    assert stored.dtype == expected_t.dtype
+                    assert torch.equal(stored, expected_t), key
+    tensors = {k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+    assert seen == tensors | {"blob", "stream"}
+
+
+def test_load_tensor_reads_boxes_and_verifies_whole_chunks(tmp_path: Path) -> None:
+    full = _sample(torch.float64, (6, 5), 0)
+    lsw = LocalShardsWrapper([full[:3].clone(), full[3:].clone()], [(0, 0), (3, 0)])
+    ckpt.save({"w": lsw, "s": torch.tensor(7, dtype=torch.int64), "o": b"x"}, tmp_path / "c")
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w"), full)
+    box = ckpt.load_tensor(tmp_path / "c", "w", offsets=[2, 1], sizes=[3, 3])
+    assert torch.equal(box, full[2:5, 1:4])
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w", offsets=(4, 0)), full[4:])
+    scalar = ckpt.load_tensor(tmp_path / "c", "s")
+    assert scalar.shape == () and scalar.dtype == torch.int64 and scalar.item() == 7
+
+    with pytest.raises(
+        ckpt.CheckpointKeyError, match=re.escape("not a tensor of the checkpoint (key 'o')")
+    ):
+        ckpt.load_tensor(tmp_path / "c", "o")
+    with pytest.raises(
+        ckpt.CheckpointKeyError, match=re.escape("not a tensor of the checkpoint (key 'nope')")
+    ):
+        ckpt.load_tensor(tmp_path / "c", "nope")
+    with pytest.raises(
+        ValueError,
+        match=re.escape("box offsets=[5, 0] sizes=[2, 5] does not fit 'w' of size [6, 5]"),
+    ):
+        ckpt.load_tensor(tmp_path / "c", "w", offsets=[5, 0], sizes=[2, 5])
+
+    # Corrupt one byte of the second chunk: reading it whole fails, reading the first doesn't.
+    metadata = ckpt.read_metadata(tmp_path / "c")
+    info = metadata.storage_data[ckpt.MetadataIndex("w", torch.Size([3, 0]))]
+    path = tmp_path / "c" / info["file"]
+    raw = bytearray(path.read_bytes())
+    raw[info["begin"] + 3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.ChecksumError) as caught:
+        ckpt.load_tensor(tmp_path / "c", "w")
+    assert caught.value.key == "w" and caught.value.rank == 0
+    assert caught.value.file == str(path)
+    assert str(caught.value).startswith("checksum mismatch for the chunk at offsets [3, 0]")
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w", sizes=[3, 5]), full[:3])
+
+
+def test_pickle_needs_an_explicit_opt_in_on_save_and_on_load(tmp_path: Path) -> None:
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "cannot save state_dict['opt.sched'] of type set: shardwise stores tensors, bytes, "
+            "io.BytesIO and JSON values"
+        ),
+    ):
+        ckpt.save({"w": torch.ones(2), "opt": {"sched": {1, 2}}}, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "shardwise.json").exists()
+
+    ckpt.save({"w": torch.ones(2), "opt": {"sched": {1, 2}}}, tmp_path / "c", allow_pickle=True)
+    target = {"w": torch.zeros(2), "opt": {"sched": None}}
+    with pytest.raises(
+        ckpt.PickleNotAllowedError,
+        match=re.escape(
+            "this entry was pickled; pass allow_pickle=True to load it (only for checkpoints "
+            "you trust: unpickling runs code) (key 'opt.sched')"
+        ),
+    ):
+        ckpt.load(target, tmp_path / "c")
+    assert torch.equal(target["w"], torch.zeros(2)), "refused before any data was copied"
+    assert target["opt"]["sched"] is None
+    ckpt.load(target, tmp_path / "c", allow_pickle=True)
+    assert target["opt"]["sched"] == {1, 2}
+    assert torch.equal(target["w"], torch.ones(2))
+    # A state dict without the pickled key needs no opt-in.
+    plain = {"w": torch.zeros(2)}
+    ckpt.load(plain, tmp_path / "c")
+    assert torch.equal(plain["w"], torch.ones(2))
+
+
+def test_a_crashed_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c"
+    ckpt.save({"w": torch.full((4,), 1.0), "o": b"A"}, path)
+    index_a = (path / "shardwise.json").read_bytes()
+    files_a = sorted(os.listdir(path / "data"))
+
+    real_write = save_module._write_data_file
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(save_module, "_write_data_file", crash)
+    with pytest.raises(OSError, match=re.escape("disk full (simulated)")):
+        ckpt.save({"w": torch.full((4,), 2.0), "o": b"B"}, path)
+    assert (path / "shardwise.json").read_bytes() == index_a
+    target = {"w": torch.zeros(4), "o": None}
+    ckpt.load(target, path)
+    assert torch.equal(target["w"], torch.full((4,), 1.0)) and target["o"] == b"A"
+
+    monkeypatch.setattr(save_module, "_write_data_file", real_write)
+    ckpt.save({"w": torch.full((4,), 3.0), "o": b"C"}, path)
+    ckpt.load(target, path)
+    assert torch.equal(target["w"], torch.full((4,), 3.0)) and target["o"] == b"C"
+    files_c = sorted(os.listdir(path / "data"))
+    assert len(files_c) == 1 and not set(files_c) & set(files_a), "old data files are gone"
+
+
+def test_async_save_snapshots_and_reports_errors_through_the_future(tmp_path: Path) -> None:
+    state = {"w": torch.arange(6.0), "step": 1}
+    future = ckpt.async_save(state, tmp_path / "a")
+    state["w"].add_(100)  # the snapshot was taken before async_save returned
+    state["step"] = 2
+    second = ckpt.async_save({"w": torch.ones(3)}, tmp_path / "b")
+    assert future.done(), "a second async_save waits for the one in flight"
+    metadata = future.result(timeout=60)
+    assert isinstance(metadata, ckpt.Metadata)
+    assert second.result(timeout=60) == ckpt.read_metadata(tmp_path / "b")
+    target = {"w": torch.zeros(6), "step": 0}
+    ckpt.load(target, tmp_path / "a")
+    assert torch.equal(target["w"], torch.arange(6.0)) and target["step"] == 1
+
+    bad = ckpt.async_save({"w": torch.ones(1), "x": object()}, tmp_path / "bad")
+    with pytest.raises(TypeError, match=re.escape("cannot save state_dict['x'] of type object")):
+        bad.result(timeout=60)
+    assert not (tmp_path / "bad" / "shardwise.json").exists()
+
+
+def test_progress_bars_on_save_and_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt.save({"w": torch.ones(1000)}, tmp_path / "c", progress=True)
+    saved = capsys.readouterr().err
+    assert f"saving {tmp_path / 'c'}" in saved and "100%" in saved
+    ckpt.load({"w": torch.zeros(1000)}, tmp_path / "c", progress=True)
+    loaded = capsys.readouterr().err
+    assert f"loading {tmp_path / 'c'}" in loaded and "100%" in loaded
+    ckpt.load({"w": torch.zeros(1000)}, tmp_path / "c")
+    assert capsys.readouterr().err == ""
+
+
+@contextlib.contextmanager
+def _count_reads() -> Iterator[list[int]]:
+    """Count the bytes read from local data files (the index is read with ``read``)."""
+    counter = [0]
+    original = LocalStorage.read_into
+
+    def counting(self: LocalStorage, path: str, offset: int, buffer: memoryview) -> int:
+        count = original(self, path, offset, buffer)
+        counter[0] += count
+        return count
+
+    LocalStorage.read_into = counting  # type: ignore[method-assign]
+    try:
+        yield counter
+    finally:
+        LocalStorage.read_into = original  # type: ignore[method-assign]
+
+
+def test_resharded_load_reads_only_what_it_needs(tmp_path: Path) -> None:
+    # Saved as 4 row blocks of a 64x48 float32 tensor; loaded as one 48x12 column block plus
+    # a 10x10 interior box: bytes read stay within 5% (plus a row per chunk) of the need.
+    full = _sample(torch.float32, (64, 48), 5)
+    rows = [full[16 * i : 16 * (i + 1)].clone() for i in range(4)]
+    ckpt.save({"w": LocalShardsWrapper(rows, [(16 * i, 0) for i in range(4)])}, tmp_path / "c")
+    column = torch.zeros(48, 12)
+    interior = torch.zeros(10, 10)
+    target = {"w": LocalShardsWrapper([column, interior], [(8, 30), (20, 5)])}
+    with _count_reads() as counter:
+        ckpt.load(target, tmp_path / "c")
+    assert torch.equal(column, full[8:56, 30:42])
+    assert torch.equal(interior, full[20:30, 5:15])
+    needed = (48 * 12 + 10 * 10) * 4
+    chunk_rows = 4 * 48 * 4 + 2 * 48 * 4  # column box: 4 chunks; interior box: 2 chunks
+    assert needed <= counter[0] <= 1.05 * needed + chunk_rows, counter[0]
+
+
+@st.composite
+def _tilings(draw: st.DrawFn, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], ...]]:
+    """A random guillotine tiling of ``shape``: boxes ``(offsets, sizes)``."""
+    boxes = [((0,) * len(shape), shape)]
+    for _ in range(draw(st.integers(0, 5))):
+        index = draw(st.integers(0, len(boxes) - 1))
+        offsets, sizes = boxes[index]
+        dims = [d for d, n in enumerate(sizes) if n > 1]
+        if not dims:
+            continue
+        dim = draw(st.sampled_from(dims))
+        cut = draw(st.integers(1, sizes[dim] - 1))
+        low = (offsets, tuple(cut if d == dim else n for d, n in enumerate(sizes)))
+        high = (
+            tuple(o + cut if d == dim else o for d, o in enumerate(offsets)),
+            tuple(n - cut if d == dim else n for d, n in enumerate(sizes)),
+        )
+        boxes[index : index + 1] = [low, high]
+    return boxes
+
+
+def _wrapper(full: torch.Tensor, boxes: list[tuple[tuple[int, ...], ...]]) -> LocalShardsWrapper:
+    shards = []
+    for offsets, sizes in boxes:
+        region = full
+        for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+            region = region.narrow(dim, o, n)
+        shards.append(region.clone())
+    return LocalShardsWrapper(shards, [list(o) for o, _ in boxes])
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple[tuple[int, ...], Any, Any, torch.dtype]:
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    dtype = draw(st.sampled_from([torch.float32, torch.int16, torch.bool, torch.complex64]))
+    return shape, draw(_tilings(shape)), draw(_tilings(shape)), dtype
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_random_tilings_round_trip_through_files(case: Any) -> None:
+    shape, saved, wanted, dtype = case
+    full = _sample(dtype, shape, len(saved))
+    blank = torch.zeros(shape, dtype=dtype) if dtype != torch.bool else ~full
+    with tempfile.TemporaryDirectory() as root:
+        ckpt.save({"t": _wrapper(full, saved)}, root, sync_files=False)
+        target = _wrapper(blank, wanted)
+        with _count_reads() as counter:
+            ckpt.load({"t": target}, root)
+        assert torch.equal(_lsw_full(target, shape), full)
+        itemsize = full.element_size()
+        row = math.prod(shape[1:]) * itemsize
+        assert counter[0] <= 1.05 * full.numel() * itemsize + row * len(saved) * len(wanted)
+        for offsets, sizes in wanted:
+            box = ckpt.load_tensor(root, "t", offsets=offsets, sizes=sizes)
+            assert torch.equal(box, _wrapper(full, [(offsets, sizes)]).local_shards()[0])
