@@ -391,9 +391,10 @@ def all_to_all(
     """Send ``sends[j]`` to group rank ``j`` and fill ``recvs[j]`` from it, for every ``j``.
 
     Splits may be uneven (any size per peer, empty included): each side allocates what it
-    receives, so both must agree on the sizes. Built on point-to-point messages, which every
-    backend supports, because gloo's own ``all_to_all`` only takes even splits. ``recvs`` are
-    filled in place; the tensor for this rank is copied locally.
+    receives, so both must agree on the sizes. Built on point-to-point messages of raw bytes,
+    which every backend supports for every dtype: gloo's list-form ``all_to_all`` rejects
+    tensors of different sizes. ``recvs`` are filled in place; the tensor for this rank is
+    copied locally.
     """
     me = group_rank(process_group)
     peers = global_ranks(process_group)
