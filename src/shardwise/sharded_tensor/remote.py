@@ -32,6 +32,15 @@ def live_tensor_ids() -> list[int]:
         return list(_sharded_tensor_map)
 
 
+def _rpc_available() -> bool:
+    """Whether this PyTorch build has the RPC framework at all."""
+    try:
+        from torch.distributed import rpc
+    except ImportError:  # pragma: no cover - torch built without distributed RPC
+        return False
+    return bool(rpc.is_available())
+
+
 def _forget(sharded_tensor_id: int) -> None:
     with _sharded_tensor_lock:
         _sharded_tensor_map.pop(sharded_tensor_id, None)
@@ -56,6 +65,12 @@ def init_rrefs(st: ShardedTensor) -> None:
 
     Collective over the default group and the RPC framework.
     """
+    if not _rpc_available():
+        raise RuntimeError(
+            "init_rrefs=True needs torch.distributed.rpc, which this PyTorch build does not "
+            "provide (torch.distributed.rpc.is_available() is False); create the ShardedTensor "
+            "with init_rrefs=False"
+        )
     if not collectives.rpc_initialized():
         raise RuntimeError(
             "RPC Framework needs to be initialized using torch.distributed.rpc.init_rpc if "
