@@ -151,3 +151,21 @@ _register_init(torch.nn.init.uniform_, ("a", "b"))
 _register_init(torch.nn.init.normal_, ("mean", "std"))
 _register_init(torch.nn.init.kaiming_uniform_, ("a", "mode", "nonlinearity"))
 _register_init(torch.nn.init.constant_, ("val",))
+
+
+def _register_cast(op: Callable[..., Any], dtype: torch.dtype) -> None:
+    @builtin_op(op)
+    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
+        # Tensor.double() and friends, so that module.double()/float()/half() convert sharded
+        # parameters like module.to(dtype) does.
+        return sharded_input(args).to(dtype)
+
+
+_CASTS: tuple[tuple[Callable[..., Any], torch.dtype], ...] = (
+    (torch.Tensor.float, torch.float32),
+    (torch.Tensor.double, torch.float64),
+    (torch.Tensor.half, torch.float16),
+    (torch.Tensor.bfloat16, torch.bfloat16),
+)
+for _cast, _dtype in _CASTS:
+    _register_cast(_cast, _dtype)
