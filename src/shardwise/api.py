@@ -63,9 +63,15 @@ def _scatter_plan(
 
 
 def _describe_call(
-    tensor: torch.Tensor, sharding_spec: ShardingSpec, src_rank: int
+    tensor: torch.Tensor,
+    sharding_spec: ShardingSpec,
+    src_rank: int,
+    *,
+    require_contiguous: bool = True,
 ) -> dict[str, Any]:
-    if not tensor.is_contiguous():
+    # shard_tensor insists on a contiguous input (upstream's contract); a spec's own shard()
+    # copies the slices out anyway and accepts any strides, as upstream's does.
+    if require_contiguous and not tensor.is_contiguous():
         raise ValueError("input tensor is not a contiguous Tensor")
     return {
         "src_rank": src_rank,
@@ -109,8 +115,20 @@ def scatter(
     source tensor's memory into the owner's shard.
     """
     group = collectives.resolve_group(process_group)
+    if not collectives.is_member(group):
+        # SPMD code calls this on every rank; a rank outside the group receives nothing and
+        # has nobody to agree with, so it only lays out its own tensor (as upstream's specs
+        # lay out every rank's) and keeps no shard.
+        _describe_call(tensor, sharding_spec, src_rank, require_contiguous=False)
+        properties = TensorProperties.create_from_tensor(tensor)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [],
+            sharding_spec.build_metadata(tensor.size(), properties),
+            process_group=group,
+            sharding_spec=sharding_spec,
+        )
     _, entries = collectives.exchange_or_raise(
-        group, lambda: _describe_call(tensor, sharding_spec, src_rank)
+        group, lambda: _describe_call(tensor, sharding_spec, src_rank, require_contiguous=False)
     )
     metadata = _scatter_plan(entries, src_rank, sharding_spec, group)
 
@@ -159,8 +177,11 @@ def _shard_tensor(
             local_check()
         return _describe_call(tensor, sharding_spec, src_rank)
 
-    _, entries = collectives.exchange_or_raise(group, describe)
-    _check_same_call(entries, src_rank, sharding_spec, collectives.group_rank(group))
+    if collectives.is_member(group):
+        _, entries = collectives.exchange_or_raise(group, describe)
+        _check_same_call(entries, src_rank, sharding_spec, collectives.group_rank(group))
+    else:
+        describe()  # outside the group: local checks only, nobody to compare with
     return sharding_spec.shard(tensor, src_rank=src_rank, process_group=group)
 
 

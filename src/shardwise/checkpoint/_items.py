@@ -11,6 +11,7 @@ import io
 import json
 import math
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,11 @@ class TensorValue:
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
+    # No DTensor can exist before its module is imported, and importing it takes seconds:
+    # a process that never touched DTensor does not pay for it here.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor: type | None = getattr(module, "DTensor", None)
+    return dtensor
 
 
 def is_tensor_value(value: object) -> bool:

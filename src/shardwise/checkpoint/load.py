@@ -413,8 +413,9 @@ def _plan_jobs(reader: _Reader, metadata: Metadata, targets: list[_Target]) -> l
             raise CheckpointFormatError(str(err), key=target.fqn) from err
         jobs.extend((target, chunks[read.chunk], read, dtype) for read in reads)
     jobs.sort(key=lambda job: (job[1].file, job[2].file_offset))
-    for target, chunk, read, _ in jobs:
-        reader.check_range(chunk.file, read.file_offset + read.nbytes, target.fqn)
+    for target, chunk, _, _ in jobs:
+        # The whole chunk, not only the part read: a short file is corrupt whatever we need.
+        reader.check_range(chunk.file, chunk.end, target.fqn)
     return jobs
 
 

@@ -477,9 +477,16 @@ def _background_group(process_group: Any) -> Any:
         return None
     group = collectives.resolve_group(process_group)
     key = tuple(collectives.global_ranks(group))
-    if key not in _background_groups:
-        _background_groups[key] = collectives.new_gloo_group_like(group)
-    return _background_groups[key]
+    cached = _background_groups.get(key)
+    if cached is not None:
+        try:
+            collectives.global_ranks(cached)
+        except (KeyError, ValueError, RuntimeError):
+            # Destroyed since (destroy_process_group, a re-initialized job): make a new one.
+            cached = None
+    if cached is None:
+        cached = _background_groups[key] = collectives.new_gloo_group_like(group)
+    return cached
 
 
 def async_save(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
 
 from shardwise.ops._common import rebuild
-from shardwise.ops.registry import builtin_op
+from shardwise.ops.registry import builtin_op, disabled_torch_function
 
 _UNARY_NAMES = [
     "abs",
@@ -172,11 +172,25 @@ def _unsupported(func: Callable[..., Any], args: Any, kwargs: Any) -> RuntimeErr
     )
 
 
-def _empty_like_wrapper(st: Any) -> torch.Tensor:
-    """A 0-element stand-in for ``st``: same dtype and requires_grad, no data."""
+def _empty_like_wrapper(st: Any, *, in_place: bool = False) -> torch.Tensor:
+    """A 0-element stand-in for ``st``: same dtype and requires_grad, no data.
+
+    For an in-place op the stand-in is not a leaf: whether the real shards are leaves is known
+    only where they are, so torch's "leaf Variable ... in-place" check is left to them.
+    """
     dtype = st.dtype
     differentiable = dtype.is_floating_point or dtype.is_complex
-    return torch.empty(0, dtype=dtype, requires_grad=bool(st.requires_grad and differentiable))
+    stand_in = torch.empty(0, dtype=dtype, requires_grad=bool(st.requires_grad and differentiable))
+    return stand_in.clone() if in_place and stand_in.requires_grad else stand_in
+
+
+def _in_place_result(st: Any, probe: torch.Tensor) -> Any:
+    """``st`` after an in-place op: like a torch tensor, it now requires grad if an operand
+    did (the probe says so on every rank, shards or not)."""
+    if probe.requires_grad and not st.requires_grad:
+        disabled_torch_function(torch.Tensor.requires_grad_, (st, True), None)
+        st.metadata().tensor_properties.requires_grad = True
+    return st
 
 
 def _probe(
@@ -185,26 +199,28 @@ def _probe(
     return func(stand_in, *rest, **kwargs)
 
 
-def _check_scalar_or_sharded(func: Callable[..., Any], args: Any, kwargs: Any) -> None:
+def _check_scalar_or_sharded(
+    func: Callable[..., Any], args: Any, kwargs: dict[str, Any], given: Any
+) -> None:
     for value in (*args[1:], *kwargs.values()):
         if isinstance(value, torch.Tensor) and not _is_sharded(value):
-            raise _unsupported(func, args, kwargs)
+            raise _unsupported(func, args, given)
 
 
 def _unary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        kwargs = dict(kwargs or {})
+        given, kwargs = kwargs, dict(kwargs or {})  # errors show the kwargs as received
         if not args or not _is_sharded(args[0]):
-            raise _unsupported(func, args, kwargs)
+            raise _unsupported(func, args, given)
         st, rest = args[0], tuple(args[1:])
-        _check_scalar_or_sharded(func, args, kwargs)
+        _check_scalar_or_sharded(func, args, kwargs, given)
         if any(_is_sharded(value) for value in (*rest, *kwargs.values())):
-            raise _unsupported(func, args, kwargs)
+            raise _unsupported(func, args, given)
         in_place = inplace or bool(kwargs.get("inplace", False))
-        probe = _probe(func, _empty_like_wrapper(st), rest, kwargs)
+        probe = _probe(func, _empty_like_wrapper(st, in_place=in_place), rest, kwargs)
         results = [func(shard.tensor, *rest, **kwargs) for shard in st.local_shards()]
         if in_place:
-            return st
+            return _in_place_result(st, probe)
         return _wrap(st, results, probe)
 
     return impl
@@ -226,17 +242,17 @@ def _wrap(st: Any, results: list[torch.Tensor], probe: torch.Tensor) -> Any:
 
 def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        kwargs = dict(kwargs or {})
+        given, kwargs = kwargs, dict(kwargs or {})  # errors show the kwargs as received
         if len(args) < 2:
-            raise _unsupported(func, args, kwargs)
+            raise _unsupported(func, args, given)
         first, second, rest = args[0], args[1], tuple(args[2:])
-        _check_scalar_or_sharded(func, args, kwargs)
+        _check_scalar_or_sharded(func, args, kwargs, given)
         for value in (first, second):
             if not _is_sharded(value) and not isinstance(value, numbers.Number):
-                raise _unsupported(func, args, kwargs)
+                raise _unsupported(func, args, given)
         st = first if _is_sharded(first) else second
         if inplace and not _is_sharded(first):
-            raise _unsupported(func, args, kwargs)
+            raise _unsupported(func, args, given)
         if _is_sharded(first) and _is_sharded(second):
             if (
                 first.metadata().shards_metadata != second.metadata().shards_metadata
@@ -248,7 +264,10 @@ def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
                 )
             other = _empty_like_wrapper(second)
             probe = _probe(
-                lambda a, *r, **k: func(a, other, *r, **k), _empty_like_wrapper(first), rest, kwargs
+                lambda a, *r, **k: func(a, other, *r, **k),
+                _empty_like_wrapper(first, in_place=inplace),
+                rest,
+                kwargs,
             )
             pairs = list(zip(first.local_shards(), second.local_shards(), strict=True))
             if any(a.metadata != b.metadata for a, b in pairs):
@@ -258,7 +277,9 @@ def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
                 )
             results = [func(a.tensor, b.tensor, *rest, **kwargs) for a, b in pairs]
         elif _is_sharded(first):
-            probe = _probe(func, _empty_like_wrapper(first), (second, *rest), kwargs)
+            probe = _probe(
+                func, _empty_like_wrapper(first, in_place=inplace), (second, *rest), kwargs
+            )
             results = [func(s.tensor, second, *rest, **kwargs) for s in first.local_shards()]
         else:
             probe = _probe(
@@ -269,9 +290,9 @@ def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
             )
             results = [func(first, s.tensor, *rest, **kwargs) for s in second.local_shards()]
         if results and isinstance(results[0], type(NotImplemented)):
-            raise _unsupported(func, args, kwargs)
+            raise _unsupported(func, args, given)
         if inplace:
-            return st
+            return _in_place_result(st, probe)
         return _wrap(st, results, probe)
 
     return impl
@@ -283,9 +304,10 @@ def _register_all() -> None:
             op = getattr(owner, name, None)
             if op is not None:
                 builtin_op(op)(_unary(op, inplace=False))
-        inplace_op = getattr(torch.Tensor, f"{name}_", None)
-        if inplace_op is not None:
-            builtin_op(inplace_op)(_unary(inplace_op, inplace=True))
+        for owner in (torch, torch.Tensor):  # torch.relu_ as well as Tensor.relu_
+            inplace_op = getattr(owner, f"{name}_", None)
+            if inplace_op is not None:
+                builtin_op(inplace_op)(_unary(inplace_op, inplace=True))
     for op in _UNARY_FUNCTIONAL:
         builtin_op(op)(_unary(op, inplace=False))
     for op in (torch.Tensor.__neg__, torch.Tensor.__abs__, torch.Tensor.__invert__):

@@ -38,6 +38,11 @@ def _is_sharded_tensor(value: object) -> bool:
     return isinstance(value, ShardedTensor)
 
 
+def _group_of(st: Any) -> Any:
+    # A tensor built by ShardedTensorBase without a process group has none.
+    return getattr(st, "_process_group", None)
+
+
 def first_sharded_tensor(args: Any, kwargs: Any) -> Any:
     """The first ShardedTensor among the leaves of ``args`` then ``kwargs``, or ``None``."""
     for leaf in pytree.tree_leaves((args, kwargs or {})):
@@ -53,13 +58,13 @@ def _basic_validation(op: Callable[..., Any], args: Any, kwargs: Any) -> None:
     found = False
     for leaf in pytree.tree_leaves((args, kwargs or {})):
         if _is_sharded_tensor(leaf):
-            if found and leaf._process_group is not group:
+            if found and _group_of(leaf) is not group:
                 raise RuntimeError(
                     "All distributed tensors should use the same ProcessGroup if used together "
                     "in an op."
                 )
             found = True
-            group = leaf._process_group
+            group = _group_of(leaf)
     if not found:
         raise TypeError(
             f"torch function '{op.__name__}', with args: {args} and kwargs: {kwargs} are called "
@@ -149,12 +154,12 @@ def dispatch(
     """Route a torch function call with a ShardedTensor argument to its implementation."""
     st = first_sharded_tensor(args, kwargs)
     if func in _CUSTOM_SHARDED_OPS:
-        group = None if st is None else st._process_group
+        group = None if st is None else _group_of(st)
         return _CUSTOM_SHARDED_OPS[func](types, args, kwargs, group)
     if st is not None and _has_custom_op(st._sharding_spec, func):
-        return _dispatch_custom_op(st._sharding_spec, func, types, args, kwargs, st._process_group)
+        return _dispatch_custom_op(st._sharding_spec, func, types, args, kwargs, _group_of(st))
     if st is not None and func in _SHARDED_OPS:
-        return _SHARDED_OPS[func](types, args, kwargs, st._process_group)
+        return _SHARDED_OPS[func](types, args, kwargs, _group_of(st))
     name = getattr(func, "__name__", str(func))
     raise RuntimeError(
         f"torch function '{name}', with args: {args} and kwargs: {kwargs} not supported for "

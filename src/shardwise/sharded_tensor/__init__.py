@@ -95,8 +95,10 @@ def init_from_local_tensor(
 
 
 def _register() -> None:
-    from shardwise.sharded_tensor.serialization import register_safe_globals
+    from shardwise.sharded_tensor.serialization import ProcessGroupState, register_safe_globals
 
+    # Upstream spells it ShardedTensor.ProcessGroupState.
+    ShardedTensor.ProcessGroupState = ProcessGroupState  # type: ignore[attr-defined]
     register_safe_globals()
 
 

@@ -22,7 +22,7 @@ from shardwise import collectives
 if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
 
-__all__ = ["ProcessGroupState", "get_state", "load_with_process_group", "set_state"]
+__all__ = ["get_state", "load_with_process_group", "set_state"]
 
 _CURRENT_PROCESS_GROUP: ProcessGroup | None = None
 
