@@ -14,6 +14,13 @@ from shardwise.ops._common import rebuild, sharded_input
 from shardwise.ops.registry import builtin_op
 
 
+def _tracked(requires_grad: bool, dtype: torch.dtype) -> bool:
+    """Whether autograd records a copy of a tensor: what the shards' own ``clone``/``type_as``
+    give (False under ``no_grad`` or for an integer result), known on every rank."""
+    differentiable = dtype.is_floating_point or dtype.is_complex
+    return requires_grad and differentiable and torch.is_grad_enabled()
+
+
 def _shard_cls() -> Any:
     from shardwise.sharded_tensor.shard import Shard
 
@@ -39,6 +46,7 @@ def _type_as(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
     ]
     metadata = copy.deepcopy(st.metadata())
     metadata.tensor_properties.dtype = other.dtype
+    metadata.tensor_properties.requires_grad = _tracked(st.requires_grad, other.dtype)
     return rebuild(st, shards, metadata)
 
 
@@ -62,7 +70,9 @@ def _clone(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
         shard_cls(shard.tensor.clone(), copy.deepcopy(shard.metadata))
         for shard in st.local_shards()
     ]
-    return rebuild(st, shards, copy.deepcopy(st.metadata()))
+    metadata = copy.deepcopy(st.metadata())
+    metadata.tensor_properties.requires_grad = _tracked(st.requires_grad, st.dtype)
+    return rebuild(st, shards, metadata)
 
 
 @builtin_op(torch.Tensor.copy_)
@@ -98,8 +108,10 @@ def _register_like(op: Callable[..., Any], factory_name: str, takes_fill: bool) 
         # A None keyword means "not given" (torch's *_like keep the source dtype for dtype=None).
         options = {key: value for key, value in (kwargs or {}).items() if value is not None}
         options.pop("memory_format", None)
-        options.setdefault("dtype", st.dtype)
-        options.setdefault("requires_grad", st.requires_grad)
+        dtype = options.setdefault("dtype", st.dtype)
+        # Kept only where it can hold: an integer tensor cannot require grad.
+        differentiable = dtype.is_floating_point or dtype.is_complex
+        options.setdefault("requires_grad", st.requires_grad and differentiable)
         options.setdefault("process_group", st._process_group)
         factory = getattr(factories, factory_name)
         if takes_fill:

@@ -7,6 +7,7 @@ from typing import Any
 from torch.distributed import ProcessGroup
 
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise.ops.registry import custom_sharded_op_impl
 from shardwise.sharded_tensor.api import ShardedTensor, ShardedTensorBase
 from shardwise.sharded_tensor.factories import empty, full, ones, rand, randn, zeros
 from shardwise.sharded_tensor.shard import Shard
@@ -19,6 +20,7 @@ __all__ = [
     "ShardedTensorBase",
     "ShardedTensorMetadata",
     "TensorProperties",
+    "custom_sharded_op_impl",
     "empty",
     "full",
     "init_from_local_shards",

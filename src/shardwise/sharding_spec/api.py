@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -108,3 +108,12 @@ def scatter_with_spec(
     from shardwise.api import scatter
 
     return scatter(tensor, spec, src_rank=src_rank, process_group=process_group)
+
+
+def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Any:
+    """Decorator registering an implementation of ``func`` for tensors sharded by
+    ``sharding_spec_class`` (upstream's home of this name; see
+    :func:`shardwise.ops.registry.custom_sharding_spec_op`)."""
+    from shardwise.ops.registry import custom_sharding_spec_op as register
+
+    return register(sharding_spec_class, func)

@@ -62,13 +62,16 @@ LAYOUTS: dict[str, tuple[ShardingSpec, tuple[int, ...]]] = {
 
 
 def narrow(full: torch.Tensor, metadata: ShardMetadata) -> torch.Tensor:
-    """The slice of ``full`` that a shard with ``metadata`` covers."""
-    view = full
-    for dim, (offset, size) in enumerate(
-        zip(metadata.shard_offsets, metadata.shard_sizes, strict=True)
-    ):
-        view = view.narrow(dim, offset, size)
-    return view
+    """The slice of ``full`` that a shard with ``metadata`` covers.
+
+    Slicing, not ``narrow``: an empty trailing chunk's offset may lie past the end (SPEC 1).
+    """
+    return full[
+        tuple(
+            slice(offset, offset + size)
+            for offset, size in zip(metadata.shard_offsets, metadata.shard_sizes, strict=True)
+        )
+    ]
 
 
 def from_full(
@@ -165,9 +168,9 @@ def gathered(values: torch.Tensor, group: ProcessGroup | None = None) -> list[to
 
 def assert_same_on_all_ranks(value: torch.Tensor, group: ProcessGroup | None = None) -> None:
     """``value`` is bit-for-bit the same on every rank (NaN counts as equal to NaN)."""
-    mine = gathered(value, group)[dist.get_rank(group)]
-    for theirs in gathered(value, group):
-        assert_close(theirs, mine, exact=True, equal_nan=True)
+    everyone = gathered(value, group)
+    for theirs in everyone:
+        assert_close(theirs, everyone[dist.get_rank(group)], exact=True, equal_nan=True)
 
 
 def seeded_full(
