@@ -3,9 +3,12 @@
 Every rank lists the boxes its state dict needs (its ShardedTensor shards, its DTensor chunk,
 its LocalShardsWrapper shards, or the whole plain tensor), intersects them with the saved
 chunks and reads only the bytes it needs: one positioned read straight into the destination
-when the overlap is contiguous in the saved chunk, otherwise the smallest range of whole rows
-covering it. A chunk read in full has its checksum verified. Reads run on a thread pool in file
-and offset order.
+when the overlap is contiguous in the saved chunk, otherwise one read per row piece, or fewer
+reads spanning the gaps between pieces where a gap costs less than a read (see
+:func:`~shardwise.checkpoint.planner.plan_reads`). A chunk read in full has its checksum
+verified. Every check that needs no data (keys, sizes, dtypes, data files present and long
+enough) runs on every rank before anything is copied, and a failure on any rank raises the
+same error on every rank. Reads run on a thread pool in file and offset order.
 """
 
 from __future__ import annotations
@@ -491,11 +494,23 @@ def load(
     path_text = os.fspath(path)
     storage = open_storage(path, storage_options)
 
-    def index_text() -> str:
-        return _read_index(storage, path_text) if comm.rank == 0 else ""
-
-    _, texts = _agree(comm, index_text, lambda text: text)
-    metadata = _parse_index(texts[0], storage.join(INDEX_NAME))
+    # Rank 0 reads the index and broadcasts it (or its failure): O(index) bytes per rank.
+    envelope: dict[str, Any] | None = None
+    error: Exception | None = None
+    if comm.rank == 0:
+        try:
+            envelope = {"text": _read_index(storage, path_text)}
+        except Exception as err:
+            error = err
+            envelope = {"error": _error_record(err)}
+    if comm.group is not None:
+        envelope = comm.broadcast_json(envelope, src=0)
+    if error is not None:
+        raise error
+    assert envelope is not None
+    if "error" in envelope:
+        raise _rebuild(envelope["error"], 0)
+    metadata = _parse_index(envelope["text"], storage.join(INDEX_NAME))
     reader = _Reader(storage, verify, comm.rank)
 
     def plan() -> tuple[list[_Job], dict[str, Mapping[str, Any]]]:

@@ -18,6 +18,7 @@ from shardwise.sharding_spec._internals import (
 )
 
 __all__ = [
+    "READ_COST",
     "Box",
     "ChunkRead",
     "SavedChunk",
@@ -29,6 +30,12 @@ __all__ = [
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+#: What one more read call costs, in bytes read: :func:`plan_reads` reads a gap between two
+#: needed runs rather than issue another read when the gap is smaller. Measured on local
+#: files: a positioned read with its bookkeeping costs about as much as copying 64 KiB (so a
+#: column block of a narrow tensor is one read, not one read per row).
+READ_COST = 64 << 10
 
 
 def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -269,30 +276,35 @@ def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
 
 
-def _split_level(overlap_sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
-    """How many leading dims to split an overlap along so that its reads stay lean.
+def _split_level(
+    overlap_sizes: Sequence[int], strides: Sequence[int], itemsize: int, read_cost: int
+) -> int:
+    """How many leading dims to split a non-contiguous overlap along.
 
-    Splitting along dims ``[0, level)`` gives one read per index of those dims, each covering
-    its sub-box from first to last element. The smallest level (fewest reads) whose bytes stay
-    within 5% of the needed bytes plus one row of the chunk is chosen; splitting along every
-    dim but the last reads exactly the needed bytes, so a level always qualifies.
+    Splitting along dims ``[0, level)`` gives one read per index of those dims, each from
+    its piece's first element to its last; ``len - 1`` reads exactly the needed bytes. The
+    level with the least ``reads * read_cost + bytes`` wins (the fewest reads on a tie).
     """
-    needed = numel(overlap_sizes) * itemsize
-    allowance = 21 * needed + 20 * strides[0] * itemsize  # 1.05 * needed + one row, times 20
+    best, best_cost = 0, -1
     for level in range(len(overlap_sizes)):
         count = numel(overlap_sizes[:level])
-        read = count * _span(overlap_sizes[level:], strides[level:]) * itemsize
-        if 20 * read <= allowance:
-            return level
-    return len(overlap_sizes)
+        cost = count * (read_cost + _span(overlap_sizes[level:], strides[level:]) * itemsize)
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = level, cost
+    return best
 
 
-def plan_reads(target: Box, chunks: Sequence[SavedChunk], itemsize: int) -> list[ChunkRead]:
-    """The reads that fill ``target`` from ``chunks`` (only the needed bytes).
+def plan_reads(
+    target: Box, chunks: Sequence[SavedChunk], itemsize: int, read_cost: int = READ_COST
+) -> list[ChunkRead]:
+    """The reads that fill ``target`` from ``chunks``.
 
-    A contiguous overlap is one read of exactly its bytes. Otherwise the overlap is split
-    along its leading dims into as few pieces as keep the bytes read within 5% of the bytes
-    needed plus one row of the chunk, each piece read from its first to its last element.
+    A contiguous overlap is one read of exactly its bytes. A non-contiguous one (e.g. a column
+    block of row-wise chunks) is read in pieces split along its leading dims, each piece from
+    its first to its last element: one read per row reads exactly the needed bytes, one read
+    of the whole overlap reads the gaps between its rows too. The split minimizing
+    ``reads * read_cost + bytes read`` is chosen, so a gap is skipped exactly when it is
+    larger than what another read costs (with ``read_cost=0``, only needed bytes are read).
     Reads are ordered by file and offset.
 
     Raises:
@@ -315,7 +327,7 @@ def plan_reads(target: Box, chunks: Sequence[SavedChunk], itemsize: int) -> list
                 ChunkRead(index, chunk.begin, chunk.end - chunk.begin, overlap, True, None)
             )
             continue
-        reads.extend(_overlap_reads(index, chunk, overlap, itemsize))
+        reads.extend(_overlap_reads(index, chunk, overlap, itemsize, read_cost))
     if covered != numel(target[1]):
         raise ValueError(
             f"saved chunks cover {covered} of the {numel(target[1])} elements of the box at "
@@ -325,11 +337,13 @@ def plan_reads(target: Box, chunks: Sequence[SavedChunk], itemsize: int) -> list
     return reads
 
 
-def _overlap_reads(index: int, chunk: SavedChunk, overlap: Box, itemsize: int) -> list[ChunkRead]:
+def _overlap_reads(
+    index: int, chunk: SavedChunk, overlap: Box, itemsize: int, read_cost: int
+) -> list[ChunkRead]:
     """The reads of a part of a chunk (see :func:`plan_reads`)."""
     offsets, sizes = overlap
     strides = _strides(chunk.sizes)
-    level = _split_level(sizes, strides, itemsize)
+    level = _split_level(sizes, strides, itemsize, read_cost)
     piece_sizes = (1,) * level + tuple(sizes[level:])
     span = _span(piece_sizes, strides)
     layout = None if span == numel(piece_sizes) else tuple(strides)

@@ -253,17 +253,48 @@ def test_reads_of_whole_and_contiguous_overlaps_are_exact() -> None:
     ]
 
 
-def test_column_overlap_reads_only_the_needed_bytes() -> None:
-    # A column block of row chunks: one read per row (no whole rows), exactly the needed bytes.
+def test_column_overlap_reads_needed_bytes_or_one_read_by_cost() -> None:
+    # A column block of a row chunk. With read_cost=0: one read per row, exactly the needed
+    # bytes (no whole rows).
     chunks = [_chunk((0, 0), (4, 100), 0)]
-    reads = planner.plan_reads(((0, 10), (4, 20)), chunks, 4)
-    assert [(r.file_offset, r.nbytes, r.overlap, r.strides) for r in reads] == [
+    exact = planner.plan_reads(((0, 10), (4, 20)), chunks, 4, read_cost=0)
+    assert [(r.file_offset, r.nbytes, r.overlap, r.strides) for r in exact] == [
         (row * 400 + 40, 80, ((row, 10), (1, 20)), None) for row in range(4)
     ]
-    assert planner.total_bytes(reads) == 4 * 20 * 4
-    # When the gaps are small, one strided read from first to last element is cheaper.
-    wide = planner.plan_reads(((0, 0), (4, 99)), chunks, 4)
-    assert wide == [ChunkRead(0, 0, (3 * 100 + 99) * 4, ((0, 0), (4, 99)), False, (100, 1))]
+    assert planner.total_bytes(exact) == 4 * 20 * 4
+    # Narrow rows with the default cost: one strided read from the first needed element to
+    # the last beats four reads.
+    (one,) = planner.plan_reads(((0, 10), (4, 20)), chunks, 4)
+    assert one == ChunkRead(0, 40, (3 * 100 + 20) * 4, ((0, 10), (4, 20)), False, (100, 1))
+    # Wide rows: the gaps (3 x 96 KiB) cost more than three more reads.
+    wide = [_chunk((0, 0), (4, 32768), 0)]
+    reads = planner.plan_reads(((0, 8192), (4, 8192)), wide, 4)
+    assert [(r.file_offset, r.nbytes) for r in reads] == [
+        (row * 131072 + 32768, 32768) for row in range(4)
+    ]
+    # A 3-D overlap split along its first dim only: each piece is contiguous.
+    cube = [_chunk((0, 0, 0), (3, 4, 5), 0, itemsize=8)]
+    pieces = planner.plan_reads(((0, 1, 0), (3, 2, 5)), cube, 8, read_cost=0)
+    assert [(r.file_offset, r.nbytes, r.strides) for r in pieces] == [
+        ((i * 20 + 5) * 8, 80, None) for i in range(3)
+    ]
+
+
+def test_reads_choose_the_cheapest_split() -> None:
+    # 2 x 10 x 4 chunk of bytes, overlap [0:2, 0:2, 1:3]. Exact: 4 reads of 2 bytes; split
+    # along dim 0 only: 2 strided reads of 6; no split: one read of 46 (1 + 40 + 4 + 1).
+    chunks = [_chunk((0, 0, 0), (2, 10, 4), 0, itemsize=1)]
+    target = ((0, 0, 1), (2, 2, 2))
+    shapes = {
+        cost: [
+            (r.file_offset, r.nbytes, r.strides)
+            for r in planner.plan_reads(target, chunks, 1, cost)
+        ]
+        for cost in (0, 5, 100)
+    }
+    assert shapes[0] == [(1, 2, None), (5, 2, None), (41, 2, None), (45, 2, None)]
+    assert shapes[5] == [(1, 6, (40, 4, 1)), (41, 6, (40, 4, 1))]  # 2*(5+6) < 4*(5+2), 5+46
+    assert shapes[100] == [(1, 46, (40, 4, 1))]
 
 
 def test_reads_of_a_zero_d_tensor_and_of_an_empty_box() -> None:
@@ -324,6 +355,7 @@ def reshard_cases(draw: st.DrawFn) -> dict[str, Any]:
         "holders": holders,
         "target": draw(tilings(shape)),
         "dtype": draw(st.sampled_from([torch.int8, torch.int16, torch.int32, torch.int64])),
+        "read_cost": draw(st.sampled_from([1, 16, planner.READ_COST])),
     }
 
 
@@ -359,18 +391,26 @@ def test_any_tiling_reads_back_into_any_tiling_exactly(case: dict[str, Any]) -> 
         )
         begin, end = storage.write(f"rank{rank}", data)
         chunks.append(SavedChunk(offsets, sizes, f"rank{rank}", begin, end, "-"))
-    out = torch.full(shape, -1, dtype=torch.int64).to(dtype)
-    for box in case["target"]:
-        storage.bytes_read = 0
-        reads = planner.plan_reads(box, chunks, itemsize)
-        assert reads == sorted(reads, key=lambda r: (chunks[r.chunk].file, r.file_offset))
-        for read in reads:
-            chunk = chunks[read.chunk]
-            assert read.whole_chunk == (read.overlap == (chunk.offsets, chunk.sizes))
-            _apply(read, chunk, storage, out, dtype)
-        # Lean: within 5% of the needed bytes plus one row of each chunk read.
-        needed = math.prod(box[1]) * itemsize
-        touched = {read.chunk for read in reads}
-        rows = sum(math.prod(chunks[i].sizes[1:]) * itemsize for i in touched)
-        assert storage.bytes_read <= 1.05 * needed + rows
-    assert torch.equal(out, full)
+    for read_cost in (0, case["read_cost"]):
+        out = torch.full(shape, -1, dtype=torch.int64).to(dtype)
+        for box in case["target"]:
+            storage.bytes_read = 0
+            reads = planner.plan_reads(box, chunks, itemsize, read_cost)
+            assert reads == sorted(reads, key=lambda r: (chunks[r.chunk].file, r.file_offset))
+            for read in reads:
+                chunk = chunks[read.chunk]
+                assert read.whole_chunk == (read.overlap == (chunk.offsets, chunk.sizes))
+                _apply(read, chunk, storage, out, dtype)
+            needed = math.prod(box[1]) * itemsize
+            exact = planner.plan_reads(box, chunks, itemsize, 0)
+            if read_cost == 0:
+                # Only the needed bytes.
+                assert storage.bytes_read == needed
+            else:
+                # Never costlier than reading exactly the needed bytes row by row, and never
+                # more than the chunks it touches.
+                cost = storage.bytes_read + read_cost * len(reads)
+                assert cost <= needed + read_cost * len(exact)
+                touched = {read.chunk for read in reads}
+                assert storage.bytes_read <= sum(chunks[i].end - chunks[i].begin for i in touched)
+        assert torch.equal(out, full)
