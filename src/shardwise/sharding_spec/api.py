@@ -95,19 +95,29 @@ class ShardingSpec(ABC):
         """
 
 
-def scatter_with_spec(
-    spec: ShardingSpec,
-    tensor: torch.Tensor,
-    src_rank: int,
-    process_group: ProcessGroup | None,
-) -> ShardedTensor:
-    """Scatter ``tensor`` by ``spec``'s metadata (the built-in specs' :meth:`ShardingSpec.shard`).
+class ScatterByMetadata(ShardingSpec):
+    """Base of the built-in specs: ``shard`` scatters by the layout of :meth:`build_metadata`."""
 
-    Imported lazily: scattering lives above the spec layer (it builds a ShardedTensor).
-    """
-    from shardwise.api import scatter
+    __slots__ = ()
 
-    return scatter(tensor, spec, src_rank=src_rank, process_group=process_group)
+    def shard(
+        self,
+        tensor: torch.Tensor,
+        src_rank: int = 0,
+        process_group: ProcessGroup | None = None,
+    ) -> ShardedTensor:
+        """Scatter ``tensor`` from group rank ``src_rank`` by this spec (collective).
+
+        Every rank calls it with the same spec and ``src_rank``; only the source's data is
+        used. Several shards per rank and empty shards are fine.
+
+        Returns:
+            The ShardedTensor holding this rank's shards, with ``sharding_spec() is self``.
+        """
+        # Imported here: scattering lives above the spec layer (it builds a ShardedTensor).
+        from shardwise.api import scatter
+
+        return scatter(tensor, self, src_rank=src_rank, process_group=process_group)
 
 
 def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Any:

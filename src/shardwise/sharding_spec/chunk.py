@@ -10,18 +10,13 @@ because :func:`~shardwise.sharding_spec.check_tensor` skips bounds checks for th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import torch
 
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardwise.placement import RemoteDevice
-from shardwise.sharding_spec.api import ShardingSpec, scatter_with_spec
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-    from shardwise.sharded_tensor.api import ShardedTensor
+from shardwise.sharding_spec.api import ScatterByMetadata
 
 __all__ = [
     "ChunkShardingSpec",
@@ -76,7 +71,7 @@ def _check_dim(dim: object) -> int:
 
 
 @dataclass(slots=True)
-class ChunkShardingSpec(ShardingSpec):
+class ChunkShardingSpec(ScatterByMetadata):
     """Shards a tensor along one dim into ``len(placements)`` chunks, like ``torch.chunk``.
 
     Chunk ``i`` goes to ``placements[i]``; trailing chunks may be empty (see the module
@@ -150,22 +145,6 @@ class ChunkShardingSpec(ShardingSpec):
             sizes[dim] = get_chunked_dim_size(dim_size, split, idx)
             shards.append(ShardMetadata(offsets, sizes, _as_remote_device(placement)))
         return ShardedTensorMetadata(shards, tensor_sizes, tensor_properties)
-
-    def shard(
-        self,
-        tensor: torch.Tensor,
-        src_rank: int = 0,
-        process_group: ProcessGroup | None = None,
-    ) -> ShardedTensor:
-        """Scatter ``tensor`` from group rank ``src_rank`` by this spec (collective).
-
-        Every rank calls it with the same spec and ``src_rank``; only the source's data is
-        used. Several shards per rank and empty shards are fine.
-
-        Returns:
-            The ShardedTensor holding this rank's shards, with ``sharding_spec() is self``.
-        """
-        return scatter_with_spec(self, tensor, src_rank, process_group)
 
 
 def _as_remote_device(placement: RemoteDevice | str | torch.device) -> RemoteDevice:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,18 +11,13 @@ from shardwise.sharding_spec._internals import (
     check_tensor,
     validate_non_overlapping_shards_metadata,
 )
-from shardwise.sharding_spec.api import ShardingSpec, scatter_with_spec
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-    from shardwise.sharded_tensor.api import ShardedTensor
+from shardwise.sharding_spec.api import ScatterByMetadata
 
 __all__ = ["EnumerableShardingSpec"]
 
 
 @dataclass(slots=True)
-class EnumerableShardingSpec(ShardingSpec):
+class EnumerableShardingSpec(ScatterByMetadata):
     """Shards a tensor into explicitly listed boxes (offsets, sizes and placement each).
 
     The shards must not overlap; whether they cover a given tensor exactly is checked by
@@ -78,19 +72,3 @@ class EnumerableShardingSpec(ShardingSpec):
         """
         check_tensor(self.shards, tensor_sizes)
         return ShardedTensorMetadata(self.shards, tensor_sizes, tensor_properties)
-
-    def shard(
-        self,
-        tensor: torch.Tensor,
-        src_rank: int = 0,
-        process_group: ProcessGroup | None = None,
-    ) -> ShardedTensor:
-        """Scatter ``tensor`` from group rank ``src_rank`` by this spec (collective).
-
-        Every rank calls it with the same spec and ``src_rank``; only the source's data is
-        used. Several shards per rank and empty shards are fine.
-
-        Returns:
-            The ShardedTensor holding this rank's shards, with ``sharding_spec() is self``.
-        """
-        return scatter_with_spec(self, tensor, src_rank, process_group)
