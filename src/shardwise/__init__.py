@@ -21,6 +21,7 @@ from shardwise.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumError,
+    DCPImportError,
     MetadataFormatError,
     PickleNotAllowedError,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumError",
     "ChunkShardingSpec",
+    "DCPImportError",
     "DevicePlacementSpec",
     "EnumerableShardingSpec",
     "LocalShardsWrapper",

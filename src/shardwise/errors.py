@@ -13,8 +13,10 @@ Hierarchy::
     ├── CheckpointMismatchError      saved and target size or dtype differ (also ValueError)
     ├── CheckpointDataError          a data file is missing or truncated (also OSError)
     │   └── ChecksumError            the bytes of a chunk do not match their checksum
-    └── PickleNotAllowedError        an entry needs pickle and the caller did not opt in
-                                     (also TypeError)
+    ├── PickleNotAllowedError        an entry needs pickle and the caller did not opt in
+    │                                (also TypeError)
+    └── DCPImportError               a torch.distributed.checkpoint directory is malformed, or
+                                     cannot be read without running pickled code
 
 User mistakes otherwise raise the built-in ``ValueError``/``TypeError``/``RuntimeError``
 with the upstream ``torch.distributed._shard`` messages, which are part of the API contract.
@@ -36,6 +38,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "ChecksumError",
+    "DCPImportError",
     "MetadataFormatError",
     "PickleNotAllowedError",
 ]
@@ -112,3 +115,7 @@ class ChecksumError(CheckpointDataError):
 class PickleNotAllowedError(CheckpointError, TypeError):
     """An entry can only be saved or loaded with pickle, and ``allow_pickle=True`` was not
     given."""
+
+
+class DCPImportError(CheckpointError):
+    """A DCP checkpoint is malformed, or cannot be read without running pickled code."""

@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 
 import shardwise.checkpoint as ckpt
 from shardwise import cli
-from shardwise.checkpoint import MetadataIndex
+from shardwise.checkpoint import MetadataIndex, dcp_import
+from shardwise.cli import consolidate
 from shardwise.local_shards import LocalShardsWrapper
 
 OBJECT_KEYS = ["blob", "cfg.lr", "cfg.name", "raw", "step"]
@@ -474,10 +475,10 @@ def test_split_rule_is_hugging_faces() -> None:
     # The example of transformers' docs (limit 10: [6], [6+2], [6+2+2]) plus a tensor above the
     # limit, which gets a file of its own while the file being filled stays open.
     sizes = [6, 6, 2, 6, 2, 2, 12, 1]
-    tensors = [cli._OutTensor(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
-    shards = cli._shard(tensors, 10)
+    tensors = [consolidate._OutTensor(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+    shards = consolidate._shard(tensors, 10)
     assert [[t.nbytes for t in shard] for shard in shards] == [[6], [6, 2], [12], [6, 2, 2], [1]]
-    assert cli._shard([], 10) == [[]]
+    assert consolidate._shard([], 10) == [[]]
 
 
 # -- convert-dcp -----------------------------------------------------------------------------
@@ -603,7 +604,7 @@ def test_dcp_metadata_cannot_alter_the_allowed_stand_ins(
     code, _, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
     assert code == 2
     assert "__setstate__() missing 1 required positional argument" in err
-    assert cli._DCPIndex.FIELDS == ("fqn", "offset", "index")
+    assert dcp_import._DCPIndex.FIELDS == ("fqn", "offset", "index")
     metadata.write_bytes(
         b"ctorch.serialization\n_get_layout\nN}S'__defaults__'\n(S'x'\nts\x86b"
         b"S'torch.strided'\n\x85R."
@@ -611,7 +612,7 @@ def test_dcp_metadata_cannot_alter_the_allowed_stand_ins(
     code, _, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
     assert code == 2
     assert err.endswith("TypeError: invalid partial state\n")  # a fresh partial refuses it
-    assert cli._layout.__defaults__ is None
+    assert dcp_import._layout.__defaults__ is None
 
 
 def test_convert_dcp_refuses_pickled_objects_and_non_dcp_directories(

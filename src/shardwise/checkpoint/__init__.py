@@ -18,6 +18,7 @@ from shardwise.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumError,
+    DCPImportError,
     PickleNotAllowedError,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumError",
     "ChunkStorageMetadata",
+    "DCPImportError",
     "Metadata",
     "MetadataIndex",
     "PickleNotAllowedError",

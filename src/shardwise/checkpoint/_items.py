@@ -204,4 +204,4 @@ def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) 
 
 def nbytes_of(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a box of ``sizes`` elements of ``dtype``."""
-    return math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(sizes) * dtype.itemsize

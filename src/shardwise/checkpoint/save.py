@@ -63,6 +63,8 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 # tensors otherwise cost 10,000 writes); larger ones go straight from tensor memory.
 _SMALL_WRITE = 1 << 20
 _BUFFER_LIMIT = 8 << 20
+# Large entries are hashed and written in pieces of this size.
+_PIECE = 4 << 20
 # GPU tensors are copied to the host through a reused pinned buffer of this size.
 _STAGING_BYTES = 64 << 20
 
@@ -96,7 +98,7 @@ def _plan_entries(snapshot: _Snapshot) -> list[dict[str, Any]]:
                 "dtype": dtype_name(value.dtype),
                 "size": None if value.size is None else list(value.size),
                 "properties": value.properties.to_dict(),
-                "itemsize": torch.empty((), dtype=value.dtype).element_size(),
+                "itemsize": value.dtype.itemsize,
                 "chunks": [[list(box.offsets), list(box.sizes)] for box in value.boxes],
             }
         )
@@ -126,16 +128,20 @@ class _ChecksummingWriter:
         if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
             return self._staged_entry(tensor)
         view = _byte_view(tensor.contiguous())
-        digest = xxhash.xxh3_64_hexdigest(view)
         if len(view) < _SMALL_WRITE:
             self._pending += view
             if len(self._pending) >= _BUFFER_LIMIT:
                 self.flush()
-        else:
-            self.flush()
-            self._writer.write(view)
-            self.bytes_written += len(view)
-        return digest
+            return xxhash.xxh3_64_hexdigest(view)
+        self.flush()
+        # Hash each piece right before writing it, while it is in cache: one pass over memory.
+        hasher = xxhash.xxh3_64()
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            hasher.update(piece)
+            self._writer.write(piece)
+        self.bytes_written += len(view)
+        return str(hasher.hexdigest())
 
     def blob(self, payload: bytes) -> str:
         self._pending += payload
@@ -289,7 +295,11 @@ def _commit(storage: Storage, metadata: Metadata, sync_files: bool, save_id: str
     storage.rename(temporary, index)
     if sync_files:
         storage.sync_dir(storage.root)
-    # Data files of earlier saves to this path are unreachable now; remove them.
+
+
+def _remove_stale_files(storage: Storage, metadata: Metadata) -> None:
+    """Remove data files of earlier saves to this path: the committed index no longer names
+    them. Runs after the commit is acknowledged, so no rank waits for it."""
     keep = {info["file"].rsplit("/", 1)[-1] for info in _file_infos(metadata)}
     for name in storage.listdir(storage.join(DATA_DIR)):
         if name not in keep and not name.endswith(".tmp"):
@@ -381,6 +391,8 @@ def _save_snapshot(
             _commit(storage, metadata, sync_files, save_id)
 
     comm.exchange_or_raise(commit, lambda _: None)
+    if comm.rank == coordinator_rank:
+        _remove_stale_files(storage, metadata)
     return metadata
 
 

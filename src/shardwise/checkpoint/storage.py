@@ -11,7 +11,7 @@ import contextlib
 import os
 from typing import Any, BinaryIO, Protocol
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "Writer", "open_storage"]
+__all__ = ["FsspecStorage", "LocalStorage", "Reader", "Storage", "Writer", "open_storage"]
 
 
 class Writer(Protocol):
@@ -22,6 +22,16 @@ class Writer(Protocol):
 
     def close(self, sync: bool) -> None:
         """Finish the file; with ``sync``, make it durable (fsync) first."""
+
+
+class Reader(Protocol):
+    """A file opened for positioned reads (safe to share between threads)."""
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
+
+    def close(self) -> None:
+        """Release the file."""
 
 
 class Storage(Protocol):
@@ -46,6 +56,9 @@ class Storage(Protocol):
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
+
+    def open_reader(self, path: str) -> Reader:
+        """Open ``path`` for many positioned reads (one open instead of one per read)."""
 
     def read(self, path: str) -> bytes:
         """The whole file."""
@@ -82,6 +95,29 @@ class _LocalWriter:
             self._file.close()
 
 
+def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:
+    view = buffer.cast("B")
+    total = 0
+    while total < len(view):
+        count = os.preadv(fd, [view[total:]], offset + total)
+        if count == 0:
+            break
+        total += count
+    return total
+
+
+class _LocalReader:
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        # preadv takes the offset explicitly, so threads can share the descriptor.
+        return _pread_into(self._fd, offset, buffer)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class LocalStorage:
     """A directory on a local (or mounted shared) file system."""
 
@@ -104,18 +140,14 @@ class LocalStorage:
         return _LocalWriter(path)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        view = buffer.cast("B")
-        fd = os.open(path, os.O_RDONLY)
+        reader = _LocalReader(path)
         try:
-            total = 0
-            while total < len(view):
-                count = os.preadv(fd, [view[total:]], offset + total)
-                if count == 0:
-                    break
-                total += count
-            return total
+            return reader.read_into(offset, buffer)
         finally:
-            os.close(fd)
+            reader.close()
+
+    def open_reader(self, path: str) -> Reader:
+        return _LocalReader(path)
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as file:
@@ -154,6 +186,18 @@ class _FsspecWriter:
         self._file.close()
 
 
+class _FsspecReader:
+    def __init__(self, storage: FsspecStorage, path: str) -> None:
+        self._storage = storage
+        self._path = path
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        return self._storage.read_into(self._path, offset, buffer)
+
+    def close(self) -> None:
+        return None
+
+
 class FsspecStorage:
     """Any fsspec file system (``s3://``, ``gs://``, ``memory://``, ...)."""
 
@@ -187,6 +231,9 @@ class FsspecStorage:
         data = self.fs.cat_file(path, start=offset, end=offset + len(view))
         view[: len(data)] = data
         return len(data)
+
+    def open_reader(self, path: str) -> Reader:
+        return _FsspecReader(self, path)
 
     def read(self, path: str) -> bytes:
         return bytes(self.fs.cat_file(path))

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.storage import LocalStorage
+from shardwise.checkpoint.storage import _LocalReader
 from tests.harness import distributed
 
 # The module, not the function the package exports under the same name.
@@ -227,18 +227,18 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 def _count_reads() -> Iterator[list[int]]:
     """Count the bytes this process reads from data files."""
     counter = [0]
-    original = LocalStorage.read_into
+    original = _LocalReader.read_into
 
-    def counting(self: LocalStorage, path: str, offset: int, buffer: memoryview) -> int:
-        count = original(self, path, offset, buffer)
+    def counting(self: _LocalReader, offset: int, buffer: memoryview) -> int:
+        count = original(self, offset, buffer)
         counter[0] += count
         return count
 
-    LocalStorage.read_into = counting  # type: ignore[method-assign]
+    _LocalReader.read_into = counting  # type: ignore[method-assign]
     try:
         yield counter
     finally:
-        LocalStorage.read_into = original  # type: ignore[method-assign]
+        _LocalReader.read_into = original  # type: ignore[method-assign]
 
 
 @distributed(world_size=WORLD, timeout=60)

@@ -17,6 +17,7 @@ from shardwise.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumError,
+    DCPImportError,
     MetadataFormatError,
     PickleNotAllowedError,
 )
@@ -29,6 +30,7 @@ HIERARCHY = [
     (CheckpointDataError, (CheckpointError, OSError)),
     (ChecksumError, (CheckpointDataError, CheckpointError, OSError)),
     (PickleNotAllowedError, (CheckpointError, TypeError)),
+    (DCPImportError, (CheckpointError,)),
 ]
 
 

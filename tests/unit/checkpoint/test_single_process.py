@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.storage import LocalStorage
+from shardwise.checkpoint.storage import _LocalReader
 from shardwise.local_shards import LocalShardsWrapper
 
 # The module, not the function the package exports under the same name.
@@ -368,19 +368,19 @@ def test_progress_bars_on_save_and_load(tmp_path: Path, capsys: pytest.CaptureFi
 def _count_reads() -> Iterator[list[int]]:
     """Count the bytes and the calls of reads from data files (not the index)."""
     counter = [0, 0]
-    original = LocalStorage.read_into
+    original = _LocalReader.read_into
 
-    def counting(self: LocalStorage, path: str, offset: int, buffer: memoryview) -> int:
-        count = original(self, path, offset, buffer)
+    def counting(self: _LocalReader, offset: int, buffer: memoryview) -> int:
+        count = original(self, offset, buffer)
         counter[0] += count
         counter[1] += 1
         return count
 
-    LocalStorage.read_into = counting  # type: ignore[method-assign]
+    _LocalReader.read_into = counting  # type: ignore[method-assign]
     try:
         yield counter
     finally:
-        LocalStorage.read_into = original  # type: ignore[method-assign]
+        _LocalReader.read_into = original  # type: ignore[method-assign]
 
 
 def _row_blocks(full: torch.Tensor, parts: int) -> LocalShardsWrapper:

@@ -1,0 +1,23 @@
+"""The ``shardwise`` command line (also ``python -m shardwise``).
+
+Commands::
+
+    shardwise inspect PATH [--json]        what a checkpoint holds, and how it was saved
+    shardwise verify PATH                  read every byte and check every checksum
+    shardwise diff A B [--atol --rtol]     compare two checkpoints key by key
+    shardwise consolidate PATH OUT [--max-shard-size SIZE]
+                                           Hugging Face style safetensors files
+    shardwise convert-dcp DCP_DIR OUT      a torch.distributed.checkpoint directory into a
+                                           shardwise checkpoint, without running pickled code
+
+Exit codes: 0 success, 1 verification or comparison failed, 2 bad usage or unreadable input.
+Progress bars (tqdm, on stderr) appear only when stderr is a terminal. See ``docs/cli.md``.
+
+Layout: :mod:`~shardwise.cli._app` parses arguments and dispatches, one module per command
+(``inspect``, ``verify``, ``diff``, ``consolidate``, ``convert_dcp``) does the work, and
+:mod:`~shardwise.cli._common` holds what they share (output helpers, the checkpoint reader).
+"""
+
+from shardwise.cli._app import main, parse_size
+
+__all__ = ["main", "parse_size"]

@@ -1,0 +1,32 @@
+"""``shardwise convert-dcp``: a ``torch.distributed.checkpoint`` directory into a shardwise
+checkpoint, without running pickled code (the reading is :mod:`shardwise.checkpoint.dcp_import`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from shardwise.checkpoint import save
+from shardwise.checkpoint.dcp_import import DCPReader
+from shardwise.cli._common import EXIT_OK, _count, _progress
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert ``args.dcp_dir`` into a shardwise checkpoint at ``args.out``."""
+    directory = args.dcp_dir
+    reader = DCPReader(directory)
+    state_dict: dict[str, Any] = {}
+    num_tensors = 0
+    with _progress(len(reader.keys), f"converting {directory}", unit="key") as bar:
+        for fqn in reader.keys:
+            state_dict[fqn] = reader.read(fqn)
+            if reader.is_tensor(fqn):
+                num_tensors += 1
+            bar.update(1)
+    save(state_dict, args.out, progress=sys.stderr.isatty())
+    print(
+        f"converted {_count(num_tensors, 'tensor')} and "
+        f"{_count(len(state_dict) - num_tensors, 'object')} from {directory} to {args.out}"
+    )
+    return EXIT_OK
