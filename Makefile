@@ -30,8 +30,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Benchmarks print ratios against torch.distributed.checkpoint measured in the same run; they
+# are never part of the test suite. BENCH_ARGS=--quick gives a one-minute smoke run.
 bench: $(STAMP)
 	$(BIN)/python bench/overlap_validation.py
+	$(BIN)/python bench/checkpoint.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -26,7 +26,13 @@ import xxhash
 
 from shardwise import collectives
 from shardwise.checkpoint import planner
-from shardwise.checkpoint._items import LocalBox, decode_object, describe_tensor, is_tensor_value
+from shardwise.checkpoint._items import (
+    LocalBox,
+    TensorValue,
+    decode_object,
+    describe_tensor,
+    is_tensor_value,
+)
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -356,9 +362,8 @@ class _Reader:
         return bytes(data)
 
 
-def _check_target(fqn: str, value: torch.Tensor, entry: TensorStorageMetadata) -> None:
+def _check_target(fqn: str, described: TensorValue, entry: TensorStorageMetadata) -> None:
     saved_dtype = entry.properties.dtype
-    described = describe_tensor(fqn, value)
     if described.size is not None and tuple(described.size) != tuple(entry.size):
         raise CheckpointMismatchError(
             f"size mismatch: the checkpoint has size {list(entry.size)}, the state dict "
@@ -403,8 +408,9 @@ def _plan_load(
                 raise CheckpointMismatchError(
                     "the state dict holds a tensor, the checkpoint an object", key=fqn
                 )
-            _check_target(fqn, value, entry)
-            targets.extend(_Target(fqn, box) for box in describe_tensor(fqn, value).boxes)
+            described = describe_tensor(fqn, value)
+            _check_target(fqn, described, entry)
+            targets.extend(_Target(fqn, box) for box in described.boxes)
         else:
             if not isinstance(entry, BytesStorageMetadata):
                 raise CheckpointMismatchError(
