@@ -17,6 +17,10 @@ from torch.distributed import ProcessGroup
 from shardwise import collectives
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardwise.ops import registry
+from shardwise.sharded_tensor.remote import (  # noqa: F401 - upstream's names live here
+    _sharded_tensor_lock,
+    _sharded_tensor_map,
+)
 from shardwise.sharded_tensor.shard import Shard
 from shardwise.sharded_tensor.utils import (
     build_global_metadata,
