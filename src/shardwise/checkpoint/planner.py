@@ -162,6 +162,12 @@ def _fill_unknown_sizes(
 
 
 def _validate_tiling(plan: TensorPlan) -> None:
+    if len(plan.holders) == 1:
+        # One box (a replicated or unsharded tensor): it tiles exactly when it is the whole
+        # tensor. The common case, checked without building shard metadata.
+        ((offsets, sizes),) = plan.holders
+        if not any(offsets) and sizes == plan.size:
+            return
     boxes = [ShardMetadata(list(offsets), list(sizes)) for offsets, sizes in plan.holders]
     if not plan.size:
         if len(boxes) != 1:
