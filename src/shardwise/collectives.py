@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardwise.errors import CHECKPOINT_ERRORS, CheckpointError
+
 __all__ = [
     "Comm",
     "RemoteError",
@@ -27,6 +29,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "comm_device",
+    "describe_error",
     "exchange_or_raise",
     "global_rank",
     "global_ranks",
@@ -154,7 +157,20 @@ def all_gather_json(value: object, process_group: ProcessGroup) -> list[Any]:
     ]
 
 
-def _describe(error: BaseException) -> dict[str, str]:
+def describe_error(error: BaseException) -> dict[str, Any]:
+    """A JSON description of ``error`` that :func:`rebuild_error` turns back into one.
+
+    A :class:`~shardwise.errors.CheckpointError` keeps its key, file and rank.
+    """
+    if isinstance(error, CheckpointError):
+        # Its message ends with the context its keywords add; keep the bare message.
+        return {
+            "type": type(error).__name__,
+            "message": error.bare_message,
+            "key": error.key,
+            "file": error.file,
+            "rank": error.rank,
+        }
     message = (
         error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
     )
@@ -182,7 +198,7 @@ def exchange_or_raise(
         envelope: dict[str, object] = {"ok": encode(local)}
     except Exception as err:
         error = err
-        envelope = {"error": _describe(err)}
+        envelope = {"error": describe_error(err)}
     gathered = all_gather_json(envelope, process_group)
     if error is not None:
         raise error
@@ -192,8 +208,18 @@ def exchange_or_raise(
     return local, [entry["ok"] for entry in gathered]  # type: ignore[return-value]
 
 
-def rebuild_error(description: dict[str, str], rank: int) -> BaseException:
-    """An exception equal in type and message to one described by another rank."""
+def rebuild_error(description: dict[str, Any], rank: int) -> BaseException:
+    """An exception equal in type and message to one described by another rank.
+
+    Checkpoint errors come back as the same subclass with the same key and file, naming the
+    failing rank.
+    """
+    checkpoint_cls = CHECKPOINT_ERRORS.get(description["type"])
+    if checkpoint_cls is not None and "key" in description:
+        failing = description["rank"] if description["rank"] is not None else rank
+        return checkpoint_cls(
+            description["message"], key=description["key"], file=description["file"], rank=failing
+        )
     cls = _REBUILDABLE.get(description["type"])
     if cls is None:
         return RemoteError(

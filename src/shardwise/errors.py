@@ -66,6 +66,7 @@ class CheckpointError(Exception):
         file: str | os.PathLike[str] | None = None,
         rank: int | None = None,
     ) -> None:
+        self.bare_message = message
         self.key = key
         self.file = None if file is None else os.fspath(file)
         self.rank = rank
@@ -119,3 +120,20 @@ class PickleNotAllowedError(CheckpointError, TypeError):
 
 class DCPImportError(CheckpointError):
     """A DCP checkpoint is malformed, or cannot be read without running pickled code."""
+
+
+#: Every CheckpointError class by name (to rebuild one another rank raised).
+CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError,
+        CheckpointDataError,
+        CheckpointFormatError,
+        CheckpointKeyError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        ChecksumError,
+        PickleNotAllowedError,
+        DCPImportError,
+    )
+}

@@ -17,9 +17,9 @@ import concurrent.futures
 import os
 import pickle
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import xxhash
@@ -43,7 +43,6 @@ from shardwise.checkpoint.save import CHECKSUM_ALGORITHM, INDEX_NAME
 from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.errors import (
     CheckpointDataError,
-    CheckpointError,
     CheckpointFormatError,
     CheckpointKeyError,
     CheckpointMismatchError,
@@ -56,78 +55,6 @@ __all__ = ["load", "load_tensor", "read_metadata"]
 
 # Reads are I/O bound (the GIL is released in preadv and in copies); a few threads overlap them.
 _READ_THREADS = 4
-
-_T = TypeVar("_T")
-
-_CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
-    cls.__name__: cls
-    for cls in (
-        CheckpointError,
-        CheckpointDataError,
-        CheckpointFormatError,
-        CheckpointKeyError,
-        CheckpointMismatchError,
-        CheckpointNotFoundError,
-        ChecksumError,
-        PickleNotAllowedError,
-    )
-}
-
-
-def _error_record(error: Exception) -> dict[str, Any]:
-    args = error.args
-    message = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
-    record: dict[str, Any] = {"type": type(error).__name__, "message": message}
-    if isinstance(error, CheckpointError):
-        record.update(key=error.key, file=error.file, rank=error.rank)
-    return record
-
-
-def _rebuild(record: dict[str, Any], rank: int) -> BaseException:
-    """The exception another rank described, as the same class where it is a CheckpointError
-    (message, key, file and rank kept; the rank is that of the failing rank when unnamed)."""
-    cls = _CHECKPOINT_ERRORS.get(record["type"])
-    if cls is None or "key" not in record:
-        return collectives.rebuild_error(record, rank)
-    message: str = record["message"]
-    context = str(cls("", key=record["key"], file=record["file"], rank=record["rank"]))
-    if context and message.endswith(context):
-        message = message[: len(message) - len(context)]
-    failing = record["rank"] if record["rank"] is not None else rank
-    return cls(message, key=record["key"], file=record["file"], rank=failing)
-
-
-def _agree(
-    comm: collectives.Comm,
-    compute: Callable[[], _T],
-    share: Callable[[_T], object] = lambda _: None,
-) -> tuple[_T, list[Any]]:
-    """Run ``compute`` on every rank; if it fails on any rank, every rank raises.
-
-    As :func:`shardwise.collectives.exchange_or_raise`, except that a
-    :class:`~shardwise.errors.CheckpointError` of another rank is raised as the same
-    subclass, so every rank reports e.g. a ``ChecksumError`` rather than a generic error.
-
-    Returns:
-        The local result and every rank's ``share(result)``, in group-rank order.
-    """
-    if comm.group is None:
-        local = compute()
-        return local, [share(local)]
-    error: Exception | None = None
-    try:
-        local = compute()
-        envelope: dict[str, Any] = {"ok": share(local)}
-    except Exception as err:
-        error = err
-        envelope = {"error": _error_record(err)}
-    gathered = comm.all_gather_json(envelope)
-    if error is not None:
-        raise error
-    for rank, entry in enumerate(gathered):
-        if "error" in entry:
-            raise _rebuild(entry["error"], rank)
-    return local, [entry["ok"] for entry in gathered]
 
 
 def _read_index(storage: Storage, path: str) -> str:
@@ -548,14 +475,14 @@ def load(
             envelope = {"text": _read_index(storage, path_text)}
         except Exception as err:
             error = err
-            envelope = {"error": _error_record(err)}
+            envelope = {"error": collectives.describe_error(err)}
     if comm.group is not None:
         envelope = comm.broadcast_json(envelope, src=0)
     if error is not None:
         raise error
     assert envelope is not None
     if "error" in envelope:
-        raise _rebuild(envelope["error"], 0)
+        raise collectives.rebuild_error(envelope["error"], 0)
     metadata = _parse_index(envelope["text"], storage.join(INDEX_NAME))
     reader = _Reader(storage, verify, comm.rank)
 
@@ -569,7 +496,7 @@ def load(
         return jobs, objects
 
     # Everything that can be checked without the data is, on every rank, before any copy.
-    (jobs, objects), _ = _agree(comm, plan)
+    (jobs, objects), _ = comm.exchange_or_raise(plan, lambda _: None)
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm  # type: ignore[import-untyped]
@@ -589,7 +516,7 @@ def load(
         return values
 
     try:
-        values, _ = _agree(comm, run)
+        values, _ = comm.exchange_or_raise(run, lambda _: None)
     finally:
         reader.close()
         if bar is not None:

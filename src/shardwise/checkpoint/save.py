@@ -89,6 +89,18 @@ def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
     return _Snapshot(tensors, objects)
 
 
+def _describe_or_error(
+    state_dict: Mapping[str, Any], allow_pickle: bool, stage: bool
+) -> tuple[_Snapshot, BaseException | None]:
+    """The local description (staged to CPU memory with ``stage``), or the user error that
+    stops it: raised later, after every rank has shared its verdict."""
+    try:
+        snapshot = _describe(state_dict, allow_pickle)
+        return (_stage(snapshot) if stage else snapshot), None
+    except (TypeError, ValueError) as err:
+        return _Snapshot({}, {}), err
+
+
 def _plan_entries(snapshot: _Snapshot) -> list[dict[str, Any]]:
     entries = []
     for fqn, value in snapshot.tensors.items():
@@ -435,12 +447,7 @@ def save(
     """
     comm = collectives.Comm(process_group)
     _check_coordinator(coordinator_rank, comm)
-    error: BaseException | None = None
-    snapshot = _Snapshot({}, {})
-    try:
-        snapshot = _describe(state_dict, allow_pickle)
-    except (TypeError, ValueError) as err:
-        error = err
+    snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
     return _save_snapshot(
         snapshot,
         os.fspath(path),
@@ -530,12 +537,7 @@ def async_save(
         comm_group = _background_group(process_group)
         comm = collectives.Comm(comm_group)
         _check_coordinator(coordinator_rank, comm)
-        error: BaseException | None = None
-        snapshot = _Snapshot({}, {})
-        try:
-            snapshot = _stage(_describe(state_dict, allow_pickle))
-        except (TypeError, ValueError) as err:
-            error = err
+        snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=True)
         if _executor is None:
             _executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="shardwise-async-save"
