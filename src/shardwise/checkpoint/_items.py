@@ -21,7 +21,32 @@ import torch
 from shardwise.checkpoint.planner import Box
 from shardwise.metadata import TensorProperties
 
-__all__ = ["LocalBox", "TensorValue", "describe_object", "describe_tensor", "is_tensor_value"]
+__all__ = [
+    "LocalBox",
+    "TensorValue",
+    "byte_view",
+    "describe_object",
+    "describe_tensor",
+    "is_tensor_value",
+    "narrow_to",
+]
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (writable)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def narrow_to(tensor: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
+    """The part of ``tensor`` (holding the global box that starts at ``origin``) that holds
+    the global ``box``."""
+    view = tensor
+    for dim, (start, offset, size) in enumerate(zip(origin, box[0], box[1], strict=True)):
+        view = view.narrow(dim, offset - start, size)
+    return view
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ __all__ = [
     "SavedChunk",
     "TensorPlan",
     "assign_writers",
+    "check_tiling",
     "flatten_state_dict",
     "merge_tensor_plans",
     "plan_reads",
@@ -162,22 +163,45 @@ def _fill_unknown_sizes(
 
 
 def _validate_tiling(plan: TensorPlan) -> None:
-    if len(plan.holders) == 1:
-        # One box (a replicated or unsharded tensor): it tiles exactly when it is the whole
-        # tensor. The common case, checked without building shard metadata.
-        ((offsets, sizes),) = plan.holders
-        if not any(offsets) and sizes == plan.size:
-            return
-    boxes = [ShardMetadata(list(offsets), list(sizes)) for offsets, sizes in plan.holders]
-    if not plan.size:
-        if len(boxes) != 1:
-            raise ValueError(f"cannot save {plan.fqn!r}: a 0-d tensor must be one chunk")
-        return
     try:
-        validate_non_overlapping_shards_metadata(boxes)
-        check_tensor(boxes, list(plan.size))
+        check_tiling(plan.size, list(plan.holders))
     except ValueError as err:
         raise ValueError(f"cannot save {plan.fqn!r}: its chunks do not tile it: {err}") from err
+
+
+def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
+    """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, a box
+    with elements lies inside it, no two boxes share an element (an O(n log n) sweep), and
+    together they cover every element. Boxes without elements may lie anywhere (the ceil
+    rule puts trailing empty chunks past the end).
+
+    Raises:
+        ValueError: The boxes do not tile the tensor (the message says how).
+    """
+    if not boxes:
+        raise ValueError("there are no chunks")
+    ndim = len(size)
+    if not ndim and len(boxes) != 1:
+        raise ValueError("a 0-d tensor must be one chunk")
+    for offsets, sizes in boxes:
+        if len(offsets) != ndim or len(sizes) != ndim:
+            raise ValueError(
+                f"the chunk at offsets {list(offsets)} with sizes {list(sizes)} does not have "
+                f"the {ndim} dims of the tensor"
+            )
+    if len(boxes) == 1:
+        # One box (a replicated or unsharded tensor): the common case, checked without
+        # building shard metadata.
+        offsets, sizes = boxes[0]
+        if not any(offsets) and tuple(sizes) == tuple(size):
+            return
+    filled = [ShardMetadata(list(offsets), list(sizes)) for offsets, sizes in boxes if numel(sizes)]
+    if not filled:
+        if numel(size):
+            raise ValueError(f"the chunks hold no elements of a tensor of size {list(size)}")
+        return
+    validate_non_overlapping_shards_metadata(filled)
+    check_tensor(filled, list(size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,14 +254,28 @@ def assign_writers(
 
 @dataclass(frozen=True, slots=True)
 class SavedChunk:
-    """A chunk as the index records it."""
+    """Stored bytes as the index records them: a tensor chunk (its box) or an object blob
+    (an empty box).
+
+    Attributes:
+        offsets: The chunk's offsets in the tensor (``()`` for a blob or a 0-d tensor).
+        sizes: The chunk's sizes.
+        file: The data file, relative to the checkpoint (``data/rank-...``).
+        begin: First byte in the file.
+        end: One past the last byte.
+        checksums: The block checksums, concatenated (see ``docs/format.md``).
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str
     begin: int
     end: int
-    checksum: str
+    checksums: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
 
 
 @dataclass(frozen=True, slots=True)

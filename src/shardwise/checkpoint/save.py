@@ -7,9 +7,13 @@ Order of work (see ``docs/format.md`` for the files):
 2. A pure plan dedups replicated chunks and balances bytes across ranks.
 3. Each rank writes its chunks into one safetensors file under a temporary name, straight from
    tensor memory, checksumming as it goes; then fsyncs and renames it.
-4. The byte ranges and checksums are exchanged; the coordinator writes the index to a temporary
-   name, fsyncs it and renames it to ``shardwise.json`` — the commit point — then removes data
-   files of earlier saves to the same path. Nobody returns before the commit.
+4. The byte ranges and block checksums are exchanged; the coordinator writes the sealed index
+   to a temporary name, fsyncs it and renames it to ``shardwise.json`` — the commit point —
+   then removes the data files that the index it replaced named and the new one does not
+   (never any other file). Nobody returns before the commit.
+
+Writes never follow a link below the checkpoint: ``data/`` must be a real directory, and files
+are created fresh (``O_EXCL | O_NOFOLLOW``) under temporary names and renamed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
 from shardwise import __version__ as _version
 from shardwise import collectives
@@ -33,38 +36,41 @@ from shardwise.checkpoint._items import (
     LocalBox,
     ObjectValue,
     TensorValue,
+    byte_view,
     describe_object,
     describe_tensor,
     is_tensor_value,
 )
 from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
-from shardwise.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorStorageMetadata,
+from shardwise.checkpoint.index import (
+    BLOCK_SIZE,
+    DATA_DIR,
+    INDEX_NAME,
+    Index,
+    ObjectRecord,
+    SaveFacts,
+    TensorRecord,
+    block_checksums,
+    data_file_name,
+    decode_index,
+    encode_index,
+    is_data_file_name,
 )
+from shardwise.checkpoint.metadata import Metadata
+from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.storage import Storage, Writer, open_storage
 from shardwise.metadata import TensorProperties, dtype_name
 
-__all__ = ["CHECKSUM_ALGORITHM", "INDEX_NAME", "async_save", "save"]
+__all__ = ["async_save", "save"]
 
 logger = logging.getLogger(__name__)
-
-#: Name of the index file; its presence marks a committed checkpoint.
-INDEX_NAME = "shardwise.json"
-#: Directory of the data files, relative to the checkpoint.
-DATA_DIR = "data"
-#: The per-chunk checksum (xxh3, 64 bits, hex). Chosen by measurement: see docs/format.md.
-CHECKSUM_ALGORITHM = "xxh3_64"
 # Writes smaller than this are gathered into one buffer to save system calls (10,000 small
 # tensors otherwise cost 10,000 writes); larger ones go straight from tensor memory.
 _SMALL_WRITE = 1 << 20
 _BUFFER_LIMIT = 8 << 20
-# Large entries are hashed and written in pieces of this size.
-_PIECE = 4 << 20
+# Large entries are written in pieces of this size (a multiple of BLOCK_SIZE), each block
+# hashed right before it is written, while it is in cache.
+_PIECE = 4 * BLOCK_SIZE
 # GPU tensors are copied to the host through a reused pinned buffer of this size.
 _STAGING_BYTES = 64 << 20
 
@@ -117,16 +123,9 @@ def _plan_entries(snapshot: _Snapshot) -> list[dict[str, Any]]:
     return entries
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
 class _ChecksummingWriter:
-    """Writes entries to a file, gathering small writes, and checksums each entry."""
+    """Writes entries to a file, gathering small writes, and returns each entry's block
+    checksums (see ``docs/format.md``)."""
 
     def __init__(self, writer: Writer) -> None:
         self._writer = writer
@@ -139,41 +138,41 @@ class _ChecksummingWriter:
     def entry(self, tensor: torch.Tensor) -> str:
         if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
             return self._staged_entry(tensor)
-        view = _byte_view(tensor.contiguous())
+        view = byte_view(tensor.contiguous())
         if len(view) < _SMALL_WRITE:
             self._pending += view
             if len(self._pending) >= _BUFFER_LIMIT:
                 self.flush()
-            return xxhash.xxh3_64_hexdigest(view)
+            return block_checksums(view)
         self.flush()
-        # Hash each piece right before writing it, while it is in cache: one pass over memory.
-        hasher = xxhash.xxh3_64()
+        sums = []
         for start in range(0, len(view), _PIECE):
             piece = view[start : start + _PIECE]
-            hasher.update(piece)
+            sums.append(block_checksums(piece))
             self._writer.write(piece)
         self.bytes_written += len(view)
-        return str(hasher.hexdigest())
+        return "".join(sums)
 
     def blob(self, payload: bytes) -> str:
         self._pending += payload
-        return xxhash.xxh3_64_hexdigest(payload)
+        return block_checksums(payload)
 
     def _staged_entry(self, tensor: torch.Tensor) -> str:  # pragma: no cover - needs a GPU
-        # Copy device memory to the host in bounded pieces through one reused pinned buffer.
+        # Copy device memory to the host in bounded pieces (a multiple of the block size)
+        # through one reused pinned buffer.
         self.flush()
-        hasher = xxhash.xxh3_64()
+        sums = []
         source = tensor.contiguous().reshape(-1).view(torch.uint8)
         staging = _pinned_staging(min(_STAGING_BYTES, max(source.numel(), 1)))
         for start in range(0, source.numel(), staging.numel()):
             piece = source[start : start + staging.numel()]
             target = staging[: piece.numel()]
             target.copy_(piece, non_blocking=False)
-            view = _byte_view(target)
-            hasher.update(view)
+            view = byte_view(target)
+            sums.append(block_checksums(view))
             self._writer.write(view)
             self.bytes_written += len(view)
-        return str(hasher.hexdigest())
+        return "".join(sums) or block_checksums(b"")
 
     def flush(self) -> None:
         if self._pending:
@@ -210,11 +209,12 @@ def _write_data_file(
     blobs: list[tuple[str, ObjectValue]],
     sync_files: bool,
     progress: Any,
-) -> dict[str, dict[str, Any]]:
-    """Write this rank's data file; returns the storage info of every entry, by key."""
+) -> dict[str, Any]:
+    """Write this rank's data file. Returns ``{"file": [name, size], "entries": {key:
+    [begin, end, block checksums]}}`` (empty when this rank writes nothing)."""
     if not assignments and not blobs:
         return {}
-    name = f"{DATA_DIR}/rank-{rank:05d}.{save_id}.safetensors"
+    name = data_file_name(rank, save_id)
     entries = []
     for item in assignments:
         value = snapshot.tensors[item.fqn]
@@ -226,21 +226,19 @@ def _write_data_file(
     final = storage.join(*name.split("/"))
     temporary = f"{final}.tmp"
     writer = storage.open_write(temporary)
-    infos: dict[str, dict[str, Any]] = {}
+    written: dict[str, list[Any]] = {}
     try:
         out = _ChecksummingWriter(writer)
         out.raw(layout.header)
         for item, entry, (begin, end) in zip(assignments, entries, layout.ranges, strict=False):
             tensor = _find_box(snapshot.tensors[item.fqn], item.offsets).tensor
-            checksum = out.entry(tensor.detach())
-            infos[entry.key] = {"file": name, "begin": begin, "end": end, "checksum": checksum}
+            written[entry.key] = [begin, end, out.entry(tensor.detach())]
             if progress is not None:
                 progress.update(end - begin)
         for (_fqn, blob), entry, (begin, end) in zip(
             blobs, entries[len(assignments) :], layout.ranges[len(assignments) :], strict=True
         ):
-            checksum = out.blob(blob.payload)
-            infos[entry.key] = {"file": name, "begin": begin, "end": end, "checksum": checksum}
+            written[entry.key] = [begin, end, out.blob(blob.payload)]
         out.flush()
     except BaseException:
         writer.close(sync=False)
@@ -250,77 +248,75 @@ def _write_data_file(
     storage.rename(temporary, final)
     if sync_files:
         storage.sync_dir(storage.join(DATA_DIR))
-    return infos
+    return {"file": [name, layout.size], "entries": written}
 
 
-def _build_metadata(
+def _build_index(
     plans: dict[str, planner.TensorPlan],
     objects: dict[str, ObjectValue],
-    infos: dict[str, dict[str, Any]],
+    written: list[dict[str, Any]],
     world_size: int,
     save_id: str,
     path: str,
-) -> Metadata:
-    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    storage_data: dict[MetadataIndex, Any] = {}
+) -> bytes:
+    """The sealed index of this save (every rank builds the same bytes)."""
+    files = {part["file"][0]: part["file"][1] for part in written if part}
+    where: dict[str, tuple[str, list[Any]]] = {}
+    for part in written:
+        for key, entry in part.get("entries", {}).items():
+            where[key] = (part["file"][0], entry)
+
+    def stored(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> SavedChunk:
+        file, (begin, end, sums) = where[key]
+        return SavedChunk(offsets, sizes, file, begin, end, sums)
+
+    tensors = []
     for fqn, plan in plans.items():
-        boxes = sorted(plan.holders)
-        state_dict_metadata[fqn] = TensorStorageMetadata(
-            properties=TensorProperties.from_dict(plan.properties),
-            size=torch.Size(plan.size),
-            chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes],
+        chunks = tuple(
+            stored(chunk_key(fqn, offsets), offsets, sizes)
+            for offsets, sizes in sorted(plan.holders)
         )
-        for offsets, _ in boxes:
-            storage_data[MetadataIndex(fqn, torch.Size(offsets))] = infos[chunk_key(fqn, offsets)]
+        tensors.append(
+            TensorRecord(fqn, TensorProperties.from_dict(plan.properties), plan.size, chunks)
+        )
+    records = []
     for fqn, value in objects.items():
-        state_dict_metadata[fqn] = BytesStorageMetadata()
         if value.encoding == "json":
-            info: dict[str, Any] = {"encoding": "json", "text": value.payload.decode()}
+            records.append(ObjectRecord(fqn, "json", text=value.payload.decode()))
         else:
-            info = {"encoding": value.encoding, **infos[bytes_key(fqn)]}
-        storage_data[MetadataIndex(fqn)] = info
-    return Metadata(
-        state_dict_metadata=dict(sorted(state_dict_metadata.items())),
-        planner_data={
-            "writer": f"shardwise {_version}",
-            "torch": torch.__version__,
-            "world_size": world_size,
-            "checksum_algorithm": CHECKSUM_ALGORITHM,
-        },
-        storage_data=storage_data,
-        storage_meta=StorageMeta(checkpoint_id=path, save_id=save_id),
-        version="1",
-    )
+            records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
+    facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, path)
+    ordered = sorted(tensors, key=lambda record: record.fqn)
+    return encode_index(facts, files, ordered, sorted(records, key=lambda r: r.fqn))
 
 
-def _commit(storage: Storage, metadata: Metadata, sync_files: bool, save_id: str) -> None:
-    index = storage.join(INDEX_NAME)
-    temporary = f"{index}.{save_id}.tmp"
+def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
+    name = storage.join(INDEX_NAME)
+    temporary = f"{name}.{save_id}.tmp"
     writer = storage.open_write(temporary)
     try:
-        writer.write(metadata.to_json().encode())
+        writer.write(index)
     except BaseException:
         writer.close(sync=False)
         storage.remove(temporary)
         raise
     writer.close(sync=sync_files)
-    storage.rename(temporary, index)
+    storage.rename(temporary, name)
     if sync_files:
         storage.sync_dir(storage.root)
 
 
-def _remove_stale_files(storage: Storage, metadata: Metadata) -> None:
-    """Remove data files of earlier saves to this path: the committed index no longer names
-    them. Runs after the commit is acknowledged, so no rank waits for it."""
-    keep = {info["file"].rsplit("/", 1)[-1] for info in _file_infos(metadata)}
+def _remove_leftovers(storage: Storage, index: Index) -> None:
+    """Remove the data files of earlier saves to this path: every name in ``data/`` that has
+    the writer's data-file pattern and that the committed index does not name (files of the
+    index it replaced, and of saves that crashed before their commit). Runs after the commit
+    is acknowledged, so no rank waits for it. Nothing else is ever removed: not a file of
+    another name, not a temporary file, nothing outside ``data/`` (a ``data/`` that is a link
+    is refused, not followed)."""
+    keep = {name.removeprefix(f"{DATA_DIR}/") for name in index.files}
     for name in storage.listdir(storage.join(DATA_DIR)):
-        if name not in keep and not name.endswith(".tmp"):
+        if is_data_file_name(name) and name not in keep:
             storage.remove(storage.join(DATA_DIR, name))
-
-
-def _file_infos(metadata: Metadata) -> list[dict[str, Any]]:
-    data = metadata.storage_data or {}
-    return [info for info in data.values() if isinstance(info, dict) and "file" in info]
 
 
 def _progress_bar(enabled: bool, total: int, description: str) -> Any:
@@ -374,7 +370,7 @@ def _save_snapshot(
     if comm.rank == coordinator_rank:
         blobs = [(fqn, obj) for fqn, obj in snapshot.objects.items() if obj.encoding != "json"]
 
-    def write() -> dict[str, dict[str, Any]]:
+    def write() -> dict[str, Any]:
         storage.makedirs(storage.join(DATA_DIR))
         bar = _progress_bar(
             progress and comm.rank == 0, sum(item.nbytes for item in mine), f"saving {path}"
@@ -388,24 +384,22 @@ def _save_snapshot(
                 bar.close()
 
     _, written = comm.exchange_or_raise(write)
-    infos: dict[str, dict[str, Any]] = {}
-    for rank_infos in written:
-        infos.update(rank_infos)
     # Only the coordinator's objects are saved; every rank builds the same index from its plan.
     objects = {
         fqn: ObjectValue(encoding, text.encode())
         for fqn, (encoding, text) in coordinator_plan["objects"].items()
     }
-    metadata = _build_metadata(merged, objects, infos, comm.world_size, save_id, path)
+    data = _build_index(merged, objects, written, comm.world_size, save_id, path)
+    index = decode_index(data)
 
     def commit() -> None:
         if comm.rank == coordinator_rank:
-            _commit(storage, metadata, sync_files, save_id)
+            _commit(storage, data, sync_files, save_id)
 
     comm.exchange_or_raise(commit, lambda _: None)
     if comm.rank == coordinator_rank:
-        _remove_stale_files(storage, metadata)
-    return metadata
+        _remove_leftovers(storage, index)
+    return index.to_metadata()
 
 
 def save(
@@ -450,7 +444,7 @@ def save(
     snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
     return _save_snapshot(
         snapshot,
-        os.fspath(path),
+        os.path.expanduser(os.fspath(path)),
         comm,
         coordinator_rank,
         sync_files,
@@ -545,7 +539,7 @@ def async_save(
         _in_flight = _executor.submit(
             _save_snapshot,
             snapshot,
-            os.fspath(path),
+            os.path.expanduser(os.fspath(path)),
             comm,
             coordinator_rank,
             sync_files,

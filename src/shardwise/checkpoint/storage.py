@@ -3,15 +3,36 @@
 This is the only module of shardwise that touches files. Paths are plain ``str`` joined with
 ``/`` so that URLs (``s3://bucket/ckpt``, ``memory://ckpt``) survive untouched. Local paths
 need no fsspec; a URL needs the ``fsspec`` package (extra ``remote``).
+
+Below the root, the local backend never follows a symbolic link: every directory between the
+root and a file must be a real directory (``lstat``), files are opened with ``O_NOFOLLOW`` (and
+``O_NONBLOCK``, so a FIFO cannot block an open), and a file opened for reading must be a regular
+file (``fstat``). Anything else raises :class:`UnsafePathError`. The root itself may be a link:
+the caller chose that path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-from typing import Any, BinaryIO, Protocol
+import stat
+from typing import Any, Protocol
 
-__all__ = ["FsspecStorage", "LocalStorage", "Reader", "Storage", "Writer", "open_storage"]
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "Reader",
+    "Storage",
+    "UnsafePathError",
+    "Writer",
+    "open_storage",
+]
+
+
+class UnsafePathError(OSError):
+    """A path below the storage root is a symbolic link, or not the regular file or directory
+    it should be."""
 
 
 class Writer(Protocol):
@@ -25,7 +46,10 @@ class Writer(Protocol):
 
 
 class Reader(Protocol):
-    """A file opened for positioned reads (safe to share between threads)."""
+    """A regular file opened for positioned reads (safe to share between threads)."""
+
+    #: The file's size in bytes when it was opened.
+    size: int
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
@@ -58,41 +82,50 @@ class Storage(Protocol):
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
 
     def open_reader(self, path: str) -> Reader:
-        """Open ``path`` for many positioned reads (one open instead of one per read)."""
+        """Open the regular file ``path`` for many positioned reads.
 
-    def read(self, path: str) -> bytes:
-        """The whole file."""
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            UnsafePathError: ``path`` or a directory on the way is a link or not a regular
+                file (directory).
+        """
 
     def rename(self, source: str, target: str) -> None:
         """Atomically replace ``target`` by ``source`` where the backend can."""
 
     def remove(self, path: str) -> None:
-        """Delete the file ``path`` (no error if it is gone)."""
+        """Delete the file ``path`` (no error if it is gone); a link is removed, not followed."""
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the entries of directory ``path``; empty if it is missing."""
+
+    def check_directory(self, path: str) -> None:
+        """Raise :class:`UnsafePathError` if ``path`` exists but is not a real directory."""
 
     def sync_dir(self, path: str) -> None:
         """Make renames and creations inside directory ``path`` durable."""
 
 
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class _LocalWriter:
     def __init__(self, path: str) -> None:
-        self._file: BinaryIO = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        # O_EXCL: a writer only ever creates a fresh (temporary) name; never an existing file.
+        self._fd = os.open(path, _WRITE_FLAGS, 0o644)
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
         view = memoryview(data).cast("B")
         while view:
-            written = self._file.write(view)
-            assert written is not None
-            view = view[written:]
+            view = view[os.write(self._fd, view) :]
 
     def close(self, sync: bool) -> None:
         try:
             if sync:
-                os.fsync(self._file.fileno())
+                os.fsync(self._fd)
         finally:
-            self._file.close()
+            os.close(self._fd)
 
 
 def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:
@@ -108,7 +141,25 @@ def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:
 
 class _LocalReader:
     def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
+        self.path = path
+        # lstat first: a link or special file is refused without being opened at all.
+        before = os.lstat(path)
+        if not stat.S_ISREG(before.st_mode):
+            raise UnsafePathError(errno.EINVAL, "not a regular file (a link, FIFO or device)", path)
+        try:
+            self._fd = os.open(path, _READ_FLAGS)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UnsafePathError(errno.ELOOP, "is a symbolic link", path) from err
+            raise
+        opened = os.fstat(self._fd)
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (
+            before.st_dev,
+            before.st_ino,
+        ):
+            os.close(self._fd)
+            raise UnsafePathError(errno.EINVAL, "changed into a non-regular file", path)
+        self.size = opened.st_size
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         # preadv takes the offset explicitly, so threads can share the descriptor.
@@ -116,6 +167,14 @@ class _LocalReader:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _real_directory(path: str) -> bool:
+    """Whether ``path`` is a directory and not a link (False when it does not exist)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 class LocalStorage:
@@ -127,47 +186,80 @@ class LocalStorage:
     def join(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
 
+    def _check_parents(self, path: str) -> None:
+        """Every directory between the root and ``path`` is real (no link is followed)."""
+        relative = os.path.relpath(path, self.root)
+        parts = relative.split(os.sep)
+        if relative == os.curdir:
+            return
+        if os.pardir in parts or os.path.isabs(relative):
+            raise UnsafePathError(errno.EINVAL, "outside the checkpoint", path)
+        current = self.root
+        for part in parts[:-1]:
+            current = os.path.join(current, part)
+            if os.path.lexists(current) and not _real_directory(current):
+                raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", current)
+
+    def check_directory(self, path: str) -> None:
+        self._check_parents(path)
+        if os.path.lexists(path) and not _real_directory(path):
+            raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", path)
+
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        return os.path.lexists(path)
 
     def size(self, path: str) -> int:
-        return os.path.getsize(path)
+        return os.lstat(path).st_size
 
     def makedirs(self, path: str) -> None:
+        self._check_parents(path)
         os.makedirs(path, exist_ok=True)
+        self.check_directory(path)
 
     def open_write(self, path: str) -> Writer:
+        self._check_parents(path)
         return _LocalWriter(path)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        reader = _LocalReader(path)
+        reader = self.open_reader(path)
         try:
             return reader.read_into(offset, buffer)
         finally:
             reader.close()
 
     def open_reader(self, path: str) -> Reader:
+        self._check_parents(path)
         return _LocalReader(path)
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb") as file:
-            return file.read()
+        reader = self.open_reader(path)
+        try:
+            data = bytearray(reader.size)
+            count = reader.read_into(0, memoryview(data))
+            return bytes(data[:count])
+        finally:
+            reader.close()
 
     def rename(self, source: str, target: str) -> None:
+        self._check_parents(source)
+        self._check_parents(target)
+        # os.replace swaps the name: a link at ``target`` is replaced, never followed.
         os.replace(source, target)
 
     def remove(self, path: str) -> None:
+        self._check_parents(path)
         with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+            os.unlink(path)
 
     def listdir(self, path: str) -> list[str]:
+        self.check_directory(path)
         try:
             return sorted(os.listdir(path))
         except FileNotFoundError:
             return []
 
     def sync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
         finally:
@@ -190,6 +282,10 @@ class _FsspecReader:
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self._storage = storage
         self._path = path
+        info = storage.fs.info(path)
+        if info.get("type") != "file":
+            raise UnsafePathError(errno.EINVAL, "not a regular file", path)
+        self.size = int(info["size"])
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         return self._storage.read_into(self._path, offset, buffer)
@@ -251,6 +347,10 @@ class FsspecStorage:
         return sorted(
             entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(path, detail=False)
         )
+
+    def check_directory(self, path: str) -> None:
+        # Object stores have no links; a "directory" is a key prefix.
+        return None
 
     def sync_dir(self, path: str) -> None:
         return None

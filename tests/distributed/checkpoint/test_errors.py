@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.index import seal
 from tests.harness import distributed
 
 WORLD = 4
@@ -103,13 +104,14 @@ def test_unknown_format_version(tmp_path: Path) -> None:
 
     def bump() -> None:
         index = json.loads((path / "shardwise.json").read_text())
-        index["format_version"] = 2
-        (path / "shardwise.json").write_text(json.dumps(index))
+        del index["index_checksum"]
+        index["format_version"] = 3
+        (path / "shardwise.json").write_bytes(seal(index))
 
     _on_rank0_then_barrier(bump)
     message = (
-        "unsupported checkpoint format version 2; this shardwise reads version 1 (a newer "
-        f"shardwise may read it) (file '{path / 'shardwise.json'}')"
+        "unsupported checkpoint format version 3; this shardwise reads versions 1 and 2 (a "
+        f"newer shardwise may read it) (file '{path / 'shardwise.json'}')"
     )
     state = _target()
     with pytest.raises(ckpt.CheckpointFormatError, match=re.escape(message)):
@@ -227,10 +229,13 @@ def test_checksum_mismatch(tmp_path: Path) -> None:
     error = caught.value
     assert (error.key, error.file, error.rank) == ("w", str(data_file), 1)
     assert str(error).startswith(
-        f"checksum mismatch for the chunk at offsets [2, 0]: expected {info['checksum']}, got "
+        f"checksum mismatch for the chunk at offsets [2, 0] in block 0 (bytes {info['begin']}-"
+        f"{info['end']}): expected {info['checksums'][0]}, got "
     )
     assert str(error).endswith(f"the data file is corrupt (key 'w', file '{data_file}', rank 1)")
     assert isinstance(error, ckpt.CheckpointDataError)
+    # Every block is verified before anything is copied: no rank's state dict changed.
+    _assert_untouched(state)
 
     # verify=False skips the check: the flipped bit comes through.
     state = _target()

@@ -169,7 +169,7 @@ def test_merge_rejects_disagreement_overlap_and_gaps() -> None:
     ):
         planner.merge_tensor_plans([[_entry("w", [4, 4], [([0, 0], [2, 4])])]])
     with pytest.raises(
-        ValueError, match=re.escape("cannot save 's': a 0-d tensor must be one chunk")
+        ValueError, match=re.escape("cannot save 's': its chunks do not tile it: a 0-d tensor must be one chunk")
     ):
         planner.merge_tensor_plans([[_entry("s", [], [([], []), ([0], [1])])]])
 

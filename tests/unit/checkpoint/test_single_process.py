@@ -161,7 +161,7 @@ def test_index_records_entries_chunks_and_storage(tmp_path: Path) -> None:
     source = _state(2)
     ckpt.save(source, tmp_path / "c")
     metadata = ckpt.read_metadata(str(tmp_path / "c"))
-    assert metadata.version == "1"
+    assert metadata.version == "2"
     assert metadata.planner_data["world_size"] == 1
     assert metadata.planner_data["checksum_algorithm"] == "xxh3_64"
     assert metadata.storage_meta is not None and metadata.storage_meta.save_id
@@ -180,15 +180,16 @@ def test_index_records_entries_chunks_and_storage(tmp_path: Path) -> None:
 
     storage = metadata.storage_data
     info = storage[ckpt.MetadataIndex("model.w_float32", torch.Size([0, 0]))]
-    assert set(info) == {"file", "begin", "end", "checksum"}
+    assert set(info) == {"file", "begin", "end", "checksums"}
     assert info["end"] - info["begin"] == 5 * 7 * 4
+    assert len(info["checksums"]) == 1 and len(info["checksums"][0]) == 16
     assert isinstance(metadata.state_dict_metadata["blob"], ckpt.BytesStorageMetadata)
     assert storage[ckpt.MetadataIndex("step")] == {"encoding": "json", "text": "102"}
     assert storage[ckpt.MetadataIndex("blob")]["encoding"] == "bytes"
     assert storage[ckpt.MetadataIndex("stream")]["encoding"] == "bytesio"
     # The index is plain JSON (no pickle anywhere) and lists exactly the committed files.
     index = json.loads((tmp_path / "c" / "shardwise.json").read_text())
-    assert index["format"] == "shardwise-checkpoint" and index["format_version"] == 1
+    assert index["format"] == "shardwise-checkpoint" and index["format_version"] == 2
     files = {i["file"] for i in storage.values() if "file" in i}
     assert {f"data/{name}" for name in os.listdir(tmp_path / "c" / "data")} == files
 
@@ -268,8 +269,13 @@ def test_load_tensor_reads_boxes_and_verifies_whole_chunks(tmp_path: Path) -> No
         ckpt.load_tensor(tmp_path / "c", "w")
     assert caught.value.key == "w" and caught.value.rank == 0
     assert caught.value.file == str(path)
-    assert str(caught.value).startswith("checksum mismatch for the chunk at offsets [3, 0]")
+    assert str(caught.value).startswith(
+        "checksum mismatch for the chunk at offsets [3, 0] in block 0 (bytes "
+    )
     assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w", sizes=[3, 5]), full[:3])
+    # A sub-box of the corrupt chunk is verified too: its block is read and checked.
+    with pytest.raises(ckpt.ChecksumError, match="for the chunk at offsets \\[3, 0\\]"):
+        ckpt.load_tensor(tmp_path / "c", "w", offsets=[4, 2], sizes=[1, 1])
 
 
 def test_pickle_needs_an_explicit_opt_in_on_save_and_on_load(tmp_path: Path) -> None:
@@ -372,8 +378,9 @@ def _count_reads() -> Iterator[list[int]]:
 
     def counting(self: _LocalReader, offset: int, buffer: memoryview) -> int:
         count = original(self, offset, buffer)
-        counter[0] += count
-        counter[1] += 1
+        if not self.path.endswith("shardwise.json"):
+            counter[0] += count
+            counter[1] += 1
         return count
 
     _LocalReader.read_into = counting  # type: ignore[method-assign]
@@ -399,12 +406,22 @@ def test_resharded_load_reads_only_what_it_needs(tmp_path: Path) -> None:
     interior = torch.zeros(6, 10000)
     target = {"w": LocalShardsWrapper([column, interior], [(1, 16384), (5, 3000)])}
     with _count_reads() as counter:
-        ckpt.load(target, tmp_path / "c")
+        ckpt.load(target, tmp_path / "c", verify=False)
     assert torch.equal(column, full[1:15, 16384:24576])
     assert torch.equal(interior, full[5:11, 3000:13000])
     needed = (14 * 8192 + 6 * 10000) * 4
     row = 32768 * 4
     assert needed <= counter[0] <= 1.05 * needed + (4 + 2) * row, counter
+    # Verified, the load first reads every checksummed block it touches, once: here each
+    # 512 KiB chunk is one block, and the column box touches all four.
+    column.zero_()
+    interior.zero_()
+    with _count_reads() as counter:
+        ckpt.load(target, tmp_path / "c")
+    assert torch.equal(column, full[1:15, 16384:24576])
+    assert torch.equal(interior, full[5:11, 3000:13000])
+    blocks = 4 * 4 * row
+    assert needed + blocks <= counter[0] <= 1.05 * needed + (4 + 2) * row + blocks, counter
 
     # Narrow rows: a column block is one read per chunk (gaps are read, not 64 tiny reads);
     # never more than the chunks themselves.
@@ -412,9 +429,15 @@ def test_resharded_load_reads_only_what_it_needs(tmp_path: Path) -> None:
     ckpt.save({"w": _row_blocks(narrow, 4)}, tmp_path / "n")
     block = torch.zeros(64, 12)
     with _count_reads() as counter:
-        ckpt.load({"w": LocalShardsWrapper([block], [(0, 12)])}, tmp_path / "n")
+        ckpt.load({"w": LocalShardsWrapper([block], [(0, 12)])}, tmp_path / "n", verify=False)
     assert torch.equal(block, narrow[:, 12:24])
     assert counter[1] == 4 and counter[0] <= 64 * 48 * 4, counter
+    # Verified: the four adjacent one-block chunks are checked in one read first.
+    block.zero_()
+    with _count_reads() as counter:
+        ckpt.load({"w": LocalShardsWrapper([block], [(0, 12)])}, tmp_path / "n")
+    assert torch.equal(block, narrow[:, 12:24])
+    assert counter[1] == 1 + 4 and counter[0] <= 2 * 64 * 48 * 4, counter
 
 
 @st.composite
