@@ -11,7 +11,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.metadata import ShardMetadata
 from shardwise.sharding_spec._internals import (
     check_tensor,
     validate_non_overlapping_shards_metadata,
@@ -169,6 +168,17 @@ def _validate_tiling(plan: TensorPlan) -> None:
         raise ValueError(f"cannot save {plan.fqn!r}: its chunks do not tile it: {err}") from err
 
 
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """A box as the shard-layout checks read it (no validation of its own: cheap)."""
+
+    shard_offsets: tuple[int, ...]
+    shard_sizes: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"chunk(offsets={list(self.shard_offsets)}, sizes={list(self.shard_sizes)})"
+
+
 def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
     """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, a box
     with elements lies inside it, no two boxes share an element (an O(n log n) sweep), and
@@ -195,7 +205,7 @@ def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
         offsets, sizes = boxes[0]
         if not any(offsets) and tuple(sizes) == tuple(size):
             return
-    filled = [ShardMetadata(list(offsets), list(sizes)) for offsets, sizes in boxes if numel(sizes)]
+    filled = [_Chunk(tuple(offsets), tuple(sizes)) for offsets, sizes in boxes if numel(sizes)]
     if not filled:
         if numel(size):
             raise ValueError(f"the chunks hold no elements of a tensor of size {list(size)}")
