@@ -58,7 +58,8 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.storage import Storage, Writer, open_storage
+from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer, open_storage
+from shardwise.errors import CheckpointDataError
 from shardwise.metadata import TensorProperties, dtype_name
 
 __all__ = ["async_save", "save"]
@@ -371,7 +372,16 @@ def _save_snapshot(
         blobs = [(fqn, obj) for fqn, obj in snapshot.objects.items() if obj.encoding != "json"]
 
     def write() -> dict[str, Any]:
-        storage.makedirs(storage.join(DATA_DIR))
+        data_dir = storage.join(DATA_DIR)
+        try:
+            storage.makedirs(data_dir)
+        except UnsafePathError as err:
+            raise CheckpointDataError(
+                f"refusing to save: {err.filename} is not a real directory (a symbolic link "
+                "or a file?); a checkpoint's data/ must be a directory inside it",
+                file=data_dir,
+                rank=comm.rank,
+            ) from err
         bar = _progress_bar(
             progress and comm.rank == 0, sum(item.nbytes for item in mine), f"saving {path}"
         )
@@ -398,7 +408,11 @@ def _save_snapshot(
 
     comm.exchange_or_raise(commit, lambda _: None)
     if comm.rank == coordinator_rank:
-        _remove_leftovers(storage, index)
+        try:
+            _remove_leftovers(storage, index)
+        except OSError as err:
+            # The checkpoint is committed and complete; stale files only cost space.
+            logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
     return index.to_metadata()
 
 
