@@ -1,7 +1,9 @@
 """The ``shardwise`` command line on real checkpoints written in a single process: inspect,
-verify (corruption, truncation, missing files), diff (tolerances), consolidate to Hugging Face
-style safetensors (single file and split), convert-dcp from a real torch DCP checkpoint, and
-the refusal of DCP metadata that references anything but DCP's own classes."""
+verify (corruption, truncation, missing files, safetensors headers, version 1), diff
+(tolerances), consolidate to Hugging Face style safetensors (single file and split), hostile
+checkpoints (linked data files, corrupt blocks: exit 2, nothing outside opened, nothing written),
+convert-dcp from a real torch DCP checkpoint, and the refusal of DCP metadata that references
+anything but DCP's own classes."""
 
 from __future__ import annotations
 
@@ -13,20 +15,26 @@ import os
 import pickle
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardwise.checkpoint as ckpt
 from shardwise import cli
 from shardwise.checkpoint import MetadataIndex, dcp_import
+from shardwise.checkpoint import format as data_format
+from shardwise.checkpoint.format import FileEntry, HeaderEntry
 from shardwise.cli import consolidate
 from shardwise.local_shards import LocalShardsWrapper
 
@@ -99,6 +107,29 @@ def _flip_byte(path: Path, info: dict[str, Any], at: int) -> None:
     data = bytearray(file.read_bytes())
     data[info["begin"] + at] ^= 0xFF
     file.write_bytes(bytes(data))
+
+
+def _data_file(path: Path) -> Path:
+    (file,) = (path / "data").iterdir()
+    return file
+
+
+def _as_version_1(path: Path) -> None:
+    """Rewrite the index of the checkpoint at ``path`` as the first release wrote it: format
+    version 1, one checksum per chunk."""
+    metadata = ckpt.read_metadata(path)
+    storage: dict[MetadataIndex, Any] = {}
+    for key, info in metadata.storage_data.items():
+        if "checksums" in info:
+            data = (path / info["file"]).read_bytes()[info["begin"] : info["end"]]
+            info = {k: v for k, v in info.items() if k != "checksums"}
+            info["checksum"] = xxhash.xxh3_64_hexdigest(data)
+        storage[key] = info
+    planner_data = {k: v for k, v in metadata.planner_data.items() if k != "block_size"}
+    version_1 = ckpt.Metadata(
+        metadata.state_dict_metadata, planner_data, storage, metadata.storage_meta, "1"
+    )
+    (path / "shardwise.json").write_text(json.dumps(version_1.to_dict()))
 
 
 # -- inspect ---------------------------------------------------------------------------------
@@ -183,12 +214,15 @@ def test_verify_passes_then_names_the_corrupted_key(
     _flip_byte(copy, info, 5)
     code, out, _ = _run(capsys, "verify", copy)
     assert code == 1
+    (expected,) = info["checksums"]  # one block: the chunk is smaller than 1 MiB
+    got = out.split("got ")[1].split()[0]
     assert out.splitlines() == [
-        f"CHECKSUM key 'sharded' chunk at offsets [0, 1] in {info['file']}: expected "
-        f"{info['checksum']}, got {out.split('got ')[1].split()[0]}",
+        f"CHECKSUM key 'sharded' in {info['file']}: checksum mismatch for the chunk at offsets "
+        f"[0, 1] in block 0 (bytes {info['begin']}-{info['end']}): expected {expected}, got "
+        f"{got} — the data file is corrupt",
         f"{copy}: 1 problem in 12 entries",
     ]
-    assert out.split("got ")[1].split()[0] != info["checksum"]
+    assert got != expected
 
 
 class _Terminal(io.StringIO):
@@ -275,8 +309,260 @@ def test_subprocess_python_m_shardwise_exit_codes(copy: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 1, result.stderr
-    assert result.stdout.startswith("CHECKSUM key 'layer.weight' chunk at offsets [0, 0] in ")
+    assert result.stdout.startswith("CHECKSUM key 'layer.weight' in data/rank-00000.")
+    assert "checksum mismatch for the chunk at offsets [0, 0] in block 0 " in result.stdout
     assert result.stdout.endswith(f"{copy}: 1 problem in 12 entries\n")
+
+
+# -- verify: safetensors headers -------------------------------------------------------------
+
+
+def _header(file: Path) -> tuple[int, dict[str, Any]]:
+    data = file.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return length, json.loads(data[8 : 8 + length])
+
+
+def _replace_header(file: Path, text: str) -> None:
+    """Put ``text`` in place of the file's header, padded with spaces to the same length: every
+    data byte stays where it was."""
+    length, _ = _header(file)
+    encoded = text.encode()
+    assert len(encoded) <= length
+    data = bytearray(file.read_bytes())
+    data[8 : 8 + length] = encoded.ljust(length)
+    file.write_bytes(bytes(data))
+
+
+def _compact(header: dict[str, Any]) -> str:
+    return json.dumps(header, separators=(",", ":"))
+
+
+def _renamed(header: dict[str, Any], start: int) -> tuple[str, str]:
+    header["idz@0"] = header.pop("ids@0")
+    return _compact(header), "entry 'ids@0' is missing; entry 'idz@0' is not in the index"
+
+
+def _reshaped(header: dict[str, Any], start: int) -> tuple[str, str]:
+    header["layer.weight@0,0"]["shape"] = [4, 8]
+    return _compact(header), "entry 'layer.weight@0,0' has shape [4, 8], the index says [8, 4]"
+
+
+def _retyped(header: dict[str, Any], start: int) -> tuple[str, str]:
+    header["ids@0"]["dtype"] = "F64"  # as wide as I64: the header stays consistent in itself
+    return _compact(header), "entry 'ids@0' has dtype F64, the index says I64"
+
+
+def _moved(header: dict[str, Any], start: int) -> tuple[str, str]:
+    # Two 8-byte entries trade places: still packed, both disagree with the index.
+    bias, scale = header["layer.bias@0"], header["scale@"]
+    (b0, b1), (s0, s1) = bias["data_offsets"], scale["data_offsets"]
+    bias["data_offsets"], scale["data_offsets"] = [s0, s1], [b0, b1]
+    return _compact(header), (
+        f"entry 'layer.bias@0' holds bytes {start + s0}-{start + s1} of the file, the index "
+        f"says {start + b0}-{start + b1}; entry 'scale@' holds bytes {start + b0}-{start + b1} "
+        f"of the file, the index says {start + s0}-{start + s1}"
+    )
+
+
+def _extra(header: dict[str, Any], start: int) -> tuple[str, str]:
+    del header["__metadata__"]  # room for one more entry in the same header length
+    end = max(entry["data_offsets"][1] for entry in header.values())
+    header["extra@bytes"] = {"dtype": "U8", "shape": [0], "data_offsets": [end, end]}
+    return _compact(header), "entry 'extra@bytes' is not in the index"
+
+
+def _repeated(header: dict[str, Any], start: int) -> tuple[str, str]:
+    return _compact(header).replace('"mask@0"', '"ids@0"'), "the header repeats the key 'ids@0'"
+
+
+def _inconsistent(header: dict[str, Any], start: int) -> tuple[str, str]:
+    header["mask@0"]["shape"] = [4]
+    offsets = header["mask@0"]["data_offsets"]
+    return _compact(header), (
+        f"entry 'mask@0' has data_offsets {offsets} (3 bytes), but shape [4] of BOOL needs 4"
+    )
+
+
+@pytest.mark.parametrize(
+    "edit", [_renamed, _reshaped, _retyped, _moved, _extra, _repeated, _inconsistent]
+)
+def test_verify_reports_a_header_that_disagrees_with_the_index(
+    source: tuple[Path, Any],
+    copy: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit: Callable[[dict[str, Any], int], tuple[str, str]],
+) -> None:
+    data_file = _data_file(copy)
+    length, header = _header(data_file)
+    text, why = edit(header, 8 + length)
+    _replace_header(data_file, text)
+    code, out, err = _run(capsys, "verify", copy)
+    assert (code, err) == (1, "")
+    # Only the header is wrong: every checksum still matches.
+    assert out.splitlines() == [
+        f"BAD HEADER data file data/{data_file.name}: {why}",
+        f"{copy}: 1 problem in 12 entries",
+    ]
+    # Readers take byte ranges from the index, never from a header.
+    assert _run(capsys, "diff", source[0], copy)[:2] == (0, "no differences (12 keys)\n")
+
+
+_PAST_THE_END = "the header length {length} runs past the end of the file ({size} bytes)"
+_TOO_LARGE = "the header length {length} is larger than the 100000000 bytes safetensors accepts"
+
+
+@pytest.mark.parametrize(
+    ("length", "why"),
+    [
+        (lambda size: size - 7, _PAST_THE_END),
+        (lambda size: 1 << 40, _TOO_LARGE),
+        (lambda size: 0, "the header does not start with '{{'"),
+    ],
+    ids=["past-the-end", "too-large", "empty"],
+)
+def test_verify_reports_a_broken_header_length(
+    source: tuple[Path, Any],
+    copy: Path,
+    capsys: pytest.CaptureFixture[str],
+    length: Callable[[int], int],
+    why: str,
+) -> None:
+    data_file = _data_file(copy)
+    data = bytearray(data_file.read_bytes())
+    data[:8] = struct.pack("<Q", length(len(data)))
+    data_file.write_bytes(bytes(data))
+    code, out, _ = _run(capsys, "verify", copy)
+    assert code == 1
+    assert out.splitlines() == [
+        f"BAD HEADER data file data/{data_file.name}: "
+        + why.format(length=length(len(data)), size=len(data)),
+        f"{copy}: 1 problem in 12 entries",
+    ]
+    assert _run(capsys, "diff", source[0], copy)[0] == 0
+
+
+def _file(header: object, data: bytes = b"") -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+_F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"\x01\x00", "the file has 2 bytes, too few for the 8-byte header length"),
+        (struct.pack("<Q", 3) + b"{}", "the header length 3 runs past the end of the file (10"),
+        (_file(b" {}"), "the header does not start with '{'"),
+        (_file(b'{"\xff":1}'), "the header is not UTF-8 text"),
+        (_file(b'{"x":'), "the header is not valid JSON"),
+        (_file(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"), "nested too deeply"),
+        (_file(b'{"x":NaN}'), "the header contains NaN, which is not JSON"),
+        (_file(b'{"x":{"a":1,"a":1}}'), "the header repeats the key 'a'"),
+        (_file({"__metadata__": {"a": 1}}), "the header's __metadata__ must map strings to"),
+        (_file({"__metadata__": ["a"]}), "the header's __metadata__ must map strings to strings"),
+        (_file({"x": 1}), "entry 'x' must be an object with exactly the keys dtype, shape, data_"),
+        (_file({"x": {**_F32, "more": 1}}, bytes(8)), "entry 'x' must be an object with exactly"),
+        (_file({"x": {**_F32, "dtype": "F128"}}, bytes(8)), "entry 'x' has the unknown dtype 'F12"),
+        (_file({"x": {**_F32, "shape": [-2]}}, bytes(8)), "entry 'x' has a malformed shape [-2]"),
+        (_file({"x": {**_F32, "shape": [True, 2]}}, bytes(8)), "entry 'x' has a malformed shape"),
+        (_file({"x": {**_F32, "shape": [1] * 65}}, bytes(8)), "entry 'x' has a malformed shape"),
+        (_file({"x": {**_F32, "data_offsets": [8, 0]}}, bytes(8)), "malformed data_offsets [8, 0]"),
+        (_file({"x": {**_F32, "data_offsets": [0]}}, bytes(8)), "malformed data_offsets [0]"),
+        (_file({"x": {**_F32, "data_offsets": [0, 8.0]}}, bytes(8)), "malformed data_offsets"),
+        (_file({"x": {**_F32, "shape": [3]}}, bytes(8)),
+         "entry 'x' has data_offsets [0, 8] (8 bytes), but shape [3] of F32 needs 12"),
+        (_file({"x": {**_F32, "data_offsets": [4, 12]}}, bytes(12)),
+         "entry 'x' starts at data offset 4, where the entries before it end at 0: a hole before"),
+        (_file({"x": _F32, "y": {**_F32, "data_offsets": [4, 12]}}, bytes(12)),
+         "entry 'y' starts at data offset 4, where the entries before it end at 8: it overlaps"),
+        (_file({"x": _F32}, bytes(9)), "the entries end at byte "),
+        (_file({"x": _F32}, bytes(7)), "the entries end at byte "),
+    ],
+)  # fmt: skip
+def test_parse_header_refuses_what_safetensors_readers_would_trip_on(data: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        data_format.parse_header(data, len(data))
+
+
+def test_parse_header_reads_what_layout_file_writes() -> None:
+    entries = [
+        FileEntry("w@0,0", torch.float32, (2, 3), 24),
+        FileEntry("c@0", torch.complex128, (2,), 32),  # no safetensors code: raw bytes
+        FileEntry("s@", torch.float64, (), 8),
+        FileEntry("e@0", torch.int8, (0,), 0),
+        FileEntry("b@bytes", None, (5,), 5),
+    ]
+    layout = data_format.layout_file(entries, {"format": "shardwise"})
+    data = layout.header + bytes(layout.size - len(layout.header))
+    header = data_format.parse_header(data, len(data))
+    assert header.metadata == {"format": "shardwise"}
+    assert 8 + header.length == layout.ranges[0][0]
+    expected = [
+        data_format.header_entry(entry, begin)
+        for entry, (begin, _) in zip(entries, layout.ranges, strict=True)
+    ]
+    assert list(header.entries.values()) == expected
+    assert header.entries["c@0"] == HeaderEntry("c@0", "U8", (32,), *layout.ranges[1])
+    assert data_format.compare_header(header, expected) == []
+    # The safetensors library reads the same entries.
+    assert set(safetensors.torch.load(data)) == {entry.key for entry in entries}
+    # The end of the data section is the end of the file: a longer file is refused.
+    with pytest.raises(ValueError, match="the entries end at byte"):
+        data_format.parse_header(data + b"\0", len(data) + 1)
+
+
+def test_compare_header_names_every_disagreement() -> None:
+    entry = HeaderEntry("a@0", "F32", (2,), 64, 72)
+    header = data_format.Header(56, None, {"a@0": entry})
+    assert data_format.compare_header(header, [entry]) == []
+    assert data_format.compare_header(header, [entry, entry]) == [
+        "the index places two entries named 'a@0' in this file"
+    ]
+    other = HeaderEntry("a@0", "I32", (1, 2), 72, 80)
+    assert data_format.compare_header(header, [other]) == [
+        "entry 'a@0' has dtype F32, the index says I32",
+        "entry 'a@0' has shape [2], the index says [1, 2]",
+        "entry 'a@0' holds bytes 64-72 of the file, the index says 72-80",
+    ]
+    assert data_format.compare_header(header, []) == ["entry 'a@0' is not in the index"]
+
+
+def test_verify_reads_version_1_checkpoints(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _as_version_1(copy)
+    code, out, err = _run(capsys, "verify", copy)
+    assert (code, err) == (0, "")
+    assert out == f"{copy}: OK, 12 entries, 10 chunks and blobs, 391 B checked\n"
+    summary = json.loads(_run(capsys, "inspect", copy, "--json")[1])
+    assert (summary["format_version"], summary["block_size"]) == (1, None)
+    assert (summary["writer"], summary["world_size"]) == ("shardwise 0.1.0", 1)
+
+    # Version 1 declares no file sizes: a longer file is read, and reported once.
+    data_file = _data_file(copy)
+    original = data_file.read_bytes()
+    data_file.write_bytes(original + b"xyz")
+    code, out, _ = _run(capsys, "verify", copy)
+    assert code == 1
+    assert out.splitlines() == [
+        f"SIZE data file data/{data_file.name}: {len(original) + 3} bytes, 3 more than the "
+        f"{len(original)} the index accounts for",
+        f"{copy}: 1 problem in 12 entries",
+    ]
+
+    data_file.write_bytes(original)
+    info = _chunk_info(copy, "sharded", (0, 1))
+    _flip_byte(copy, info, 5)
+    code, out, _ = _run(capsys, "verify", copy)
+    assert code == 1
+    problem, summary_line = out.splitlines()
+    assert problem.startswith(
+        f"CHECKSUM key 'sharded' in {info['file']}: checksum mismatch for the chunk at offsets "
+        "[0, 1]"
+    )
+    assert f"expected {info['checksum']}, got " in problem
+    assert summary_line == f"{copy}: 1 problem in 12 entries"
 
 
 # -- usage -----------------------------------------------------------------------------------
@@ -401,8 +687,12 @@ def test_diff_of_a_corrupt_checkpoint_is_unreadable_input(
     _flip_byte(copy, info, 0)
     code, out, err = _run(capsys, "diff", source[0], copy)
     assert (code, out) == (2, "")
-    assert err.startswith("shardwise diff: error: checksum mismatch: expected ")
+    assert err.startswith(
+        "shardwise diff: error: checksum mismatch for the chunk at offsets [0] in block 0 "
+        f"(bytes {info['begin']}-{info['end']}): expected {info['checksums'][0]}, got "
+    )
     assert err.endswith(f"(key 'ids', file '{copy / info['file']}')\n")
+    assert err.count("\n") == 1
 
 
 # -- consolidate -----------------------------------------------------------------------------
@@ -479,6 +769,134 @@ def test_split_rule_is_hugging_faces() -> None:
     shards = consolidate._shard(tensors, 10)
     assert [[t.nbytes for t in shard] for shard in shards] == [[6], [6, 2], [12], [6, 2, 2], [1]]
     assert consolidate._shard([], 10) == [[]]
+
+
+# -- hostile checkpoints ---------------------------------------------------------------------
+
+
+class _OpenRecorder:
+    """Records the paths opened while ``paths`` is a list (an audit hook stays for the life of
+    the process, so it is installed once and switched on per test)."""
+
+    paths: list[str] | None = None
+    installed = False
+
+    @classmethod
+    def hook(cls, event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and cls.paths is not None and isinstance(args[0], (str, os.PathLike)):
+            cls.paths.append(os.fspath(args[0]))
+
+
+@pytest.fixture
+def opened_paths() -> Iterator[list[str]]:
+    if not _OpenRecorder.installed:
+        sys.addaudithook(_OpenRecorder.hook)
+        _OpenRecorder.installed = True
+    _OpenRecorder.paths = []
+    yield _OpenRecorder.paths
+    _OpenRecorder.paths = None
+
+
+@pytest.mark.parametrize("linked", ["file", "directory"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "diff", "consolidate"])
+def test_data_behind_a_symbolic_link_is_never_opened(
+    copy: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    opened_paths: list[str],
+    linked: str,
+    command: str,
+) -> None:
+    data_file = _data_file(copy)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if linked == "file":
+        shutil.move(data_file, outside / data_file.name)
+        data_file.symlink_to(outside / data_file.name)
+    else:
+        shutil.move(copy / "data", outside / "data")
+        (copy / "data").symlink_to(outside / "data", target_is_directory=True)
+    out_dir = tmp_path / "hf"
+    argv = {
+        "inspect": ["inspect", copy],
+        "verify": ["verify", copy],
+        "diff": ["diff", copy, copy],
+        "consolidate": ["consolidate", copy, out_dir],
+    }[command]
+    code, out, err = _run(capsys, *argv)
+    assert str(copy / "shardwise.json") in opened_paths  # the recorder sees the reader's opens
+    refused = (str(outside), str(copy / "data"))
+    assert [path for path in opened_paths if path.startswith(refused)] == []
+    assert not out_dir.exists()
+    if command == "verify":  # a problem to report, like a missing file
+        assert (code, err) == (1, "")
+        problem, summary = out.splitlines()
+        assert problem.startswith(f"UNSAFE data file data/{data_file.name}: ")
+        assert problem.endswith("; not read")
+        assert "link" in problem
+        assert summary == f"{copy}: 1 problem in 12 entries"
+        return
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        f"shardwise {command}: error: data file is not a regular file inside the checkpoint ("
+    )
+    assert err.endswith(f"file '{data_file}')\n")
+    assert err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tensor saved as two row chunks of 1.2 MB: two checksummed blocks per chunk."""
+    full = torch.randn(2, 300_000, generator=torch.Generator().manual_seed(2))
+    path = tmp_path_factory.mktemp("large") / "ckpt"
+    rows = LocalShardsWrapper([full[:1].clone(), full[1:].clone()], [(0, 0), (1, 0)])
+    ckpt.save({"big": rows}, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["verify", "diff", "consolidate"])
+def test_a_flipped_byte_inside_a_sub_box(
+    large: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    path = Path(shutil.copytree(large, tmp_path / "copy"))
+    info = _chunk_info(path, "big", (1, 0))
+    assert len(info["checksums"]) == 2
+    _flip_byte(path, info, (1 << 20) + 10)  # in the second block of the second chunk
+    block = (
+        f"checksum mismatch for the chunk at offsets [1, 0] in block 1 (bytes "
+        f"{info['begin'] + (1 << 20)}-{info['end']}): expected {info['checksums'][1]}, got "
+    )
+    if command == "verify":
+        code, out, err = _run(capsys, "verify", path)
+        assert (code, err) == (1, "")
+        problem, summary = out.splitlines()
+        assert problem.startswith(f"CHECKSUM key 'big' in {info['file']}: {block}")
+        assert summary == f"{path}: 1 problem in 1 entry"
+        return
+    out_dir = tmp_path / "hf"
+    if command == "diff":
+        code, out, err = _run(capsys, "diff", large, path)
+    else:
+        # An earlier consolidation stays as it was: nothing is replaced unless all is written.
+        assert _run(capsys, "consolidate", large, out_dir)[0] == 0
+        before = (out_dir / "model.safetensors").read_bytes()
+        code, out, err = _run(capsys, "consolidate", path, out_dir)
+        assert os.listdir(out_dir) == ["model.safetensors"]
+        assert (out_dir / "model.safetensors").read_bytes() == before
+    assert (code, out) == (2, "")
+    assert err.startswith(f"shardwise {command}: error: {block}")
+    assert err.endswith(f"(key 'big', file '{path / info['file']}')\n")
+    assert err.count("\n") == 1
+
+
+def test_keys_that_are_not_printable_are_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt.save({"a\nb": torch.zeros(1), "\x1b[2J": 1}, tmp_path / "ckpt")
+    code, out, _ = _run(capsys, "inspect", tmp_path / "ckpt")
+    assert code == 0
+    rows = out.splitlines()[1:3]
+    assert [row.split()[0] for row in rows] == ["'\\x1b[2J'", "'a\\nb'"]
 
 
 # -- convert-dcp -----------------------------------------------------------------------------

@@ -6,29 +6,45 @@ start of the data section) and carries ``__metadata__``. The header is padded wi
 the data section starts on a 64-byte boundary; entries are packed without holes, as the
 safetensors reader requires. Entry keys are ``<fqn>@<offsets joined by ",">`` for tensor
 chunks and ``<fqn>@bytes`` for byte blobs.
+
+Readers take byte ranges from the index, never from a header. :func:`parse_header` and
+:func:`compare_header` (pure: bytes in, verdicts out) let ``shardwise verify`` check that
+every header is valid safetensors and agrees with the index, so third-party readers can rely
+on the files.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
 __all__ = [
     "ALIGNMENT",
+    "MAX_HEADER_BYTES",
     "FileEntry",
     "FileLayout",
+    "Header",
+    "HeaderEntry",
     "bytes_key",
     "chunk_key",
+    "compare_header",
+    "header_entry",
+    "header_length",
     "layout_file",
+    "parse_header",
     "safetensors_dtype",
 ]
 
 #: The data section of every data file starts at a multiple of this many bytes.
 ALIGNMENT = 64
+#: The largest header safetensors reads (its own limit, 100 MB).
+MAX_HEADER_BYTES = 100_000_000
 
 # safetensors' dtype codes. Dtypes it has no code for are stored as raw bytes ("U8"); the
 # index records the real dtype, so shardwise reads them back exactly.
@@ -50,6 +66,13 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint32: "U32",
     torch.uint64: "U64",
 }
+_CODE_SIZES = {code: dtype.itemsize for dtype, code in _SAFETENSORS_DTYPES.items()}
+_LENGTH_BYTES = 8
+_METADATA_KEY = "__metadata__"
+_ENTRY_FIELDS = ("data_offsets", "dtype", "shape")
+# Bounds on what a header may declare, as in the index: dims per shape, integer values.
+_MAX_DIMS = 64
+_MAX_INT = 1 << 62
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str | None:
@@ -92,27 +115,241 @@ class FileLayout:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class HeaderEntry:
+    """One entry of a safetensors header.
+
+    Attributes:
+        key: The entry's name.
+        dtype: Its safetensors dtype code (``"F32"``, ``"U8"``, ...).
+        shape: Its shape.
+        begin: Its first byte, counted from the start of the file (not of the data section).
+        end: One past its last byte, likewise.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A parsed and checked safetensors header.
+
+    Attributes:
+        length: The header's length ``N`` in bytes (the data section starts at ``8 + N``).
+        metadata: Its ``__metadata__``, if any.
+        entries: Its entries by key, in header order.
+    """
+
+    length: int
+    metadata: dict[str, str] | None
+    entries: dict[str, HeaderEntry]
+
+
+def _stored_as(entry: FileEntry) -> tuple[str, tuple[int, ...]]:
+    """The dtype code and shape ``entry`` is written with: raw bytes are ``U8 [nbytes]``."""
+    code = None if entry.dtype is None else safetensors_dtype(entry.dtype)
+    if code is None:
+        return "U8", (entry.nbytes,)
+    return code, tuple(entry.shape)
+
+
+def header_entry(entry: FileEntry, begin: int) -> HeaderEntry:
+    """The header entry a writer records for ``entry`` at absolute byte ``begin``."""
+    code, shape = _stored_as(entry)
+    return HeaderEntry(entry.key, code, shape, begin, begin + entry.nbytes)
+
+
 def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileLayout:
     """Lay out a safetensors file holding ``entries`` in the given order."""
-    header: dict[str, object] = {"__metadata__": metadata}
+    header: dict[str, object] = {_METADATA_KEY: metadata}
     position = 0
     relative = []
     for entry in entries:
-        code = None if entry.dtype is None else safetensors_dtype(entry.dtype)
-        shape: list[int] = list(entry.shape) if code is not None else [entry.nbytes]
+        code, shape = _stored_as(entry)
         header[entry.key] = {
-            "dtype": code or "U8",
-            "shape": shape,
+            "dtype": code,
+            "shape": list(shape),
             "data_offsets": [position, position + entry.nbytes],
         }
         relative.append((position, position + entry.nbytes))
         position += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    padding = (-(8 + len(text))) % ALIGNMENT
+    padding = (-(_LENGTH_BYTES + len(text))) % ALIGNMENT
     text += b" " * padding
-    start = 8 + len(text)
+    start = _LENGTH_BYTES + len(text)
     return FileLayout(
         header=struct.pack("<Q", len(text)) + text,
         ranges=tuple((start + begin, start + end) for begin, end in relative),
         size=start + position,
     )
+
+
+# -- reading headers --------------------------------------------------------------------------
+
+
+def _invalid(message: str) -> NoReturn:
+    raise ValueError(message)
+
+
+def header_length(prefix: bytes | bytearray | memoryview, file_size: int) -> int:
+    """The header length ``N`` stored in the first 8 bytes of a file of ``file_size`` bytes.
+
+    Raises:
+        ValueError: The file is too short for the prefix, or ``N`` runs past the end of the
+            file or exceeds :data:`MAX_HEADER_BYTES`.
+    """
+    if file_size < _LENGTH_BYTES or len(prefix) < _LENGTH_BYTES:
+        _invalid(f"the file has {file_size} bytes, too few for the 8-byte header length")
+    (length,) = struct.unpack("<Q", bytes(prefix[:_LENGTH_BYTES]))
+    if length > MAX_HEADER_BYTES:
+        _invalid(
+            f"the header length {length} is larger than the {MAX_HEADER_BYTES} bytes "
+            "safetensors accepts"
+        )
+    if length > file_size - _LENGTH_BYTES:
+        _invalid(f"the header length {length} runs past the end of the file ({file_size} bytes)")
+    return int(length)
+
+
+class _RepeatedKeyError(ValueError):
+    """A JSON object of the header names a key twice (JSON parsers keep either one)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _RepeatedKeyError(f"the header repeats the key {key!r}")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> NoReturn:
+    _invalid(f"the header contains {name}, which is not JSON")
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int and 0 <= value < _MAX_INT
+
+
+def _entry(key: str, value: object, data_start: int) -> HeaderEntry:
+    if type(value) is not dict or sorted(value) != list(_ENTRY_FIELDS):
+        _invalid(
+            f"entry {key!r} must be an object with exactly the keys dtype, shape, data_offsets"
+        )
+    code, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    if not isinstance(code, str) or code not in _CODE_SIZES:
+        _invalid(f"entry {key!r} has the unknown dtype {code!r}")
+    if type(shape) is not list or len(shape) > _MAX_DIMS or not all(map(_is_int, shape)):
+        _invalid(f"entry {key!r} has a malformed shape {shape!r}")
+    if (
+        type(offsets) is not list
+        or len(offsets) != 2
+        or not all(map(_is_int, offsets))
+        or offsets[0] > offsets[1]
+    ):
+        _invalid(f"entry {key!r} has malformed data_offsets {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * _CODE_SIZES[code]
+    if end - begin != expected:
+        _invalid(
+            f"entry {key!r} has data_offsets {offsets} ({end - begin} bytes), but shape "
+            f"{shape} of {code} needs {expected}"
+        )
+    return HeaderEntry(key, code, tuple(shape), data_start + begin, data_start + end)
+
+
+def parse_header(data: bytes | bytearray | memoryview, file_size: int) -> Header:
+    """Parse and check the safetensors header at the start of a file of ``file_size`` bytes.
+
+    ``data`` holds the file's first bytes: at least the 8-byte length prefix and the header.
+    Checks everything a safetensors reader checks, and a little more: the length is bounded;
+    the header is a UTF-8 JSON object starting with ``{``, without repeated keys;
+    ``__metadata__`` maps strings to strings; every entry has exactly a known ``dtype``, a
+    ``shape`` and ``data_offsets`` that agree; the entries follow each other without holes or
+    overlaps from the start of the data section, which ends exactly at the end of the file.
+
+    Raises:
+        ValueError: Any of that does not hold (the message says which and where).
+    """
+    length = header_length(data, file_size)
+    data_start = _LENGTH_BYTES + length
+    if len(data) < data_start:
+        _invalid(f"only {len(data)} of the header's {data_start} bytes were given")
+    raw = bytes(data[_LENGTH_BYTES:data_start])
+    if not raw.startswith(b"{"):
+        _invalid("the header does not start with '{'")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the header is not UTF-8 text: {err}") from err
+    try:
+        document = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+    except RecursionError:
+        _invalid("the header is nested too deeply")
+    except _RepeatedKeyError:
+        raise
+    # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.
+    except ValueError as err:
+        raise ValueError(f"the header is not valid JSON: {err}") from err
+    if type(document) is not dict:
+        _invalid(f"the header must be a JSON object, got {type(document).__name__}")
+    metadata = document.get(_METADATA_KEY)
+    if _METADATA_KEY in document and (
+        type(metadata) is not dict or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        _invalid("the header's __metadata__ must map strings to strings")
+    entries = {
+        key: _entry(key, value, data_start)
+        for key, value in document.items()
+        if key != _METADATA_KEY
+    }
+    position = data_start
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != position:
+            gap = "a hole before it" if entry.begin > position else "it overlaps the one before"
+            _invalid(
+                f"entry {entry.key!r} starts at data offset {entry.begin - data_start}, where "
+                f"the entries before it end at {position - data_start}: {gap}"
+            )
+        position = entry.end
+    if position != file_size:
+        _invalid(
+            f"the entries end at byte {position} of the file, but the file has {file_size} bytes"
+        )
+    return Header(length, metadata, entries)
+
+
+def compare_header(header: Header, expected: Iterable[HeaderEntry]) -> list[str]:
+    """How ``header`` disagrees with the entries the index places in its file (empty when it
+    agrees): entries missing or not in the index, and differing dtypes, shapes or offsets."""
+    problems = []
+    wanted: dict[str, HeaderEntry] = {}
+    for entry in expected:
+        if entry.key in wanted:
+            problems.append(f"the index places two entries named {entry.key!r} in this file")
+        wanted[entry.key] = entry
+    for key, want in wanted.items():
+        have = header.entries.get(key)
+        if have is None:
+            problems.append(f"entry {key!r} is missing")
+            continue
+        if have.dtype != want.dtype:
+            problems.append(f"entry {key!r} has dtype {have.dtype}, the index says {want.dtype}")
+        if have.shape != want.shape:
+            problems.append(
+                f"entry {key!r} has shape {list(have.shape)}, the index says {list(want.shape)}"
+            )
+        if (have.begin, have.end) != (want.begin, want.end):
+            problems.append(
+                f"entry {key!r} holds bytes {have.begin}-{have.end} of the file, the index "
+                f"says {want.begin}-{want.end}"
+            )
+    problems.extend(
+        f"entry {key!r} is not in the index" for key in header.entries if key not in wanted
+    )
+    return problems

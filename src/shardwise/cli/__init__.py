@@ -3,7 +3,8 @@
 Commands::
 
     shardwise inspect PATH [--json]        what a checkpoint holds, and how it was saved
-    shardwise verify PATH                  read every byte and check every checksum
+    shardwise verify PATH                  read every byte, check every checksum and every
+                                           data file's safetensors header
     shardwise diff A B [--atol --rtol]     compare two checkpoints key by key
     shardwise consolidate PATH OUT [--max-shard-size SIZE]
                                            Hugging Face style safetensors files
@@ -15,7 +16,9 @@ Progress bars (tqdm, on stderr) appear only when stderr is a terminal. See ``doc
 
 Layout: :mod:`~shardwise.cli._app` parses arguments and dispatches, one module per command
 (``inspect``, ``verify``, ``diff``, ``consolidate``, ``convert_dcp``) does the work, and
-:mod:`~shardwise.cli._common` holds what they share (output helpers, the checkpoint reader).
+:mod:`~shardwise.cli._common` holds what they share (output helpers, and the commands' view of
+a checkpoint over :class:`~shardwise.checkpoint.reader.CheckpointReader`, the one validated
+reader: no command parses an index or opens a data file itself).
 """
 
 from shardwise.cli._app import main, parse_size

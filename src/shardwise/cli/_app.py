@@ -142,7 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except (CheckpointError, OSError) as err:
-        print(f"shardwise {args.command}: error: {err}", file=sys.stderr)
+        # One line, whatever a message quotes from the input.
+        message = " ".join(str(err).splitlines())
+        print(f"shardwise {args.command}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)

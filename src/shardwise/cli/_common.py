@@ -1,27 +1,26 @@
-"""What the commands share: exit codes, output and progress helpers, and a reader of committed
-shardwise checkpoints that checks every byte it returns against the index's checksums."""
+"""What the commands share: exit codes, output and progress helpers, and :class:`_Checkpoint`,
+the commands' view of a checkpoint opened through the one validated reader
+(:class:`~shardwise.checkpoint.reader.CheckpointReader`): the whole index is checked before
+anything is shown or read, data files are opened only as regular files inside the checkpoint
+with the size the index declares, and every byte returned is checked against its block
+checksums."""
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import xxhash
 
-from shardwise.checkpoint import (
-    BytesStorageMetadata,
-    CheckpointDataError,
-    CheckpointFormatError,
-    ChecksumError,
-    TensorStorageMetadata,
-    read_metadata,
+from shardwise.checkpoint.index import (
+    CHECKSUM_ALGORITHM,
+    ObjectRecord,
+    TensorRecord,
+    load_json_value,
 )
-from shardwise.checkpoint.metadata import MetadataIndex
-from shardwise.checkpoint.storage import Storage, open_storage
+from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.reader import CheckpointReader
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -60,205 +59,114 @@ def _count(number: int, noun: str, plural: str | None = None) -> str:
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _keys_text(keys: Sequence[str]) -> str:
     named = ", ".join(repr(key) for key in keys[:_MAX_NAMED_KEYS])
     rest = len(keys) - _MAX_NAMED_KEYS
     return f"{named} and {rest} more" if rest > 0 else named
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, slots=True)
-class _Stored:
-    """Where one tensor chunk or object blob lives, as the index records it."""
-
-    fqn: str
-    file: str
-    begin: int
-    end: int
-    checksum: str
-    offsets: tuple[int, ...] | None  # None for an object blob
-    sizes: tuple[int, ...] | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    def describe(self) -> str:
-        where = "object" if self.offsets is None else f"chunk at offsets {list(self.offsets)}"
-        return f"key {self.fqn!r} {where} in {self.file}"
-
-
-def _stored(
-    fqn: str,
-    info: object,
-    offsets: tuple[int, ...] | None = None,
-    sizes: tuple[int, ...] | None = None,
-) -> _Stored:
-    """The storage info ``info`` of ``fqn``, checked for the fields and types it needs."""
-    if not isinstance(info, Mapping):
-        raise CheckpointFormatError("the index has no storage info for it", key=fqn)
-    file, begin, end, checksum = (info.get(name) for name in ("file", "begin", "end", "checksum"))
-    if (
-        not isinstance(file, str)
-        or type(begin) is not int
-        or type(end) is not int
-        or not isinstance(checksum, str)
-        or not 0 <= begin <= end
-    ):
-        raise CheckpointFormatError(
-            f"malformed storage info {dict(info)!r}: expected file, begin <= end and checksum",
-            key=fqn,
-        )
-    return _Stored(fqn, file, begin, end, checksum, offsets, sizes)
+def _printable(text: str) -> str:
+    """``text`` as it is when printable, else its escaped repr: a checkpoint's keys and
+    strings come from strangers, and must not break lines or drive the terminal."""
+    return text if text.isprintable() else repr(text)
 
 
 class _Checkpoint:
-    """A committed shardwise checkpoint opened for reading (index parsed once)."""
+    """A committed checkpoint as the commands see it: entries by key (sorted), their kinds,
+    whole tensors and stored payloads, all through ``reader``.
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.storage: Storage = open_storage(path)
-        self.metadata = read_metadata(path)
-        self.checksum_algorithm = (self.metadata.planner_data or {}).get("checksum_algorithm")
-        data = self.metadata.storage_data
-        self._infos: Mapping[MetadataIndex, Any] = data if isinstance(data, Mapping) else {}
-        self._file_sizes: dict[str, int] = {}
+    Args:
+        reader: The checkpoint, its index validated.
+    """
 
-    @property
-    def entries(self) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
-        return self.metadata.state_dict_metadata
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.index = reader.index
+        self.path = reader.path
+        merged: dict[str, TensorRecord | ObjectRecord] = {**self.index.tensors}
+        merged.update(self.index.objects)  # the index holds each key once
+        self.entries = dict(sorted(merged.items()))
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
 
     def kind(self, fqn: str) -> str:
         """``"tensor"``, or the encoding of an object (``json``, ``bytes``, ...)."""
-        if isinstance(self.entries[fqn], TensorStorageMetadata):
-            return "tensor"
-        info = self._infos.get(MetadataIndex(fqn))
-        encoding = info.get("encoding") if isinstance(info, Mapping) else None
-        return encoding if isinstance(encoding, str) else "object"
-
-    def chunks(self, fqn: str) -> list[_Stored]:
         entry = self.entries[fqn]
-        assert isinstance(entry, TensorStorageMetadata)
-        return [
-            _stored(
-                fqn,
-                self._infos.get(MetadataIndex(fqn, chunk.offsets)),
-                tuple(chunk.offsets),
-                tuple(chunk.sizes),
-            )
-            for chunk in entry.chunks
-        ]
+        return "tensor" if isinstance(entry, TensorRecord) else entry.encoding
 
-    def object_info(self, fqn: str) -> Mapping[str, Any]:
-        info = self._infos.get(MetadataIndex(fqn))
-        if not isinstance(info, Mapping) or not isinstance(info.get("encoding"), str):
-            raise CheckpointFormatError("the index has no storage info for it", key=fqn)
-        return info
+    def stored(self, fqns: Iterable[str] | None = None) -> list[tuple[str, SavedChunk]]:
+        """Every tensor chunk and object blob of ``fqns`` (default: all), with its key."""
+        items: list[tuple[str, SavedChunk]] = []
+        for fqn in self.entries if fqns is None else fqns:
+            entry = self.entries[fqn]
+            if isinstance(entry, TensorRecord):
+                items.extend((fqn, chunk) for chunk in entry.chunks)
+            elif entry.blob is not None:
+                items.append((fqn, entry.blob))
+        return items
 
-    def object_blob(self, fqn: str) -> _Stored | None:
-        """Where the object ``fqn`` is stored; None for a JSON value kept in the index."""
-        info = self.object_info(fqn)
-        if info["encoding"] == "json":
-            if not isinstance(info.get("text"), str):
-                raise CheckpointFormatError("a JSON entry without its text", key=fqn)
-            return None
-        return _stored(fqn, info)
-
-    def file_path(self, name: str) -> str:
-        return self.storage.join(*name.split("/"))
-
-    def file_size(self, name: str) -> int | None:
-        """Size of data file ``name``, or None when it is missing."""
-        if name not in self._file_sizes:
-            path = self.file_path(name)
-            if not self.storage.exists(path):
-                return None
-            self._file_sizes[name] = self.storage.size(path)
-        return self._file_sizes[name]
-
-    def read_into(self, item: _Stored, buffer: memoryview) -> None:
-        """Read ``item``'s bytes into ``buffer`` and check their checksum."""
-        path = self.file_path(item.file)
-        size = self.file_size(item.file)
-        if size is None:
-            raise CheckpointDataError("data file is missing", key=item.fqn, file=path)
-        if item.end > size:
-            raise CheckpointDataError(
-                f"data file is truncated: it has {size} bytes, the index says it holds bytes "
-                f"up to {item.end}",
-                key=item.fqn,
-                file=path,
-            )
-        count = self.storage.read_into(path, item.begin, buffer)
-        if count != item.nbytes:
-            raise CheckpointDataError(
-                f"data file is truncated: read {count} of {item.nbytes} bytes",
-                key=item.fqn,
-                file=path,
-            )
-        actual = xxhash.xxh3_64_hexdigest(buffer)
-        if actual != item.checksum:
-            raise ChecksumError(
-                f"checksum mismatch: expected {item.checksum}, got {actual}",
-                key=item.fqn,
-                file=path,
-            )
+    def check_files(self, fqns: Iterable[str]) -> None:
+        """Open (so check, reading nothing) every data file holding bytes of ``fqns``: a
+        missing, linked or wrongly sized file fails before any data is read."""
+        self.reader.check_files(self.stored(fqns))
 
     def tensor(self, fqn: str) -> torch.Tensor:
-        """The whole tensor ``fqn`` as one CPU tensor, every chunk checksum verified."""
-        entry = self.entries[fqn]
-        assert isinstance(entry, TensorStorageMetadata)
-        dtype = entry.properties.dtype
-        result = torch.empty(tuple(entry.size), dtype=dtype)
-        itemsize = result.element_size()
-        covered = 0
-        for item in self.chunks(fqn):
-            assert item.offsets is not None and item.sizes is not None
-            count = math.prod(item.sizes)
-            if count == 0:
-                continue
-            if item.nbytes != count * itemsize:
-                raise CheckpointFormatError(
-                    f"the chunk at offsets {list(item.offsets)} has {item.nbytes} bytes stored, "
-                    f"{count * itemsize} expected",
-                    key=fqn,
-                )
-            raw = torch.empty(item.nbytes, dtype=torch.uint8)
-            self.read_into(item, _byte_view(raw))
-            region = result
-            for dim, (offset, length) in enumerate(zip(item.offsets, item.sizes, strict=True)):
-                region = region.narrow(dim, offset, length)
-            region.copy_(raw.view(dtype).view(item.sizes))
-            covered += count
-        if covered != result.numel():
-            raise CheckpointFormatError(
-                f"the saved chunks cover {covered} of the tensor's {result.numel()} elements",
-                key=fqn,
-            )
-        return result
+        """The whole tensor ``fqn`` as one CPU tensor, every block verified (allocated only
+        after its data files were checked)."""
+        return self.reader.read_box(fqn)
 
-    def object_payload(self, fqn: str) -> bytes:
+    def json_value(self, fqn: str) -> Any:
+        """The value of a JSON object entry (kept in the index)."""
+        entry = self.entries[fqn]
+        assert isinstance(entry, ObjectRecord) and entry.text is not None
+        return load_json_value(entry.text, fqn)
+
+    def payload(self, fqn: str) -> bytes:
         """The stored bytes of object ``fqn`` (the JSON text for a JSON value); never decoded,
         so a pickled entry is compared, not run."""
-        item = self.object_blob(fqn)
-        if item is None:
-            return str(self.object_info(fqn)["text"]).encode()
-        data = bytearray(item.nbytes)
-        self.read_into(item, memoryview(data))
-        return bytes(data)
+        entry = self.entries[fqn]
+        assert isinstance(entry, ObjectRecord)
+        if entry.text is not None:
+            return entry.text.encode()
+        return self.reader.blob(fqn)
+
+    def save_facts(self) -> dict[str, Any]:
+        """Who saved the checkpoint: writer, torch version, world size, checksum algorithm,
+        block size (``None``: one checksum per chunk) and save id."""
+        facts: dict[str, Any] = {
+            "writer": None,
+            "torch": None,
+            "world_size": None,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,  # the index refuses any other
+            "block_size": self.index.block_size,
+            "save_id": None,
+        }
+        save, legacy = self.index.save, self.index.legacy
+        if save is not None:
+            facts.update(
+                writer=save.writer, torch=save.torch, world_size=save.world_size,
+                save_id=save.save_id,
+            )  # fmt: skip
+        elif legacy is not None:
+            # Version 1 kept these as free JSON values; shown as they are.
+            planner_data = legacy.planner_data if isinstance(legacy.planner_data, dict) else {}
+            facts.update(
+                writer=planner_data.get("writer"),
+                torch=planner_data.get("torch"),
+                world_size=planner_data.get("world_size"),
+                save_id=None if legacy.storage_meta is None else legacy.storage_meta.save_id,
+            )
+        return facts
 
 
 def _open_checkpoint(path: str) -> _Checkpoint:
-    # read_metadata refuses indexes whose checksum algorithm is not the xxh3_64 used here.
-    return _Checkpoint(path)
+    """The checkpoint at ``path``, its whole index read and validated (no data is read).
+
+    Raises:
+        CheckpointError: No committed checkpoint there, or its index is invalid.
+    """
+    return _Checkpoint(CheckpointReader.open(path))

@@ -8,16 +8,17 @@ import math
 
 import torch
 
-from shardwise.checkpoint import TensorStorageMetadata
+from shardwise.checkpoint.index import TensorRecord
 from shardwise.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
     _Checkpoint,
     _count,
-    _dtype_name,
     _open_checkpoint,
+    _printable,
     _progress,
 )
+from shardwise.metadata import dtype_name
 
 
 def _widened(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -70,13 +71,18 @@ def _short(payload: bytes) -> str:
     return text
 
 
-def _compare_objects(kind: str, first: bytes, second: bytes) -> str | None:
-    if kind == "json":
-        left, right = json.loads(first), json.loads(second)
-        # Canonical text: NaN equals NaN and key order does not matter.
-        if json.dumps(left, sort_keys=True) == json.dumps(right, sort_keys=True):
-            return None
-        return f"values differ: {first.decode()[:60]} vs {second.decode()[:60]}"
+def _compare_json(first: _Checkpoint, second: _Checkpoint, fqn: str) -> str | None:
+    left, right = first.json_value(fqn), second.json_value(fqn)
+    # Canonical text: NaN equals NaN and key order does not matter.
+    if json.dumps(left, sort_keys=True) == json.dumps(right, sort_keys=True):
+        return None
+    left_text, right_text = (
+        _printable(side.payload(fqn).decode()[:60]) for side in (first, second)
+    )
+    return f"values differ: {left_text} vs {right_text}"
+
+
+def _compare_bytes(kind: str, first: bytes, second: bytes) -> str | None:
     if first == second:
         return None
     if len(first) != len(second):
@@ -88,13 +94,16 @@ def _compare_objects(kind: str, first: bytes, second: bytes) -> str | None:
 def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> list[str]:
     differences = []
     keys_first, keys_second = first.entries, second.entries
+    common = [fqn for fqn in keys_first if fqn in keys_second]
+    # Every data file to read is checked (type, size) before the first byte is read.
+    first.check_files(common)
+    second.check_files(common)
     for fqn in keys_first:
         if fqn not in keys_second:
             differences.append(f"- {fqn!r}: only in A ({first.kind(fqn)})")
     for fqn in keys_second:
         if fqn not in keys_first:
             differences.append(f"+ {fqn!r}: only in B ({second.kind(fqn)})")
-    common = [fqn for fqn in keys_first if fqn in keys_second]
     with _progress(len(common), "comparing", unit="key") as bar:
         for fqn in common:
             bar.update(1)
@@ -103,13 +112,13 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
             if kind_first != kind_second:
                 differences.append(f"~ {fqn!r}: kind {kind_first} in A, {kind_second} in B")
                 continue
-            if isinstance(entry_first, TensorStorageMetadata):
-                assert isinstance(entry_second, TensorStorageMetadata)
-                dtypes = entry_first.properties.dtype, entry_second.properties.dtype
+            if isinstance(entry_first, TensorRecord):
+                assert isinstance(entry_second, TensorRecord)
+                dtypes = entry_first.dtype, entry_second.dtype
                 if dtypes[0] != dtypes[1]:
                     differences.append(
-                        f"~ {fqn!r}: dtype {_dtype_name(dtypes[0])} in A, "
-                        f"{_dtype_name(dtypes[1])} in B"
+                        f"~ {fqn!r}: dtype {dtype_name(dtypes[0])} in A, "
+                        f"{dtype_name(dtypes[1])} in B"
                     )
                     continue
                 if entry_first.size != entry_second.size:
@@ -119,10 +128,10 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
                     )
                     continue
                 why = _compare_tensors(first.tensor(fqn), second.tensor(fqn), atol, rtol)
+            elif kind_first == "json":
+                why = _compare_json(first, second, fqn)
             else:
-                why = _compare_objects(
-                    kind_first, first.object_payload(fqn), second.object_payload(fqn)
-                )
+                why = _compare_bytes(kind_first, first.payload(fqn), second.payload(fqn))
             if why is not None:
                 differences.append(f"~ {fqn!r}: {why}")
     return differences
@@ -130,12 +139,13 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
 
 def run(args: argparse.Namespace) -> int:
     """Compare checkpoints ``args.a`` and ``args.b``; exit code 1 when they differ."""
-    first, second = _open_checkpoint(args.a), _open_checkpoint(args.b)
-    differences = _diff(first, second, args.atol, args.rtol)
+    with _open_checkpoint(args.a) as first, _open_checkpoint(args.b) as second:
+        differences = _diff(first, second, args.atol, args.rtol)
+        num_keys = len(first.entries)
     for line in differences:
         print(line)
     if differences:
         print(_count(len(differences), "difference"))
         return EXIT_FAILED
-    print(f"no differences ({_count(len(first.entries), 'key')})")
+    print(f"no differences ({_count(num_keys, 'key')})")
     return EXIT_OK

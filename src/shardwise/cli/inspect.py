@@ -5,46 +5,37 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from shardwise.checkpoint import TensorStorageMetadata
+from shardwise.checkpoint.index import TensorRecord
 from shardwise.cli._common import (
     EXIT_OK,
     _Checkpoint,
     _count,
-    _dtype_name,
     _human_bytes,
     _open_checkpoint,
-    _stored,
+    _printable,
 )
+from shardwise.metadata import dtype_name
 
 
 def _entry_rows(checkpoint: _Checkpoint) -> list[dict[str, Any]]:
     rows = []
     for fqn, entry in checkpoint.entries.items():
         kind = checkpoint.kind(fqn)
-        if isinstance(entry, TensorStorageMetadata):
-            dtype = entry.properties.dtype
-            itemsize = torch.empty((), dtype=dtype).element_size()
+        if isinstance(entry, TensorRecord):
             rows.append(
                 {
                     "key": fqn,
                     "kind": kind,
-                    "dtype": _dtype_name(dtype),
+                    "dtype": dtype_name(entry.dtype),
                     "size": list(entry.size),
                     "num_chunks": len(entry.chunks),
-                    "bytes": math.prod(entry.size) * itemsize,
+                    "bytes": math.prod(entry.size) * entry.dtype.itemsize,
                 }
             )
             continue
-        info = checkpoint.object_info(fqn)
-        if kind == "json":
-            nbytes = len(str(info.get("text", "")).encode())
-        else:
-            nbytes = _stored(fqn, info).nbytes
+        nbytes = len((entry.text or "").encode()) if entry.blob is None else entry.blob.nbytes
         rows.append(
             {"key": fqn, "kind": kind, "dtype": None, "size": None, "num_chunks": None,
              "bytes": nbytes}
@@ -54,31 +45,24 @@ def _entry_rows(checkpoint: _Checkpoint) -> list[dict[str, Any]]:
 
 def _inspect_summary(checkpoint: _Checkpoint) -> dict[str, Any]:
     rows = _entry_rows(checkpoint)
-    planner_data = checkpoint.metadata.planner_data
-    facts = dict(planner_data) if isinstance(planner_data, Mapping) else {}
-    meta = checkpoint.metadata.storage_meta
-    files: set[str] = set()
-    for fqn in checkpoint.entries:
-        if checkpoint.kind(fqn) == "tensor":
-            files.update(item.file for item in checkpoint.chunks(fqn))
-        elif (blob := checkpoint.object_blob(fqn)) is not None:
-            files.add(blob.file)
+    facts = checkpoint.save_facts()
     tensors = [row for row in rows if row["kind"] == "tensor"]
     objects = [row for row in rows if row["kind"] != "tensor"]
     return {
         "path": checkpoint.path,
-        "format_version": 1,
-        "writer": facts.get("writer"),
-        "torch_version": facts.get("torch"),
-        "world_size": facts.get("world_size"),
-        "checksum_algorithm": facts.get("checksum_algorithm"),
-        "save_id": None if meta is None else meta.save_id,
+        "format_version": checkpoint.index.format_version,
+        "writer": facts["writer"],
+        "torch_version": facts["torch"],
+        "world_size": facts["world_size"],
+        "checksum_algorithm": facts["checksum_algorithm"],
+        "block_size": facts["block_size"],
+        "save_id": facts["save_id"],
         "num_tensors": len(tensors),
         "num_objects": len(objects),
         "tensor_bytes": sum(row["bytes"] for row in tensors),
         "object_bytes": sum(row["bytes"] for row in objects),
         "num_chunks": sum(row["num_chunks"] for row in tensors),
-        "num_files": len(files),
+        "num_files": len(checkpoint.index.files),
         "entries": rows,
     }
 
@@ -94,8 +78,14 @@ def _print_table(rows: list[list[str]], right_aligned: set[int]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the entries of checkpoint ``args.path`` (a table, or JSON with ``--json``)."""
-    summary = _inspect_summary(_open_checkpoint(args.path))
+    """Print the entries of checkpoint ``args.path`` (a table, or JSON with ``--json``).
+
+    Only the index is read; every data file is opened (not read) to check that it is a
+    regular file inside the checkpoint with the size the index declares.
+    """
+    with _open_checkpoint(args.path) as checkpoint:
+        checkpoint.check_files(checkpoint.entries)
+        summary = _inspect_summary(checkpoint)
     if args.json:
         print(json.dumps(summary, indent=2))
         return EXIT_OK
@@ -104,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for row in summary["entries"]:
         table.append(
             [
-                row["key"],
+                _printable(row["key"]),
                 row["kind"],
                 row["dtype"] or "-",
                 "-" if row["size"] is None else str(row["size"]),
@@ -120,9 +110,13 @@ def run(args: argparse.Namespace) -> int:
         f"{_count(summary['num_objects'], 'object')} ({_human_bytes(summary['object_bytes'])}), "
         f"{_count(summary['num_files'], 'data file')}"
     )
+
+    def shown(name: str) -> str:
+        return _printable(str(summary[name]))
+
     print(
-        f"saved by {summary['writer']} with torch {summary['torch_version']}, world size "
-        f"{summary['world_size']}, checksums {summary['checksum_algorithm']}, save id "
-        f"{summary['save_id']}"
+        f"saved by {shown('writer')} with torch {shown('torch_version')}, world size "
+        f"{shown('world_size')}, checksums {summary['checksum_algorithm']}, save id "
+        f"{shown('save_id')}"
     )
     return EXIT_OK

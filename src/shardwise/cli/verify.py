@@ -1,16 +1,27 @@
-"""``shardwise verify``: read every byte of a checkpoint and check every checksum."""
+"""``shardwise verify``: read every byte of a checkpoint and check every block checksum, every
+data file, and every data file's safetensors header against the index."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-import xxhash
-
-from shardwise.checkpoint import CheckpointDataError, CheckpointFormatError, TensorStorageMetadata
+from shardwise.checkpoint.format import (
+    FileEntry,
+    bytes_key,
+    chunk_key,
+    compare_header,
+    header_entry,
+    header_length,
+    parse_header,
+)
+from shardwise.checkpoint.index import ObjectRecord, TensorRecord, block_checksums, load_json_value
+from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.storage import UnsafePathError
 from shardwise.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -20,138 +31,210 @@ from shardwise.cli._common import (
     _keys_text,
     _open_checkpoint,
     _progress,
-    _Stored,
 )
+from shardwise.errors import CheckpointDataError, CheckpointFormatError, ChecksumError
 
-# verify reads data files in pieces of this size: large sequential reads, bounded memory.
-_PIECE_BYTES = 16 << 20
+# A BAD HEADER line names this many disagreements before it says "and N more".
+_MAX_REASONS = 3
+_EMPTY_CHECKSUM = block_checksums(b"")
 
 
-def _structure_problems(checkpoint: _Checkpoint) -> tuple[list[str], list[_Stored]]:
-    """Problems visible in the index alone, and every stored item to read."""
-    problems: list[str] = []
-    items: list[_Stored] = []
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One tensor chunk or object blob, and the entry its data file's header should hold."""
+
+    fqn: str
+    chunk: SavedChunk
+    entry: FileEntry
+    blob: bool
+
+    def describe(self) -> str:
+        return (
+            "the stored object" if self.blob else f"the chunk at offsets {list(self.chunk.offsets)}"
+        )
+
+
+def _items_by_file(checkpoint: _Checkpoint) -> dict[str, list[_Item]]:
+    """Every data file of the index (sorted), with its items in file order."""
+    by_file: dict[str, list[_Item]] = {name: [] for name in sorted(checkpoint.index.files)}
     for fqn, entry in checkpoint.entries.items():
+        if isinstance(entry, TensorRecord):
+            for chunk in entry.chunks:
+                key = chunk_key(fqn, chunk.offsets)
+                stored = FileEntry(key, entry.dtype, chunk.sizes, chunk.nbytes)
+                by_file[chunk.file].append(_Item(fqn, chunk, stored, blob=False))
+        elif entry.blob is not None:
+            blob = entry.blob
+            stored = FileEntry(bytes_key(fqn), None, (blob.nbytes,), blob.nbytes)
+            by_file[blob.file].append(_Item(fqn, blob, stored, blob=True))
+    for items in by_file.values():
+        items.sort(key=lambda item: (item.chunk.begin, item.chunk.end))
+    return by_file
+
+
+def _json_problems(checkpoint: _Checkpoint) -> list[str]:
+    problems = []
+    for fqn, entry in checkpoint.entries.items():
+        if isinstance(entry, ObjectRecord) and entry.text is not None:
+            try:
+                load_json_value(entry.text, fqn)
+            except CheckpointFormatError as err:
+                problems.append(f"BAD JSON key {fqn!r}: {err.bare_message}")
+    return problems
+
+
+def _needed_size(reader: CheckpointReader, name: str, items: Sequence[_Item]) -> int:
+    """The size the index gives data file ``name`` (version 1: up to its last byte range)."""
+    declared = reader.index.files.get(name)
+    if declared is not None:
+        return declared
+    return max((item.chunk.end for item in items), default=0)
+
+
+def _file_problem(
+    reader: CheckpointReader, name: str, items: Sequence[_Item], err: CheckpointDataError
+) -> str:
+    """The problem line for a data file the reader refused to open."""
+    cause = err.__cause__
+    if isinstance(cause, FileNotFoundError):
+        keys = sorted({item.fqn for item in items})
+        return f"MISSING data file {name}: holds {_keys_text(keys) or 'no entry'}"
+    if isinstance(cause, UnsafePathError):
+        path = cause.filename
+        where = "" if path in (None, reader.file_path(name)) else f" ({path})"
+        return f"UNSAFE data file {name}: {cause.strerror}{where}; not read"
+    if cause is None:  # a regular file whose size disagrees with the index
+        needed = _needed_size(reader, name, items)
         try:
-            if isinstance(entry, TensorStorageMetadata):
-                itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
-                covered = 0
-                for item in checkpoint.chunks(fqn):
-                    assert item.sizes is not None and item.offsets is not None
-                    expected = math.prod(item.sizes) * itemsize
-                    covered += math.prod(item.sizes)
-                    if item.nbytes != expected:
-                        problems.append(
-                            f"BAD SIZE {item.describe()}: {item.nbytes} bytes stored, "
-                            f"{expected} expected"
-                        )
-                    items.append(item)
-                if covered != math.prod(entry.size):
-                    problems.append(
-                        f"INCOMPLETE key {fqn!r}: the chunks cover {covered} of "
-                        f"{math.prod(entry.size)} elements"
-                    )
-                continue
-            blob = checkpoint.object_blob(fqn)
-            if blob is not None:
-                items.append(blob)
-            else:
-                json.loads(checkpoint.object_info(fqn)["text"])
-        except CheckpointFormatError as err:
-            problems.append(f"BAD INDEX key {fqn!r}: {err}")
-        except json.JSONDecodeError as err:
-            problems.append(f"BAD JSON key {fqn!r}: {err}")
-    return problems, items
+            size = reader.storage.size(reader.file_path(name))
+        except OSError:
+            size = needed
+        if size < needed:
+            lost = sorted({item.fqn for item in items if item.chunk.end > size})
+            return (
+                f"TRUNCATED data file {name}: {size} bytes, the index needs {needed}; lost "
+                f"data of {_keys_text(lost) or 'no entry'}"
+            )
+        if size > needed:
+            return (
+                f"SIZE data file {name}: {size} bytes, {size - needed} more than the {needed} "
+                "the index accounts for"
+            )
+    return f"UNREADABLE data file {name}: {err.bare_message}"
 
 
-def _hash_ranges(
-    checkpoint: _Checkpoint, name: str, items: list[_Stored], progress: Any
-) -> list[str]:
-    """The checksum of every item of one data file, reading the file in large sequential
-    pieces (items are sorted by offset and lie inside the file)."""
-    path = checkpoint.file_path(name)
-    hashers = [xxhash.xxh3_64() for _ in items]
-    # Spans of touching or overlapping items are read in one sweep each.
-    spans: list[tuple[int, int, int, int]] = []  # begin, end, first item, last item + 1
-    for index, item in enumerate(items):
-        if spans and item.begin <= spans[-1][1]:
-            begin, end, first, _ = spans[-1]
-            spans[-1] = (begin, max(end, item.end), first, index + 1)
-        else:
-            spans.append((item.begin, item.end, index, index + 1))
-    largest = max((end - begin for begin, end, _, _ in spans), default=0)
-    buffer = memoryview(bytearray(min(_PIECE_BYTES, largest)))
-    for begin, end, first, stop in spans:
-        position = begin
-        while position < end:
-            count = min(len(buffer), end - position)
-            got = checkpoint.storage.read_into(path, position, buffer[:count])
-            if got != count:
-                raise CheckpointDataError(
-                    f"data file is truncated: read {got} of {count} bytes at offset {position}",
-                    file=path,
-                )
-            piece_end = position + count
-            while first < stop and items[first].end <= position:
-                first += 1
-            for index in range(first, stop):
-                item = items[index]
-                if item.begin >= piece_end:
-                    break
-                low, high = max(item.begin, position), min(item.end, piece_end)
-                if low < high:
-                    hashers[index].update(buffer[low - position : high - position])
-            progress.update(count)
-            position = piece_end
-    return [str(hasher.hexdigest()) for hasher in hashers]
+def _header_problem(
+    reader: CheckpointReader, name: str, items: Sequence[_Item], size: int
+) -> str | None:
+    """Why the safetensors header of data file ``name`` (of ``size`` bytes) is invalid or
+    disagrees with the index, or None."""
+    handle = reader.handle(name)
+    try:
+        prefix = bytearray(8)
+        count = handle.read_into(0, memoryview(prefix))
+        # Bounded by the file size (and safetensors' limit) before anything is allocated.
+        data = bytearray(8 + header_length(prefix[:count], size))
+        count = handle.read_into(0, memoryview(data))
+        header = parse_header(data[:count], size)
+    except ValueError as err:
+        return f"BAD HEADER data file {name}: {err}"
+    except OSError as err:
+        return f"UNREADABLE data file {name}: cannot read its header: {err}"
+    reasons = compare_header(header, [header_entry(i.entry, i.chunk.begin) for i in items])
+    if not reasons:
+        return None
+    more = len(reasons) - _MAX_REASONS
+    suffix = f"; and {more} more" if more > 0 else ""
+    return f"BAD HEADER data file {name}: {'; '.join(reasons[:_MAX_REASONS])}{suffix}"
+
+
+def _natural(text: str) -> tuple[Any, ...]:
+    """Sort key putting "block 2" before "block 10"."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
+
+
+def _layers(items: Sequence[_Item]) -> list[dict[str, _Item]]:
+    """``items`` split into groups holding at most one chunk of each key, so that the key of
+    a checksum mismatch found in a group names its chunk (a file usually holds one chunk per
+    key: one group)."""
+    layers: list[dict[str, _Item]] = []
+    seen: dict[str, int] = {}
+    for item in items:
+        position = seen.get(item.fqn, 0)
+        seen[item.fqn] = position + 1
+        if position == len(layers):
+            layers.append({})
+        layers[position][item.fqn] = item
+    return layers
+
+
+def _verify_file(
+    reader: CheckpointReader, name: str, items: list[_Item], problems: list[str], bar: Any
+) -> int:
+    """Check data file ``name``: its type and size, its header, and every block of
+    ``items``. Appends one line per problem; returns the bytes checked."""
+    try:
+        handle = reader.handle(name)
+    except CheckpointDataError as err:
+        problems.append(_file_problem(reader, name, items, err))
+        return 0
+    needed = _needed_size(reader, name, items)
+    if handle.size > needed:  # version 1 only: version 2 declares every file's size
+        problems.append(
+            f"SIZE data file {name}: {handle.size} bytes, {handle.size - needed} more than "
+            f"the {needed} the index accounts for"
+        )
+    header = _header_problem(reader, name, items, needed)
+    if header is not None:
+        problems.append(header)
+    for item in items:
+        if item.chunk.nbytes == 0 and item.chunk.checksums != _EMPTY_CHECKSUM:
+            problems.append(
+                f"CHECKSUM key {item.fqn!r} in {name}: {item.describe()} is empty, so its "
+                f"checksum is {_EMPTY_CHECKSUM}, the index says {item.chunk.checksums}"
+            )
+    located: list[tuple[_Item, ChecksumError]] = []
+    checked = sum(item.chunk.nbytes for item in items)
+    try:
+        for layer in _layers(items):
+            found: list[ChecksumError] = []
+            blocks = [
+                block
+                for item in layer.values()
+                for block in reader.blocks(item.fqn, item.chunk, 0, item.chunk.nbytes)
+            ]
+            reader.verify(blocks, problems=found, progress=bar.update)
+            located.extend((layer[str(mismatch.key)], mismatch) for mismatch in found)
+    except CheckpointDataError as err:
+        problems.append(f"UNREADABLE data file {name}: {err.bare_message}")
+        checked = 0
+    located.sort(key=lambda pair: (pair[0].chunk.begin, _natural(pair[1].bare_message)))
+    problems.extend(
+        f"CHECKSUM key {item.fqn!r} in {name}: {mismatch.bare_message}"
+        for item, mismatch in located
+    )
+    return checked
 
 
 def _verify(checkpoint: _Checkpoint) -> tuple[list[str], int, int]:
-    """Every problem found, the number of items checked and the bytes read."""
-    problems, items = _structure_problems(checkpoint)
-    by_file: dict[str, list[_Stored]] = {}
-    for item in items:
-        by_file.setdefault(item.file, []).append(item)
-    total = sum(item.nbytes for item in items)
-    bytes_read = 0
+    """Every problem found, the number of chunks and blobs, and the bytes checked."""
+    problems = _json_problems(checkpoint)
+    by_file = _items_by_file(checkpoint)
+    total = sum(item.chunk.nbytes for items in by_file.values() for item in items)
+    checked = 0
     with _progress(total, f"verifying {checkpoint.path}") as bar:
-        for name, file_items in sorted(by_file.items()):
-            file_items.sort(key=lambda item: (item.begin, item.end))
-            size = checkpoint.file_size(name)
-            keys = sorted({item.fqn for item in file_items})
-            if size is None:
-                problems.append(f"MISSING data file {name}: holds {_keys_text(keys)}")
-                continue
-            expected = max(item.end for item in file_items)
-            readable = [item for item in file_items if item.end <= size]
-            if size < expected:
-                lost = sorted({item.fqn for item in file_items if item.end > size})
-                problems.append(
-                    f"TRUNCATED data file {name}: {size} bytes, the index needs {expected}; "
-                    f"lost data of {_keys_text(lost)}"
-                )
-            elif size > expected:
-                problems.append(
-                    f"SIZE data file {name}: {size} bytes, {size - expected} more than the "
-                    f"{expected} the index accounts for"
-                )
-            digests = _hash_ranges(checkpoint, name, readable, bar)
-            bytes_read += sum(item.nbytes for item in readable)
-            for item, digest in zip(readable, digests, strict=True):
-                if digest != item.checksum:
-                    problems.append(
-                        f"CHECKSUM {item.describe()}: expected {item.checksum}, got {digest}"
-                    )
-    return problems, len(items), bytes_read
+        for name, items in by_file.items():
+            checked += _verify_file(checkpoint.reader, name, items, problems, bar)
+    return problems, sum(len(items) for items in by_file.values()), checked
 
 
 def run(args: argparse.Namespace) -> int:
     """Check every byte of checkpoint ``args.path``; exit code 1 when a problem is found."""
-    checkpoint = _open_checkpoint(args.path)
-    problems, count, bytes_read = _verify(checkpoint)
+    with _open_checkpoint(args.path) as checkpoint:
+        problems, count, bytes_read = _verify(checkpoint)
+        entries = len(checkpoint.entries)
     for problem in problems:
         print(problem)
-    entries = len(checkpoint.entries)
     if problems:
         found = _count(len(problems), "problem")
         print(f"{args.path}: {found} in {_count(entries, 'entry', 'entries')}")
