@@ -8,12 +8,17 @@ import sys
 from typing import Any
 
 from shardwise.checkpoint import save
-from shardwise.checkpoint.dcp_import import DCPReader
+from shardwise.checkpoint.dcp_import import DCPImportError, DCPReader
 from shardwise.cli._common import EXIT_OK, _count, _progress
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert ``args.dcp_dir`` into a shardwise checkpoint at ``args.out``."""
+    """Convert ``args.dcp_dir`` into a shardwise checkpoint at ``args.out``.
+
+    Raises:
+        DCPImportError: The DCP directory is malformed, cannot be read without running pickled
+            code, or holds a state dict shardwise cannot save.
+    """
     directory = args.dcp_dir
     reader = DCPReader(directory)
     state_dict: dict[str, Any] = {}
@@ -24,7 +29,12 @@ def run(args: argparse.Namespace) -> int:
             if reader.is_tensor(fqn):
                 num_tensors += 1
             bar.update(1)
-    save(state_dict, args.out, progress=sys.stderr.isatty())
+    try:
+        save(state_dict, args.out, progress=sys.stderr.isatty())
+    except (TypeError, ValueError) as err:
+        # save's user errors here come from the DCP input, e.g. keys that DCP kept apart and
+        # that collide once the dict values are flattened into dotted keys.
+        raise DCPImportError(f"cannot convert {directory}: {err}") from err
     print(
         f"converted {_count(num_tensors, 'tensor')} and "
         f"{_count(len(state_dict) - num_tensors, 'object')} from {directory} to {args.out}"
