@@ -85,6 +85,8 @@ _MIN_BLOCK, _MAX_BLOCK = 1 << 12, 1 << 30
 _FIRST_DATA_BYTE = 8
 
 _FORMAT = "shardwise-checkpoint"
+# A quantized tensor is not its bytes: its scale and zero point are not part of the format.
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 _HEX = 16
 _ENCODINGS = ("json", "bytes", "bytesio", "pickle")
 _SEAL_KEY = b'"index_checksum":"'
@@ -380,9 +382,12 @@ def _parse(data: bytes | str, what: str, constants: bool = False) -> Any:
     """Strict JSON: UTF-8, no repeated keys, bounded nesting and digits, and no NaN or
     Infinity unless ``constants`` (stored values may hold them: ``float("inf")`` round-trips)."""
     try:
+        # Decoded here, strictly: json.loads would take UTF-16 or UTF-32, a byte order mark,
+        # and surrogates encoded in UTF-8.
+        text = data.decode() if isinstance(data, bytes) else data
         if constants:
-            return json.loads(data, object_pairs_hook=_unique_keys)
-        return json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+            return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
     except RecursionError:
         _fail(f"{what} is nested too deeply")
     # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.
@@ -478,6 +483,12 @@ def _checked_tensor(
     block_size: int | None,
     ranges: _Ranges,
 ) -> TensorRecord:
+    if properties.dtype in _QUANTIZED:
+        _fail(
+            f"{properties.dtype} is a quantized dtype, which a checkpoint cannot hold (its "
+            "scale and zero point are not stored)",
+            fqn,
+        )
     itemsize = properties.dtype.itemsize
     if math.prod(size) * itemsize >= _MAX_INT:
         _fail(f"the size {list(size)} is too large", fqn)
@@ -699,12 +710,35 @@ def _properties(row: object) -> TensorProperties:
 
 # -- version 1 --------------------------------------------------------------------------------
 
-_V1_CHUNK_INFO = ("file", "begin", "end", "checksum")
+# The fields of a chunk's and of a blob's storage info, sorted.
+_V1_CHUNK_INFO = ("begin", "checksum", "end", "file")
+_V1_BLOB_INFO = ("begin", "checksum", "encoding", "end", "file")
+
+
+def _check_tree(document: object) -> None:
+    """Every string of a parsed version-1 index is text, every integer lies in [0, 2**62),
+    and nothing is nested deeper than 64 levels (version 2 has no free-form fields: it is
+    checked field by field)."""
+    stack = [(document, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if type(item) is str:
+            _check_text(item, "a string of the checkpoint index")
+        elif type(item) is int and not 0 <= item < _MAX_INT:
+            _fail("the checkpoint index holds an integer outside [0, 2**62)")
+        elif type(item) is list or type(item) is dict:
+            if depth > _MAX_DEPTH:
+                _fail(f"the checkpoint index is nested deeper than {_MAX_DEPTH} levels")
+            if type(item) is dict:
+                stack.extend((key, depth) for key in item)
+                item = item.values()
+            stack.extend((child, depth + 1) for child in item)
 
 
 def _decode_v1(document: dict[str, Any]) -> Index:
     """A version-1 index (one JSON object per chunk, one checksum per chunk), held to the
     same rules as version 2; file sizes are checked when the files are opened."""
+    _check_tree(document)
     try:
         metadata = Metadata.from_dict(document)
     except CheckpointFormatError:
@@ -720,30 +754,37 @@ def _decode_v1(document: dict[str, Any]) -> Index:
             f"{CHECKSUM_ALGORITHM}"
         )
     infos: Mapping[MetadataIndex, Any] = metadata.storage_data or {}
+    used: set[MetadataIndex] = set()
     files: dict[str, int | None] = {}
 
+    def info_of(key: MetadataIndex) -> Any:
+        used.add(key)
+        return infos.get(key)
+
     def chunk_of(
-        fqn: str, info: object, offsets: tuple[int, ...], sizes: tuple[int, ...]
+        fqn: str,
+        info: object,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        fields: tuple[str, ...] = _V1_CHUNK_INFO,
     ) -> SavedChunk:
         if type(info) is not dict:
             _fail("the index has no storage info for a chunk", fqn)
-        body = {k: v for k, v in info.items() if k != "encoding"}
-        if tuple(sorted(body)) != tuple(sorted(_V1_CHUNK_INFO)):
+        if tuple(sorted(info)) != fields:
             _fail(f"malformed storage info {info!r}", fqn)
-        name = _text(body["file"], "a data file name", fqn)
+        name = _text(info["file"], "a data file name", fqn)
         if not name.startswith(f"{DATA_DIR}/") or not is_data_file_name(name[5:]):
             _fail(f"{name!r} is not a data file name of this format", fqn)
-        begin, end = _int(body["begin"], "begin", fqn), _int(body["end"], "end", fqn)
+        begin, end = _int(info["begin"], "begin", fqn), _int(info["end"], "end", fqn)
         if end < begin:
             _fail("a byte range ends before it begins", fqn)
         files.setdefault(name, None)
-        return SavedChunk(offsets, sizes, name, begin, end, _text(body["checksum"], "checksum"))
+        return SavedChunk(offsets, sizes, name, begin, end, _text(info["checksum"], "checksum"))
 
     tensors: dict[str, TensorRecord] = {}
     objects: dict[str, ObjectRecord] = {}
     pending: list[tuple[str, TensorProperties, tuple[int, ...], list[SavedChunk]]] = []
     for fqn, entry in metadata.state_dict_metadata.items():
-        _check_text(fqn, "a key")
         if isinstance(entry, TensorStorageMetadata):
             size = tuple(entry.size)
             if len(size) > _MAX_DIMS or not all(_is_int(v) for v in size):
@@ -753,23 +794,25 @@ def _decode_v1(document: dict[str, Any]) -> Index:
                 offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
                 if not all(_is_int(v) for v in offsets + sizes):
                     _fail("chunk offsets or sizes out of bounds", fqn)
-                info = infos.get(MetadataIndex(fqn, chunk.offsets))
+                info = info_of(MetadataIndex(fqn, chunk.offsets))
                 chunks.append(chunk_of(fqn, info, offsets, sizes))
             pending.append((fqn, entry.properties, size, chunks))
             continue
-        info = infos.get(MetadataIndex(fqn))
+        info = info_of(MetadataIndex(fqn))
         if type(info) is not dict or info.get("encoding") not in _ENCODINGS:
             _fail("the index has no valid storage info for it", fqn)
         encoding = info["encoding"]
         if encoding == "json":
             if tuple(sorted(info)) != ("encoding", "text"):
                 _fail(f"malformed storage info {info!r}", fqn)
-            text = _text(info["text"], "a JSON value", fqn)
-            _check_text(text, "a JSON value", fqn)
-            objects[fqn] = ObjectRecord(fqn, encoding, text=text)
+            objects[fqn] = ObjectRecord(
+                fqn, encoding, text=_text(info["text"], "a JSON value", fqn)
+            )
         else:
-            blob = chunk_of(fqn, info, (), ())
+            blob = chunk_of(fqn, info, (), (), _V1_BLOB_INFO)
             objects[fqn] = ObjectRecord(fqn, encoding, blob=blob)
+    if len(used) != len(infos):
+        _fail("the checkpoint index holds storage info for a key or chunk it does not have")
     ranges = _Ranges(files)
     for fqn, properties, size, chunks in pending:
         tensors[fqn] = _checked_tensor(fqn, properties, size, chunks, None, ranges)

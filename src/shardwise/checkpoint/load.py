@@ -66,6 +66,16 @@ def read_metadata(
         return reader.index.to_metadata()
 
 
+def _outside(box: LocalBox, size: tuple[int, ...]) -> bool:
+    """Whether a shard has other dims than a tensor of ``size`` or holds elements outside it
+    (an empty shard may sit past the end: the ceil rule)."""
+    if len(box.sizes) != len(size):
+        return True
+    return planner.numel(box.sizes) > 0 and any(
+        o + s > bound for o, s, bound in zip(box.offsets, box.sizes, size, strict=True)
+    )
+
+
 def _check_target(fqn: str, described: TensorValue, record: TensorRecord) -> None:
     saved_dtype = record.dtype
     if described.size is not None and tuple(described.size) != record.size:
@@ -74,12 +84,7 @@ def _check_target(fqn: str, described: TensorValue, record: TensorRecord) -> Non
             f"expects {list(described.size)}",
             key=fqn,
         )
-    if described.size is None and any(
-        o + s > bound
-        for box in described.boxes
-        if planner.numel(box.sizes) > 0  # an empty shard may sit past the end (ceil rule)
-        for o, s, bound in zip(box.offsets, box.sizes, record.size, strict=True)
-    ):
+    if described.size is None and any(_outside(box, record.size) for box in described.boxes):
         raise CheckpointMismatchError(
             f"size mismatch: the state dict's shards do not fit the saved size {list(record.size)}",
             key=fqn,

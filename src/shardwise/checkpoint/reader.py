@@ -463,7 +463,10 @@ class CheckpointReader:
             else buffer.as_strided(overlap[1], read.strides)
         )
         with torch.no_grad():
-            destination.copy_(source)
+            # As bytes (the saved and destination dtypes are the same): torch copies no
+            # elements of some dtypes (int1 to int7, uint1 to uint7) and rewrites others (a
+            # bool byte 2 becomes 1), which a read straight into the destination does not.
+            _bytes_of(destination).copy_(_bytes_of(source))
 
     # -- whole values -----------------------------------------------------------------------
 
@@ -521,6 +524,11 @@ class CheckpointReader:
         data = bytearray(chunk.nbytes)
         self._read_exact(handle, chunk.begin, memoryview(data), _Where(fqn, chunk.file))
         return bytes(data)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as bytes, with a last dim of its itemsize (any strides)."""
+    return tensor.unsqueeze(-1).view(torch.uint8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -212,7 +212,8 @@ class LocalStorage:
         return os.lstat(path).st_size
 
     def makedirs(self, path: str) -> None:
-        self._check_parents(path)
+        # Checked first too: a file or link in its place is unsafe, not "already there".
+        self.check_directory(path)
         os.makedirs(path, exist_ok=True)
         self.check_directory(path)
 

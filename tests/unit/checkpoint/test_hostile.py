@@ -1,0 +1,1432 @@
+"""Hand-made attacks on checkpoints from strangers (issue "Checkpoints from strangers").
+
+Each class of attack on ``docs/format.md``'s contract has several variants: index entries that
+name files outside the checkpoint, links and special files inside it, a save into a directory
+laid out to make it write or delete elsewhere, every bit flip and truncation of an index, byte
+ranges and sizes that cannot be right, and damaged data files. For every one, every reader
+(``read_metadata``, ``load``, ``load_tensor``, ``shardwise inspect`` and ``verify``) either
+returns exactly the saved values or raises a CheckpointError subclass (the CLI: exit 2 for an
+unreadable index, 1 for damaged data, one line on stderr, no traceback), leaves the target
+state dict unchanged, and opens nothing outside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.index import BLOCK_SIZE
+from shardwise.local_shards import LocalShardsWrapper
+from tests import _hostile as h
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = {"sharded": (64, 48)}
+STATE = h.mixed_state(rows=SIZES["sharded"][0])
+ORIGINAL = h.expected_values(STATE, SIZES)
+
+Edit = Callable[[dict[str, Any]], object]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pristine") / "ckpt"
+    ckpt.save(STATE, path)
+    return path
+
+
+@pytest.fixture
+def victim(pristine: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the mixed checkpoint, to attack."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(pristine, path)
+    return path
+
+
+@pytest.fixture(params=[2, 1], ids=["v2", "v1"])
+def any_version(request: pytest.FixtureRequest, victim: Path) -> Path:
+    """The victim checkpoint with a version-2 index, or rewritten to version 1."""
+    if request.param == 1:
+        h.convert_to_v1(victim)
+    return victim
+
+
+def _data_file(path: Path) -> Path:
+    (data,) = h.data_files(path)
+    return data
+
+
+def _loads_exactly(path: Path, verify_code: int = 0) -> None:
+    """Every reader gives the saved values (a control for the attacks); ``shardwise verify``
+    exits with ``verify_code``."""
+    target = h.blank_like(STATE)
+    with h.confined_opens(path):
+        ckpt.load(target, path)
+        weight = ckpt.load_tensor(path, "model.weight", offsets=[3, 4], sizes=[5, 6])
+        verify = h.run_cli("verify", str(path))
+    h.assert_same_values(h.loaded_values(target, SIZES), ORIGINAL)
+    assert h.same_tensor(weight, ORIGINAL["model.weight"][3:8, 4:10])
+    assert verify.code == verify_code, verify
+
+
+def assert_index_refused(
+    path: Path, kind: type[ckpt.CheckpointError] = ckpt.CheckpointFormatError, match: str = ""
+) -> None:
+    """Every reader refuses the index of ``path`` with ``kind``, before any data file is
+    opened; the CLI exits 2 with one line."""
+    target = h.blank_like(STATE)
+    before = h.snapshot(target)
+    with h.confined_opens(path) as opened:
+        errors = [
+            h.expect_error(lambda: ckpt.read_metadata(path), kind),
+            h.expect_error(lambda: ckpt.load(target, path), kind),
+            h.expect_error(lambda: ckpt.load_tensor(path, "model.weight"), kind),
+        ]
+        results = [h.run_cli(command, str(path)) for command in ("inspect", "verify")]
+    h.assert_unchanged(target, before)
+    for err in errors:
+        assert re.search(match, str(err)), err
+    data = os.path.realpath(path / "data") + os.sep
+    assert not [name for name in opened if name.startswith(data)], "data opened"
+    for result in results:
+        h.check_cli(result)
+        assert result.code == 2, result
+
+
+def assert_data_refused(
+    path: Path,
+    kind: type[ckpt.CheckpointError] = ckpt.CheckpointDataError,
+    match: str = "",
+    fqn: str = "sharded",
+) -> None:
+    """The index of ``path`` is valid, the data behind it is not: ``load`` and
+    ``load_tensor(fqn)`` raise ``kind`` and change nothing; ``shardwise verify`` exits 1."""
+    target = h.blank_like(STATE)
+    before = h.snapshot(target)
+    with h.confined_opens(path):
+        ckpt.read_metadata(path)  # the index alone is fine
+        errors = [
+            h.expect_error(lambda: ckpt.load(target, path), kind),
+            h.expect_error(lambda: ckpt.load_tensor(path, fqn, offsets=[1, 2], sizes=[3, 4]), kind),
+        ]
+        inspect = h.run_cli("inspect", str(path))
+        verify = h.run_cli("verify", str(path))
+    h.assert_unchanged(target, before)
+    for err in errors:
+        assert re.search(match, str(err)), err
+    h.check_cli(inspect)
+    h.check_cli(verify)
+    assert verify.code == 1, verify
+
+
+def _tensor_row(document: dict[str, Any], fqn: str) -> list[Any]:
+    return next(row for row in document["tensors"] if row[0] == fqn)
+
+
+def _object_row(document: dict[str, Any], fqn: str) -> list[Any]:
+    return next(row for row in document["objects"] if row[0] == fqn)
+
+
+def _edit_v2(path: Path, edit: Edit) -> None:
+    document = h.read_document(path)
+    edit(document)
+    h.write_resealed(path, document)
+
+
+def _edit_v1(path: Path, edit: Edit) -> None:
+    document = h.version1_document(path)
+    edit(document)
+    h.write_index(path, h.dump_v1(document))
+
+
+def _v1_storages(document: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every storage info of a version-1 document that names a file."""
+    for entry in document["state_dict_metadata"].values():
+        if entry["type"] == "tensor":
+            yield from (chunk["storage"] for chunk in entry["chunks"])
+        elif entry["storage"]["encoding"] != "json":
+            yield entry["storage"]
+
+
+def test_the_controls_load_exactly(victim: Path, tmp_path: Path) -> None:
+    _loads_exactly(victim)
+    shutil.copytree(victim, tmp_path / "v1")
+    h.convert_to_v1(tmp_path / "v1")
+    _loads_exactly(tmp_path / "v1")
+    assert ckpt.read_metadata(tmp_path / "v1").version == "1"
+    h.reblock(victim, 4096)
+    _loads_exactly(victim)
+
+
+# -- 1. names of files outside ------------------------------------------------------------
+
+
+def _outside_names(path: Path, save_id: str) -> dict[str, str]:
+    base = f"rank-00000.{save_id}.safetensors"
+    return {
+        "parent": "../secret.bin",
+        "parent-of-data": f"data/../../{base}",
+        "absolute": str(path.parent / "elsewhere" / base),
+        "dotdot-inside": f"data/../{base}",
+        "dotdot-back": f"data/../data/{base}",
+        "dot": f"./data/{base}",
+        "other-dir": f"other/{base}",
+        "nested": f"data/sub/{base}",
+        "double-slash": f"data//{base}",
+        "backslash": f"data\\{base}",
+        "no-dir": base,
+        "short-rank": f"data/rank-0000.{save_id}.safetensors",
+        "long-rank": f"data/rank-0000000000.{save_id}.safetensors",
+        "upper-hex": f"data/rank-00000.{save_id.upper()}.safetensors",
+        "short-id": f"data/rank-00000.{save_id[:15]}.safetensors",
+        "other-extension": f"data/rank-00000.{save_id}.bin",
+        "temporary": f"data/{base}.tmp",
+        "trailing-newline": f"data/{base}\n",
+        "trailing-nul": f"data/{base}\x00",
+        "arabic-digits": f"data/rank-\u0660\u0660\u0660\u0660\u0660.{save_id}.safetensors",
+        "empty": "",
+    }
+
+
+NAME_KINDS = list(_outside_names(Path("/ckpt"), "0" * 16))
+
+
+def _name(path: Path, kind: str) -> str:
+    return _outside_names(path, h.read_document(path)["save"]["save_id"])[kind]
+
+
+def _plant(path: Path, name: str) -> None:
+    """A valid copy of the data file where ``name`` points, so that only the reader's
+    refusal keeps it from being read."""
+    where = Path(name) if os.path.isabs(name) else path / name
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        if not where.exists():
+            shutil.copyfile(_data_file(path), where)
+    except (OSError, ValueError):  # a name no file can have (NUL, a directory...)
+        pass
+
+
+@pytest.mark.parametrize("kind", NAME_KINDS)
+def test_a_sealed_index_naming_a_file_outside_is_refused(victim: Path, kind: str) -> None:
+    name = _name(victim, kind)
+    _plant(victim, name)
+
+    def edit(document: dict[str, Any]) -> None:
+        document["files"][0][0] = name
+
+    _edit_v2(victim, edit)
+    assert_index_refused(victim, match="is not a data file name")
+
+
+@pytest.mark.parametrize("kind", NAME_KINDS)
+def test_a_version_1_index_naming_a_file_outside_is_refused(victim: Path, kind: str) -> None:
+    name = _name(victim, kind)
+    _plant(victim, name)
+
+    def edit(document: dict[str, Any]) -> None:
+        for storage in _v1_storages(document):
+            storage["file"] = name
+
+    _edit_v1(victim, edit)
+    assert_index_refused(victim, match="is not a data file name")
+
+
+@pytest.mark.parametrize("kind", ["parent", "absolute", "other-dir", "upper-hex"])
+def test_an_unsealed_edit_of_a_file_name_is_corruption(victim: Path, kind: str) -> None:
+    name = _name(victim, kind)
+    _plant(victim, name)
+    data = h.index_bytes(victim)
+    original = h.read_document(victim)["files"][0][0]
+    h.write_index(victim, data.replace(json.dumps(original).encode(), json.dumps(name).encode()))
+    assert_index_refused(victim, match="the checkpoint index is corrupt")
+
+
+def test_an_unused_file_entry_is_validated_too(victim: Path) -> None:
+    _plant(victim, "../secret.bin")
+
+    def edit(document: dict[str, Any]) -> None:
+        document["files"].append(["../secret.bin", 38759])
+
+    _edit_v2(victim, edit)
+    assert_index_refused(victim, match="is not a data file name")
+
+
+def test_a_valid_name_of_a_file_that_is_not_there_is_missing_data(any_version: Path) -> None:
+    _data_file(any_version).unlink()
+    assert_data_refused(any_version, match="data file is missing")
+
+
+# -- 2. links and special files inside the checkpoint --------------------------------------
+
+
+def test_data_directory_link_to_valid_files_is_not_followed(
+    any_version: Path, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(any_version / "data", elsewhere)  # the real, valid data files
+    (any_version / "data").symlink_to(elsewhere, target_is_directory=True)
+    assert_data_refused(any_version, match="not a real directory|not a regular file")
+
+
+def test_relative_data_directory_link_is_not_followed(any_version: Path) -> None:
+    shutil.move(any_version / "data", any_version / "real")  # inside the checkpoint, even
+    (any_version / "data").symlink_to("real", target_is_directory=True)
+    assert_data_refused(any_version, match="not a real directory|not a regular file")
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_data_file_link_is_not_followed(any_version: Path, tmp_path: Path, where: str) -> None:
+    data = _data_file(any_version)
+    target = tmp_path / "secret.bin" if where == "outside" else any_version / "data" / "x.bin"
+    shutil.move(data, target)
+    data.symlink_to(target)
+    assert_data_refused(any_version, match="not a regular file")
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_index_link_is_not_followed(any_version: Path, tmp_path: Path, where: str) -> None:
+    index = any_version / h.INDEX
+    target = tmp_path / "index.json" if where == "outside" else any_version / "real.json"
+    shutil.move(index, target)
+    index.symlink_to(target)
+    assert_index_refused(any_version, match="not a regular file")
+
+
+def test_dangling_links_are_refused(any_version: Path, tmp_path: Path) -> None:
+    index = any_version / h.INDEX
+    shutil.move(index, tmp_path / "index.json")
+    index.symlink_to(tmp_path / "gone.json")
+    assert_index_refused(any_version, match="not a regular file")
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_data_file_does_not_block(any_version: Path) -> None:
+    data = _data_file(any_version)
+    data.unlink()
+    os.mkfifo(data)
+    started = time.monotonic()
+    assert_data_refused(any_version, match="not a regular file")
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_index_does_not_block(any_version: Path) -> None:
+    index = any_version / h.INDEX
+    index.unlink()
+    os.mkfifo(index)
+    assert_index_refused(any_version, match="not a regular file")
+
+
+@pytest.mark.timeout(20)
+def test_a_socket_data_file_is_refused(any_version: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _data_file(any_version)
+    data.unlink()
+    monkeypatch.chdir(data.parent)  # a socket's path is short: bind a relative one
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(data.name)
+        server.listen()
+        assert_data_refused(any_version, match="not a regular file")
+
+
+def test_a_directory_in_place_of_a_data_file_is_refused(any_version: Path) -> None:
+    data = _data_file(any_version)
+    data.unlink()
+    data.mkdir()
+    (data / "payload").write_bytes(b"x" * 100)
+    assert_data_refused(any_version, match="not a regular file")
+
+
+def test_a_directory_in_place_of_the_index_is_refused(any_version: Path) -> None:
+    index = any_version / h.INDEX
+    index.unlink()
+    index.mkdir()
+    assert_index_refused(any_version, match="not a regular file")
+
+
+def test_a_file_in_place_of_the_data_directory_is_refused(any_version: Path) -> None:
+    shutil.rmtree(any_version / "data")
+    (any_version / "data").write_bytes(b"not a directory")
+    assert_data_refused(any_version, match="not a real directory|not a regular file")
+
+
+def test_a_missing_index_is_no_checkpoint(any_version: Path) -> None:
+    (any_version / h.INDEX).unlink()
+    assert_index_refused(any_version, ckpt.CheckpointNotFoundError, "not a complete")
+    shutil.rmtree(any_version / "data")
+    assert_index_refused(any_version, ckpt.CheckpointNotFoundError, "no checkpoint at")
+
+
+def test_the_checkpoint_directory_itself_may_be_a_link(any_version: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(any_version, target_is_directory=True)
+    _loads_exactly(link)
+
+
+# -- 3. save never deletes or writes outside ----------------------------------------------
+
+
+def _tree(path: Path) -> dict[str, tuple[str, bytes | str]]:
+    """Every entry below ``path``: links as their target, files as their bytes."""
+    tree: dict[str, tuple[str, bytes | str]] = {}
+    for entry in sorted(path.rglob("*")):
+        relative = str(entry.relative_to(path))
+        if entry.is_symlink():
+            tree[relative] = ("link", os.readlink(entry))
+        elif entry.is_dir():
+            tree[relative] = ("dir", "")
+        else:
+            tree[relative] = ("file", entry.read_bytes())
+    return tree
+
+
+def _bystanders(directory: Path, save_id: str) -> None:
+    """Files a save must leave alone, with names close to the writer's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rank-00003.{save_id}.safetensors").write_bytes(b"matches the pattern")
+    (directory / "notes.txt").write_bytes(b"notes")
+    (directory / "rank-00000.safetensors.bak").write_bytes(b"backup")
+    (directory / "sub").mkdir()
+    (directory / "sub" / f"rank-00000.{save_id}.safetensors").write_bytes(b"nested")
+
+
+@pytest.mark.parametrize("previous", ["checkpoint", "empty"])
+def test_save_refuses_a_data_link_and_touches_nothing_behind_it(
+    victim: Path, tmp_path: Path, previous: str
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    _bystanders(elsewhere, "0123456789abcdef")
+    if previous == "empty":
+        shutil.rmtree(victim)
+        victim.mkdir()
+    else:
+        shutil.rmtree(victim / "data")
+    (victim / "data").symlink_to(elsewhere, target_is_directory=True)
+    before, index_before = _tree(elsewhere), _tree(victim)
+    with h.confined_opens(victim):
+        err = h.expect_error(lambda: ckpt.save(STATE, victim), ckpt.CheckpointDataError)
+    assert "not a real directory" in str(err) and str(victim / "data") in str(err)
+    assert _tree(elsewhere) == before
+    assert _tree(victim) == index_before  # not even a temporary file
+
+
+def test_save_refuses_a_file_in_place_of_the_data_directory(victim: Path) -> None:
+    shutil.rmtree(victim / "data")
+    (victim / "data").write_bytes(b"precious")
+    before = _tree(victim)
+    with h.confined_opens(victim):
+        h.expect_error(lambda: ckpt.save(STATE, victim), ckpt.CheckpointDataError)
+    assert _tree(victim) == before
+
+
+def test_save_removes_only_the_writers_files(victim: Path) -> None:
+    save_id = h.read_document(victim)["save"]["save_id"]
+    old = _data_file(victim)
+    leftovers = {
+        f"data/{old.name}.tmp": b"temporary data file of a crashed save",
+        "data/rank-00000.fedcba9876543210.safetensors.tmp": b"another one",
+        f"shardwise.json.{save_id}.tmp": b"temporary index",
+        "data/notes.txt": b"notes",
+        "data/rank-00000.safetensors.bak": b"backup",
+        f"data/RANK-00000.{save_id}.safetensors": b"not the pattern",
+        f"data/rank-00000.{save_id.upper()}.safetensors": b"not the pattern",
+        f"data/sub/rank-00000.{save_id}.safetensors": b"in a subdirectory",
+        # A directory with the writer's name: never removed (it is not a data file).
+        f"data/rank-00009.{save_id}.safetensors/payload": b"in a directory named like a file",
+        "README": b"next to the index",
+    }
+    for name, contents in leftovers.items():
+        (victim / name).parent.mkdir(parents=True, exist_ok=True)
+        (victim / name).write_bytes(contents)
+    for _ in range(2):
+        with h.confined_opens(victim):
+            ckpt.save(STATE, victim)
+    for name, contents in leftovers.items():
+        assert (victim / name).read_bytes() == contents, name
+    assert not old.exists()  # the file the replaced index named is cleaned up
+    _loads_exactly(victim)
+
+
+def test_save_removes_a_stale_link_not_its_target(victim: Path, tmp_path: Path) -> None:
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"precious")
+    link = victim / "data" / "rank-00007.0123456789abcdef.safetensors"
+    link.symlink_to(target)
+    with h.confined_opens(victim):
+        ckpt.save(STATE, victim)
+    assert not link.is_symlink() and target.read_bytes() == b"precious"
+
+
+def test_save_replaces_an_index_link_without_writing_through_it(
+    victim: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "precious.json"
+    target.write_bytes(b"precious")
+    (victim / h.INDEX).unlink()
+    (victim / h.INDEX).symlink_to(target)
+    with h.confined_opens(victim):
+        ckpt.save(STATE, victim)
+    assert target.read_bytes() == b"precious"
+    assert not (victim / h.INDEX).is_symlink()
+    _loads_exactly(victim)
+
+
+@pytest.mark.parametrize("which", ["data", "index"])
+def test_save_never_writes_through_a_planted_temporary_link(
+    victim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    save_module = __import__("shardwise.checkpoint.save", fromlist=["secrets"])
+    monkeypatch.setattr(save_module.secrets, "token_hex", lambda n: "00000000000000aa")
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"precious")
+    if which == "data":
+        planted = victim / "data" / "rank-00000.00000000000000aa.safetensors.tmp"
+    else:
+        planted = victim / "shardwise.json.00000000000000aa.tmp"
+    planted.symlink_to(target)
+    before = _tree(victim)
+    with h.confined_opens(victim), pytest.raises(OSError):
+        ckpt.save(STATE, victim)
+    assert target.read_bytes() == b"precious"
+    if which == "data":
+        assert _tree(victim) == before
+    _loads_exactly(victim)  # the previous checkpoint stands
+
+
+# -- 4. index corruption ------------------------------------------------------------------
+
+SMALL: dict[str, Any] = {
+    "w": torch.arange(6, dtype=torch.float32).view(2, 3),
+    "s": torch.tensor(1.5),
+    "step": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("small") / "ckpt"
+    ckpt.save(SMALL, path)
+    return path
+
+
+def _small_target() -> dict[str, Any]:
+    return {"w": torch.zeros(2, 3), "s": torch.tensor(0.0), "step": None}
+
+
+def _refuses_every(path: Path, indexes: Iterator[bytes]) -> int:
+    """Write each index in turn: read_metadata and load must both refuse it as malformed,
+    with the target unchanged. Returns how many were tried."""
+    count = 0
+    target = _small_target()
+    before = h.snapshot(target)
+    with h.confined_opens(path):
+        for data in indexes:
+            (path / h.INDEX).write_bytes(data)
+            for call in (lambda: ckpt.read_metadata(path), lambda: ckpt.load(target, path)):
+                err = h.failure(call)
+                assert isinstance(err, ckpt.CheckpointFormatError), (data, err)
+            count += 1
+    h.assert_unchanged(target, before)
+    return count
+
+
+@pytest.mark.timeout(300)
+def test_every_single_bit_flip_of_the_index_is_detected(small: Path, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    shutil.copytree(small, path)
+    original = h.index_bytes(path)
+
+    def flips() -> Iterator[bytes]:
+        for position in range(len(original)):
+            for bit in range(8):
+                damaged = bytearray(original)
+                damaged[position] ^= 1 << bit
+                yield bytes(damaged)
+
+    assert _refuses_every(path, flips()) == 8 * len(original) > 4000
+    h.write_index(path, original)
+    target = _small_target()
+    ckpt.load(target, path)  # the control
+    assert torch.equal(target["w"], SMALL["w"]) and target["step"] == 3
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_every_truncation_of_the_index_is_detected(
+    small: Path, tmp_path: Path, version: int
+) -> None:
+    path = tmp_path / "ckpt"
+    shutil.copytree(small, path)
+    if version == 1:
+        h.convert_to_v1(path)
+    original = h.index_bytes(path)
+    assert _refuses_every(path, (original[:length] for length in range(len(original)))) > 400
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"[" * 100000, b"{" * 100000, b"null", b"[]", b"{}", b'"x"', b"\xff" * 64],
+    ids=["empty", "100000-brackets", "100000-braces", "null", "list", "object", "str", "ff"],
+)
+def test_an_index_that_is_not_an_index_is_refused(victim: Path, data: bytes) -> None:
+    h.write_index(victim, data)
+    assert_index_refused(victim)
+
+
+def test_an_index_larger_than_1_gib_is_refused_unread(victim: Path) -> None:
+    with open(victim / h.INDEX, "r+b") as index:  # sparse: no disk space used
+        index.truncate((1 << 30) + 1)
+    assert_index_refused(victim, match="more than a reader accepts")
+
+
+@pytest.mark.parametrize(
+    "suffix", [b"\n", b" ", b"\x00", b"}", b',"x":1}', b"\xef\xbb\xbf"], ids=repr
+)
+def test_anything_after_the_seal_is_detected(victim: Path, suffix: bytes) -> None:
+    h.write_index(victim, h.index_bytes(victim) + suffix)
+    assert_index_refused(victim)
+
+
+def test_the_seal_must_be_last_and_complete(victim: Path) -> None:
+    document = h.read_document(victim)
+    seal = document.pop("index_checksum")
+    h.write_index(victim, json.dumps({"index_checksum": seal, **document}).encode())
+    assert_index_refused(victim, match="index_checksum")
+    h.write_index(victim, json.dumps(document, separators=(",", ":")).encode())
+    assert_index_refused(victim, match="checksum .*is missing")
+    h.write_index(victim, h.resealed(document).replace(b'"index_checksum"', b'"index_Checksum"'))
+    assert_index_refused(victim)
+
+
+# -- 5. byte ranges, sizes, numbers, names and JSON ---------------------------------------
+
+
+def _set(path: list[Any], value: Any) -> Edit:
+    """An edit setting the item at ``path`` (keys, positions, or ``(fqn,)`` for the row of
+    that key in a list of rows) to ``value`` (or to ``value(old)`` if it is callable)."""
+
+    def edit(document: dict[str, Any]) -> None:
+        node = _walk(document, path[:-1])
+        node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+
+    return edit
+
+
+def _walk(node: Any, path: list[Any]) -> Any:
+    for step in path:
+        node = next(r for r in node if r[0] == step[0]) if isinstance(step, tuple) else node[step]
+    return node
+
+
+def _chunk(fqn: str, number: int, field: int) -> list[Any]:
+    return ["tensors", (fqn,), 3, number, field]
+
+
+def _property(field: int, value: Any) -> Edit:
+    def edit(document: dict[str, Any]) -> None:
+        row = _tensor_row(document, "model.weight")
+        properties = list(document["properties"][row[1]])
+        properties[field] = value
+        document["properties"].append(properties)
+        row[1] = len(document["properties"]) - 1
+
+    return edit
+
+
+def _each(*edits: Edit) -> Edit:
+    def edit(document: dict[str, Any]) -> None:
+        for one in edits:
+            one(document)
+
+    return edit
+
+
+def _append(path: list[Any], value: Callable[[dict[str, Any]], Any]) -> Edit:
+    def edit(document: dict[str, Any]) -> None:
+        _walk(document, path).append(value(document))
+
+    return edit
+
+
+_WEIGHT_BEGIN = _chunk("model.weight", 0, 3)
+_WEIGHT_SIZE = ["tensors", ("model.weight",), 2]
+_WEIGHT_BOX = ["tensors", ("model.weight",), 3, 0]
+_SHARDED_1 = ["tensors", ("sharded",), 3, 1]
+_BLOB = ["objects", ("blob",), 2]
+
+V2_EDITS: dict[str, tuple[Edit, str]] = {
+    # tilings
+    "overlapping-chunks": (_set([*_SHARDED_1, 0], [30, 0]), "do not tile"),
+    "gap": (_each(_set([*_SHARDED_1, 0], [32, 0]), _set([*_SHARDED_1, 1], [32, 48])), "tile"),
+    "chunk-past-the-end": (_set([*_SHARDED_1, 1], [34, 48]), "tile|overlap"),
+    "chunk-outside": (_set([*_SHARDED_1, 0], [64, 0]), "do not tile"),
+    "chunk-other-dims": (
+        _each(_set([*_SHARDED_1, 0], [31, 0, 0]), _set([*_SHARDED_1, 1], [33, 48, 1])),
+        "dims",
+    ),
+    "no-chunks": (_set(["tensors", ("sharded",), 3], []), "no chunks"),
+    "0-d-two-chunks": (
+        _append(["tensors", ("model.scale",), 3], lambda d: [[], [], 0, 1047, "0" * 16]),
+        "one chunk|overlap",
+    ),
+    "0-d-no-chunks": (_set(["tensors", ("model.scale",), 3], []), "no chunks"),
+    "0-d-with-offsets": (_set(_chunk("model.scale", 0, 0), [0]), "dims"),
+    # numbers
+    "negative-begin": (_set(_WEIGHT_BEGIN, -1), r"integer in \[0, 2\*\*62\)"),
+    "huge-begin": (_set(_WEIGHT_BEGIN, 2**62), r"integer in \[0, 2\*\*62\)"),
+    "float-begin": (_set(_WEIGHT_BEGIN, 1051.0), "integer"),
+    "bool-begin": (_set(_WEIGHT_BEGIN, True), "integer"),
+    "string-begin": (_set(_WEIGHT_BEGIN, "1051"), "integer"),
+    "null-begin": (_set(_WEIGHT_BEGIN, None), "integer"),
+    "negative-size": (_set(_WEIGHT_SIZE, [-1, 50]), "integers in"),
+    "bool-size": (_set(_WEIGHT_SIZE, [40, True]), "integers in"),
+    "float-size": (_set(_WEIGHT_SIZE, [40.0, 50]), "integers in"),
+    "huge-size": (_set(_WEIGHT_SIZE, [2**62, 50]), "integers in"),
+    "size-not-a-list": (_set(_WEIGHT_SIZE, 2000), "list"),
+    "negative-offset": (_set([*_WEIGHT_BOX, 0], [-1, 0]), "integers in"),
+    "65-dims": (
+        _each(
+            _set(_WEIGHT_SIZE, [1] * 63 + [40, 50]),
+            _set([*_WEIGHT_BOX, 0], [0] * 65),
+            _set([*_WEIGHT_BOX, 1], [1] * 63 + [40, 50]),
+        ),
+        "at most 64",
+    ),
+    "file-index-missing": (_set(_chunk("model.weight", 0, 2), 1), "file index 1 does not"),
+    "file-index-negative": (_set(_chunk("model.weight", 0, 2), -1), "does not exist"),
+    "file-index-bool": (_set(_chunk("model.weight", 0, 2), False), "does not exist"),
+    "property-index-missing": (_set(["tensors", ("model.weight",), 1], 99), "property"),
+    "property-index-bool": (_set(["tensors", ("model.weight",), 1], True), "property"),
+    "world-size-0": (_set(["save", "world_size"], 0), "world_size"),
+    "world-size-bool": (_set(["save", "world_size"], True), "world_size"),
+    "world-size-string": (_set(["save", "world_size"], "1"), "world_size"),
+    "block-size-small": (_set(["checksum", "block_size"], 4095), "block_size"),
+    "block-size-huge": (_set(["checksum", "block_size"], 2**30 + 1), "block_size"),
+    "block-size-bool": (_set(["checksum", "block_size"], True), "block_size"),
+    "file-size-negative": (_set(["files", 0, 1], -1), "integer"),
+    # byte ranges
+    "begin-at-0": (_set(_WEIGHT_BEGIN, 0), "inside the file's header"),
+    "begin-at-7": (_set(_WEIGHT_BEGIN, 7), "inside the file's header"),
+    "past-the-declared-size": (_set(_WEIGHT_BEGIN, 38759 - 100), "past the declared size"),
+    "declared-size-short": (_set(["files", 0, 1], 38758), "past the declared size"),
+    "sharing-bytes": (_set(_WEIGHT_BEGIN, 9051), "overlap"),
+    "sharing-one-byte": (_set(_WEIGHT_BEGIN, 1051 + 1), "overlap"),
+    "blob-sharing-bytes": (_set([*_BLOB, 1], 38747 - 5120 + 6), "overlap"),
+    "blob-past-the-end": (_set([*_BLOB, 2], 10**6), "past the declared size"),
+    "blob-negative-size": (_set([*_BLOB, 2], -1), "integer"),
+    "blob-file-missing": (_set([*_BLOB, 0], 3), "file index 3 does not"),
+    # checksums
+    "checksums-short": (_set(_chunk("model.weight", 0, 4), lambda s: s[:-1]), "checksums"),
+    "checksums-upper": (_set(_chunk("model.weight", 0, 4), lambda s: s.upper()), "checksums"),
+    "checksums-not-hex": (_set(_chunk("model.weight", 0, 4), "g" * 16), "checksums"),
+    "checksums-twice": (_set(_chunk("model.weight", 0, 4), lambda s: s * 2), "checksums"),
+    "checksums-number": (_set(_chunk("model.weight", 0, 4), 0), "malformed chunk"),
+    "checksums-for-other-blocks": (_set(["checksum", "block_size"], 4096), "checksums"),
+    # names
+    "unknown-dtype": (_property(0, "float128"), "unknown tensor properties"),
+    "torch-prefixed-dtype": (_property(0, "torch.float32"), "unknown tensor properties"),
+    "capitalized-dtype": (_property(0, "Float32"), "unknown tensor properties"),
+    "empty-dtype": (_property(0, ""), "unknown tensor properties"),
+    "dtype-number": (_property(0, 6), "unknown tensor properties"),
+    "quantized-dtype": (_property(0, "qint8"), "quantized"),
+    "unknown-layout": (_property(1, "strided2"), "unknown tensor properties"),
+    "torch-prefixed-layout": (_property(1, "torch.strided"), "unknown tensor properties"),
+    "unknown-memory-format": (_property(3, "channels_first"), "unknown tensor properties"),
+    "legacy-memory-format": (_property(3, "legacy_contiguous_format"), "unknown tensor"),
+    "requires-grad-string": (_property(2, "false"), "unknown tensor properties"),
+    "pin-memory-number": (_property(4, 0), "unknown tensor properties"),
+    "properties-short": (_set(["properties", 0], ["float32"]), "properties entry"),
+    # structure
+    "extra-key": (_set(["extra"], 1), "exactly the keys"),
+    "missing-key": (
+        lambda d: d.pop(
+            "objects",
+        ),
+        "exactly the keys",
+    ),
+    "keys-out-of-order": (lambda d: d.update(format=d.pop("format")), "exactly the keys"),
+    "version-true": (_set(["format_version"], True), "unsupported checkpoint format version"),
+    "version-float": (_set(["format_version"], 2.0), "unsupported checkpoint format version"),
+    "version-string": (_set(["format_version"], "2"), "unsupported checkpoint format version"),
+    "version-3": (_set(["format_version"], 3), "unsupported checkpoint format version"),
+    "other-format": (_set(["format"], "shardwise"), "not a shardwise checkpoint index"),
+    "other-algorithm": (_set(["checksum", "algorithm"], "crc32c"), "unsupported checksum"),
+    "save-id-upper": (_set(["save", "save_id"], lambda s: s.upper()), "save_id"),
+    "save-extra-key": (_set(["save", "extra"], 1), "save facts"),
+    "writer-number": (_set(["save", "writer"], 1), "writer must be a string"),
+    "duplicate-tensor": (
+        _append(["tensors"], lambda d: copy.deepcopy(_tensor_row(d, "model.bias"))),
+        "appears twice",
+    ),
+    "tensor-and-object": (_set(["objects", ("step",), 0], "model.weight"), "appears twice"),
+    "duplicate-object": (
+        _append(["objects"], lambda d: copy.deepcopy(_object_row(d, "step"))),
+        "appears twice",
+    ),
+    "duplicate-file": (_append(["files"], lambda d: list(d["files"][0])), "listed twice"),
+    "unknown-encoding": (_set(["objects", ("blob",), 1], "pickle2"), "unknown object"),
+    "json-payload-number": (_set(["objects", ("step",), 2], 7), "must be a string"),
+    "object-row-short": (lambda d: _object_row(d, "step").pop(), "objects entry"),
+    "key-number": (_set(["tensors", ("model.bias",), 0], 5), "key must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", list(V2_EDITS))
+def test_a_sealed_index_that_cannot_be_right_is_refused(victim: Path, case: str) -> None:
+    edit, match = V2_EDITS[case]
+    _edit_v2(victim, edit)
+    assert_index_refused(victim, match=match)
+
+
+def _raw(old: bytes, new: bytes) -> Callable[[bytes], bytes]:
+    def edit(data: bytes) -> bytes:
+        assert data.count(old) == 1, old
+        return data.replace(old, new)
+
+    return edit
+
+
+RAW_EDITS: dict[str, tuple[Callable[[bytes], bytes], str]] = {
+    "5000-digit-integer": (_raw(b'"world_size":1', b'"world_size":' + b"9" * 5000), "JSON"),
+    "4000-digit-integer": (_raw(b'"world_size":1', b'"world_size":' + b"9" * 4000), "2..62"),
+    "negative-zero": (_raw(b'"world_size":1', b'"world_size":-0'), "world_size"),
+    "exponent": (_raw(b'"world_size":1', b'"world_size":1e0'), "world_size"),
+    "nan": (_raw(b'"world_size":1', b'"world_size":NaN'), "not JSON"),
+    "infinity": (_raw(b'"world_size":1', b'"world_size":-Infinity'), "not JSON"),
+    "deep-nesting": (
+        _raw(b'"world_size":1', b'"world_size":' + b"[" * 100000 + b"]" * 100000),
+        "nested too deeply",
+    ),
+    "lone-surrogate-in-a-key": (_raw(b'"model.bias"', b'"model.bias\\ud800"'), "surrogate"),
+    "low-surrogate-in-a-key": (_raw(b'"model.bias"', b'"\\uDFFFmodel.bias"'), "surrogate"),
+    "surrogate-pair-escape": (_raw(b'"model.bias"', b'"\\ud83d\\ude00"'), "surrogate"),
+    "encoded-surrogate": (_raw(b'"model.bias"', b'"model.bias\xed\xa0\x80"'), "not valid JSON"),
+    "non-utf8": (_raw(b'"model.bias"', b'"model.bias\xff"'), "not valid JSON"),
+    "latin-1": (_raw(b'"model.bias"', b'"model.bi\xe4s"'), "not valid JSON"),
+    "overlong-utf8": (_raw(b'"model.bias"', b'"model.bias\xc0\xae"'), "not valid JSON"),
+    "byte-order-mark": (lambda data: b"\xef\xbb\xbf" + data, "not valid JSON"),
+    "duplicate-top-key": (
+        _raw(b'{"format":', b'{"format":"shardwise-checkpoint","format":'),
+        "repeats a key",
+    ),
+    "duplicate-save-key": (_raw(b'"writer":', b'"writer":"x","writer":'), "repeats a key"),
+    "duplicate-checksum-key": (
+        _raw(b'"block_size":', b'"block_size":4096,"block_size":'),
+        "repeats a key",
+    ),
+    "trailing-comma": (_raw(b'"world_size":1', b'"world_size":1,'), "not valid JSON"),
+    "comment": (_raw(b'"world_size":1', b'"world_size":1/*x*/'), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(RAW_EDITS))
+def test_a_sealed_index_that_is_not_strict_json_is_refused(victim: Path, case: str) -> None:
+    edit, match = RAW_EDITS[case]
+    h.write_index(victim, h.reseal_bytes(edit(h.index_bytes(victim))))
+    assert_index_refused(victim, match=match)
+
+
+def test_an_escaped_backslash_before_u_is_text_not_a_surrogate(victim: Path) -> None:
+    edit = _raw(b'"model.bias"', b'"model.bias\\\\ud800"')
+    h.write_index(victim, h.reseal_bytes(edit(h.index_bytes(victim))))
+    metadata = ckpt.read_metadata(victim)
+    assert "model.bias\\ud800" in metadata.state_dict_metadata  # a backslash, then "ud800"
+    target = h.blank_like(STATE)
+    before = h.snapshot(target)
+    h.expect_error(lambda: ckpt.load(target, victim), ckpt.CheckpointKeyError)
+    h.assert_unchanged(target, before)
+    assert ckpt.load_tensor(victim, "model.bias\\ud800").dtype == torch.bfloat16
+
+
+def _object_text(fqn: str, text: str) -> Edit:
+    return _set(["objects", (fqn,), 2], text)
+
+
+STORED_JSON = {
+    "nested-65": (json.dumps(json.loads("[" * 65 + "]" * 65)), "deeper than 64"),
+    "nested-100000": ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    "repeated-key": ('{"a": 1, "a": 2}', "repeats a key"),
+    "5000-digits": ("9" * 5000, "not valid JSON"),
+    "truncated": ("[1, 2", "not valid JSON"),
+    "empty": ("", "not valid JSON"),
+    "two-values": ("1 2", "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(STORED_JSON))
+def test_a_stored_json_value_is_decoded_strictly(victim: Path, case: str) -> None:
+    text, match = STORED_JSON[case]
+    _edit_v2(victim, _object_text("config.name", text))
+    target = h.blank_like(STATE)
+    before = h.snapshot(target)
+    with h.confined_opens(victim):
+        ckpt.read_metadata(victim)
+        err = h.expect_error(lambda: ckpt.load(target, victim), ckpt.CheckpointFormatError)
+        verify = h.run_cli("verify", str(victim))
+    assert re.search(match, str(err)) and err.key == "config.name", err
+    h.assert_unchanged(target, before)
+    h.check_cli(verify)
+    assert verify.code == 1, verify
+
+
+def test_a_stored_json_value_may_be_nested_64_deep(victim: Path) -> None:
+    deep: Any = 1
+    for _ in range(64):
+        deep = [deep]
+    _edit_v2(victim, _object_text("config.name", json.dumps(deep)))
+    target = h.blank_like(STATE)
+    ckpt.load(target, victim)
+    assert target["config"]["name"] == deep
+
+
+def _v1_weight(document: dict[str, Any]) -> dict[str, Any]:
+    entry: dict[str, Any] = document["state_dict_metadata"]["model.weight"]
+    return entry
+
+
+def _v1_storage(fqn: str, number: int = 0) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def find(document: dict[str, Any]) -> dict[str, Any]:
+        entry = document["state_dict_metadata"][fqn]
+        storage: dict[str, Any] = (
+            entry["chunks"][number]["storage"] if entry["type"] == "tensor" else entry["storage"]
+        )
+        return storage
+
+    return find
+
+
+def _v1_set(find: Callable[[dict[str, Any]], Any], key: str, value: Any) -> Edit:
+    def edit(document: dict[str, Any]) -> None:
+        node = find(document)
+        node[key] = value(node[key]) if callable(value) else value
+
+    return edit
+
+
+def _v1_del(find: Callable[[dict[str, Any]], Any], key: str) -> Edit:
+    return lambda document: find(document).pop(key)
+
+
+_W = _v1_storage("model.weight")
+_ENTRIES: Callable[[dict[str, Any]], Any] = lambda d: d["state_dict_metadata"]  # noqa: E731
+_PLANNER: Callable[[dict[str, Any]], Any] = lambda d: d["planner_data"]  # noqa: E731
+_META: Callable[[dict[str, Any]], Any] = lambda d: d["storage_meta"]  # noqa: E731
+
+V1_EDITS: dict[str, tuple[Edit, str]] = {
+    "negative-begin": (_v1_set(_W, "begin", -1), "integer"),
+    "end-before-begin": (_v1_set(_W, "end", 1050), "ends before it begins"),
+    "float-begin": (_v1_set(_W, "begin", 1051.0), "integer"),
+    "bool-end": (_v1_set(_W, "end", True), "integer"),
+    "huge-end": (_v1_set(_W, "end", 2**62), "integer"),
+    "begin-in-header": (_each(_v1_set(_W, "begin", 0), _v1_set(_W, "end", 8000)), "header"),
+    "sharing-bytes": (
+        _each(_v1_set(_W, "begin", 9051), _v1_set(_W, "end", 9051 + 8000)),
+        "overlap",
+    ),
+    "wrong-length": (_v1_set(_W, "end", lambda end: end - 4), "bytes stored"),
+    "checksum-missing": (_v1_del(_W, "checksum"), "malformed storage info"),
+    "checksum-short": (_v1_set(_W, "checksum", lambda s: s[:-1]), "checksums"),
+    "checksum-upper": (_v1_set(_W, "checksum", lambda s: s.upper()), "checksums"),
+    "checksum-not-hex": (_v1_set(_W, "checksum", "z" * 16), "checksums"),
+    "chunk-info-extra-field": (_v1_set(_W, "encoding", "bytes"), "malformed storage info"),
+    "blob-info-no-encoding": (
+        _v1_del(
+            _v1_storage(
+                "blob",
+            ),
+            "encoding",
+        ),
+        "storage info",
+    ),
+    "blob-info-extra-field": (
+        _v1_set(
+            _v1_storage(
+                "blob",
+            ),
+            "x",
+            1,
+        ),
+        "malformed storage info",
+    ),
+    "json-info-extra-field": (
+        _v1_set(
+            _v1_storage(
+                "step",
+            ),
+            "file",
+            "x",
+        ),
+        "malformed",
+    ),
+    "unknown-encoding": (
+        _v1_set(
+            _v1_storage(
+                "blob",
+            ),
+            "encoding",
+            "pickle2",
+        ),
+        "storage info",
+    ),
+    "unknown-dtype": (_v1_set(lambda d: _v1_weight(d)["properties"], "dtype", "float128"), "dtype"),
+    "quantized-dtype": (
+        _v1_set(lambda d: _v1_weight(d)["properties"], "dtype", "quint8"),
+        "quantized",
+    ),
+    "unknown-layout": (_v1_set(lambda d: _v1_weight(d)["properties"], "layout", "x"), "layout"),
+    "chunk-other-dims": (
+        _v1_set(lambda d: _v1_weight(d)["chunks"][0], "offsets", [0]),
+        "dims|different lengths",
+    ),
+    "0-d-two-chunks": (
+        lambda d: d["state_dict_metadata"]["model.scale"]["chunks"].append(
+            copy.deepcopy(d["state_dict_metadata"]["model.scale"]["chunks"][0])
+        ),
+        "two chunks|one chunk",
+    ),
+    "dangling-storage-info": (
+        _v1_set(
+            lambda d: d,
+            "storage_data",
+            [{"index": {"fqn": "ghost", "offset": None, "index": None}, "info": {}}],
+        ),
+        "does not have",
+    ),
+    "hint-of-2**70": (
+        _v1_set(
+            lambda d: d,
+            "storage_data",
+            [{"index": {"fqn": "ghost", "offset": [2**70], "index": None}, "info": {}}],
+        ),
+        "integer outside",
+    ),
+    "negative-world-size": (_v1_set(_PLANNER, "world_size", -1), "integer outside"),
+    "other-algorithm": (_v1_set(_PLANNER, "checksum_algorithm", "crc32c"), "algorithm"),
+    "deep-planner-data": (_v1_set(_PLANNER, "x", json.loads("[" * 65 + "]" * 65)), "deeper"),
+    "surrogate-writer": (_v1_set(_PLANNER, "writer", "\ud800"), "surrogate"),
+    "surrogate-checkpoint-id": (_v1_set(_META, "checkpoint_id", "x\udfff"), "surrogate"),
+    "surrogate-json-text": (
+        _v1_set(
+            _v1_storage(
+                "step",
+            ),
+            "text",
+            '"\ud800"',
+        ),
+        "surrogate",
+    ),
+    "surrogate-key": (lambda d: _ENTRIES(d).update({"\ud800": _ENTRIES(d).pop("step")}), "surr"),
+    "version-true": (_v1_set(lambda d: d, "format_version", True), "unsupported"),
+    "version-float": (_v1_set(lambda d: d, "format_version", 1.0), "unsupported"),
+    "extra-key": (_v1_set(lambda d: d, "extra", None), "unknown keys"),
+    "unknown-entry-type": (_v1_set(lambda d: _ENTRIES(d)["step"], "type", "blob"), "type"),
+}
+
+
+@pytest.mark.parametrize("case", list(V1_EDITS))
+def test_a_version_1_index_that_cannot_be_right_is_refused(victim: Path, case: str) -> None:
+    edit, match = V1_EDITS[case]
+    _edit_v1(victim, edit)
+    assert_index_refused(victim, match=match)
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda text: text.encode("utf-16"),
+        lambda text: text.encode("utf-32"),
+        lambda text: b"\xef\xbb\xbf" + text.encode(),
+        lambda text: text.replace('"model.bias"', '"model.bi\xe4s"').encode("latin-1"),
+    ],
+    ids=["utf-16", "utf-32", "byte-order-mark", "latin-1"],
+)
+def test_a_version_1_index_must_be_utf8(victim: Path, encode: Callable[[str], bytes]) -> None:
+    h.write_index(victim, encode(h.dump_v1(h.version1_document(victim)).decode()))
+    assert_index_refused(victim, match="not valid JSON")
+
+
+def test_a_version_1_index_with_repeated_keys_is_refused(victim: Path) -> None:
+    data = h.dump_v1(h.version1_document(victim))
+    entry = json.dumps(h.version1_document(victim)["state_dict_metadata"]["step"]).encode()
+    h.write_index(
+        victim,
+        data.replace(
+            b'"state_dict_metadata":{',
+            b'"state_dict_metadata":{"step":' + entry.replace(b" ", b"") + b",",
+            1,
+        ),
+    )
+    assert_index_refused(victim, match="repeats a key")
+
+
+def _vm_peak() -> int:
+    """The peak virtual memory of this process in bytes (an allocation shows in it even
+    before its pages are touched)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmPeak:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_huge_declared_size_is_refused_before_any_allocation(victim: Path) -> None:
+    end = 38759  # the real size: the huge tensor's bytes would start where the file ends
+
+    def edit(document: dict[str, Any]) -> None:
+        row = _tensor_row(document, "model.weight")
+        row[2] = [2**40]
+        row[3] = [[[0], [2**40], 0, end, "0" * 16 * (2**42 // 2**30)]]
+        document["files"][0][1] = end + 2**42
+        document["checksum"]["block_size"] = 2**30  # the largest: 4096 checksums
+
+    _edit_v2(victim, edit)
+    entry = ckpt.read_metadata(victim).state_dict_metadata["model.weight"]
+    assert isinstance(entry, ckpt.TensorStorageMetadata) and entry.size == (2**40,)
+    peak, started = _vm_peak(), time.monotonic()
+    with h.confined_opens(victim):
+        err = h.expect_error(
+            lambda: ckpt.load_tensor(victim, "model.weight"), ckpt.CheckpointDataError
+        )
+        h.expect_error(
+            lambda: ckpt.load({"model": {"weight": torch.zeros(1)}}, victim, strict=False),
+            ckpt.CheckpointMismatchError,
+        )
+        verify = h.run_cli("verify", str(victim))
+        inspect = h.run_cli("inspect", str(victim))
+    assert re.search("truncated|wrong size", str(err)), err
+    assert time.monotonic() - started < 10 and _vm_peak() - peak < 1 << 30
+    h.check_cli(verify)
+    h.check_cli(inspect)
+    assert verify.code == 1
+
+
+def test_a_huge_size_without_bytes_behind_it_is_refused(victim: Path) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        row = _tensor_row(document, "model.weight")
+        row[2] = [2**40]
+        row[3][0][:2] = [[0], [2**40]]
+        row[3][0][4] = "0" * 16 * (2**42 // 2**30)
+        document["checksum"]["block_size"] = 2**30
+
+    _edit_v2(victim, edit)
+    peak = _vm_peak()
+    assert_index_refused(victim, match="past the declared size|overlap")
+    assert _vm_peak() - peak < 1 << 30
+
+
+def test_a_huge_version_1_size_is_refused_before_any_allocation(victim: Path) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        entry = _v1_weight(document)
+        entry["size"] = [2**40]
+        entry["chunks"] = [
+            {"offsets": [0], "sizes": [2**40], "storage": entry["chunks"][0]["storage"]}
+        ]
+        entry["chunks"][0]["storage"].update(begin=38759, end=38759 + 2**42)
+
+    _edit_v1(victim, edit)
+    peak = _vm_peak()
+    with h.confined_opens(victim):
+        err = h.expect_error(
+            lambda: ckpt.load_tensor(victim, "model.weight"), ckpt.CheckpointDataError
+        )
+        verify = h.run_cli("verify", str(victim))
+    assert "truncated" in str(err) and _vm_peak() - peak < 1 << 30
+    h.check_cli(verify)
+    assert verify.code == 1
+
+
+@pytest.mark.parametrize("delta", [1, -1, 4096])
+def test_a_data_file_of_another_size_than_declared_is_refused(victim: Path, delta: int) -> None:
+    _edit_v2(
+        victim, _set(["files", 0, 1], lambda size: size + delta) if delta > 0 else lambda d: None
+    )
+    if delta < 0:
+        os.truncate(_data_file(victim), _data_file(victim).stat().st_size + delta)
+    assert_data_refused(victim, match="wrong size|truncated")
+
+
+@pytest.mark.parametrize("length", [-1, 0], ids=["truncated", "emptied"])
+def test_a_shorter_data_file_is_refused(any_version: Path, length: int) -> None:
+    data = _data_file(any_version)
+    os.truncate(data, data.stat().st_size - 1 if length < 0 else 0)
+    assert_data_refused(any_version, match="wrong size|truncated")
+
+
+def test_a_longer_data_file_is_refused_in_version_2_and_harmless_in_version_1(
+    victim: Path, tmp_path: Path
+) -> None:
+    v1 = tmp_path / "v1"
+    shutil.copytree(victim, v1)
+    h.convert_to_v1(v1)
+    for path in (victim, v1):
+        with open(_data_file(path), "ab") as data:
+            data.write(b"\x00" * 64)
+    assert_data_refused(victim, match="wrong size")
+    # Version 1 declares no file sizes: the extra bytes are never read. verify still reports
+    # them: the file is no valid safetensors file (its data must end at its end).
+    _loads_exactly(v1, verify_code=1)
+
+
+@pytest.mark.parametrize("dims", [[64 * 48], [64, 48, 1], [1, 64, 48]], ids=str)
+def test_a_resealed_reshape_does_not_fit_a_sharded_target(victim: Path, dims: list[int]) -> None:
+    def edit(document: dict[str, Any]) -> None:  # the same bytes, as another shape
+        row = _tensor_row(document, "sharded")
+        row[2] = dims
+        for chunk, first in zip(row[3], (0, 31), strict=True):
+            rows = chunk[1][0]
+            if len(dims) == 1:
+                chunk[:2] = [[first * 48], [rows * 48]]
+            elif dims[0] == 1:
+                chunk[:2] = [[0, first, 0], [1, rows, 48]]
+            else:
+                chunk[:2] = [[first, 0, 0], [rows, 48, 1]]
+
+    _edit_v2(victim, edit)
+    target = h.blank_like(STATE)  # "sharded" is a LocalShardsWrapper of 2-d shards
+    before = h.snapshot(target)
+    with h.confined_opens(victim):
+        err = h.expect_error(lambda: ckpt.load(target, victim), ckpt.CheckpointMismatchError)
+        whole = ckpt.load_tensor(victim, "sharded")
+    assert err.key == "sharded" and "do not fit" in str(err)
+    h.assert_unchanged(target, before)
+    assert h.same_tensor(whole, ORIGINAL["sharded"].reshape(dims))
+
+
+@pytest.mark.parametrize("dtype", ["int6", "uint3", "int1", "bits8", "float8_e5m2", "bool"])
+def test_sub_box_reads_of_every_one_byte_dtype_are_exact(tmp_path: Path, dtype: str) -> None:
+    values = torch.arange(48, dtype=torch.uint8).view(6, 8)
+    ckpt.save({"w": values}, tmp_path / "ckpt")
+
+    def edit(document: dict[str, Any]) -> None:
+        document["properties"][0][0] = dtype
+
+    _edit_v2(tmp_path / "ckpt", edit)
+    for offsets, sizes in (([0, 0], [6, 8]), ([1, 2], [3, 4]), ([5, 7], [1, 1])):
+        got = ckpt.load_tensor(tmp_path / "ckpt", "w", offsets=offsets, sizes=sizes)
+        assert got.dtype == getattr(torch, dtype)
+        want = values[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
+        assert torch.equal(h.bits(got), h.bits(want))
+        target = {"w": LocalShardsWrapper([torch.empty(sizes, dtype=got.dtype)], [offsets])}
+        ckpt.load(target, tmp_path / "ckpt")
+        assert torch.equal(h.bits(target["w"].local_shards()[0]), h.bits(want))
+
+
+# -- 6. damaged data ----------------------------------------------------------------------
+
+BIG = h.big_state()
+BIG_SIZES = {"rows": (768, 1024)}
+BIG_VALUES = h.expected_values(BIG, BIG_SIZES)
+
+
+@pytest.fixture(scope="module")
+def big_pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("big") / "ckpt"
+    ckpt.save(BIG, path)
+    return path
+
+
+@pytest.fixture
+def big(big_pristine: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "big"
+    shutil.copytree(big_pristine, path)
+    return path
+
+
+@contextlib.contextmanager
+def _flipped(path: Path, position: int, bit: int = 0) -> Iterator[None]:
+    """Bit ``bit`` of byte ``position`` of file ``path`` flipped, for the block."""
+    with open(path, "r+b") as file:
+        file.seek(position)
+        (byte,) = file.read(1)
+        file.seek(position)
+        file.write(bytes([byte ^ (1 << bit)]))
+    try:
+        yield
+    finally:
+        with open(path, "r+b") as file:
+            file.seek(position)
+            file.write(bytes([byte]))
+
+
+def _big_chunks(path: Path) -> list[tuple[str, int, int, int, int]]:
+    """Every saved chunk of the big checkpoint: key, first global row, rows, begin, bytes."""
+    document = h.read_document(path)
+    found = []
+    for fqn, number, _, chunks in document["tensors"]:
+        itemsize = getattr(torch, document["properties"][number][0]).itemsize
+        for offsets, sizes, _, begin, _ in chunks:
+            found.append((fqn, offsets[0], sizes[0], begin, sizes[0] * sizes[1] * itemsize))
+    return found
+
+
+def _data_positions(path: Path) -> Iterator[tuple[str, int, int, int, int]]:
+    """Bytes to damage in the data sections: the first and last byte of every block and one
+    in between (seeded), with their chunk. Yields (key, first row of the chunk, rows of the
+    chunk, position in the file, position in the chunk)."""
+    rng = __import__("random").Random(7)
+    for fqn, row, rows, begin, nbytes in _big_chunks(path):
+        for start in range(0, nbytes, BLOCK_SIZE):
+            stop = min(start + BLOCK_SIZE, nbytes)
+            for relative in sorted({start, stop - 1, rng.randrange(start, stop)}):
+                yield fqn, row, rows, begin + relative, relative
+
+
+def _row_band(fqn: str, first: int, count: int) -> LocalShardsWrapper:
+    """A target holding rows [first, first + count) of ``fqn`` only (another shape)."""
+    full = BIG_VALUES[fqn]
+    return LocalShardsWrapper([torch.zeros_like(full[first : first + count])], [(first, 0)])
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_block_fails_every_read_that_touches_it(big: Path) -> None:
+    positions = list(_data_positions(big))
+    assert len(positions) >= 20
+    for number, (fqn, chunk_row, chunk_rows, position, relative) in enumerate(positions):
+        with _flipped(_data_file(big), position, bit=number % 8):
+            _check_damaged_block(big, fqn, chunk_row, chunk_rows, relative)
+
+
+def _check_damaged_block(
+    path: Path, fqn: str, chunk_row: int, chunk_rows: int, relative: int
+) -> None:
+    """Byte ``relative`` of the chunk of ``fqn`` at row ``chunk_row`` is damaged: every read
+    touching its block fails, every other read gives the saved values."""
+    full = BIG_VALUES[fqn]
+    row_bytes = full[0].numel() * full.element_size()
+    rows_per_block = max(1, BLOCK_SIZE // row_bytes)  # blocks hold whole rows here
+    block = relative // BLOCK_SIZE
+    row = chunk_row + relative // row_bytes  # the damaged row
+    first = chunk_row + block * rows_per_block  # the rows of the damaged block
+    last = min(first + rows_per_block, chunk_row + chunk_rows)
+    clean = next((r for r in range(full.shape[0]) if not first <= r < last), None)
+    with h.confined_opens(path):
+        target = h.blank_like(BIG, reshard=False)
+        before = h.snapshot(target)
+        err = h.expect_error(lambda: ckpt.load(target, path), ckpt.ChecksumError)
+        assert err.key == fqn and f"block {block} " in str(err), err
+        assert err.file == str(_data_file(path)), err
+        h.assert_unchanged(target, before)
+        # A load of the other keys does not touch the damage.
+        others = {key: value for key, value in h.blank_like(BIG).items() if key != fqn}
+        ckpt.load(others, path)
+        loaded = h.loaded_values(others, BIG_SIZES)
+        h.assert_same_values(loaded, {key: BIG_VALUES[key] for key in loaded})
+        # Any box in the damaged block fails, even one without the damaged byte.
+        width = min(5, full.shape[1])
+        for offsets, sizes in (([row, 0], [1, width]), ([first, 0], [last - first, width])):
+            read = functools.partial(ckpt.load_tensor, path, fqn, offsets=offsets, sizes=sizes)
+            h.expect_error(read, ckpt.ChecksumError)
+        # So does a resharded load (column shards), and one into a band of rows.
+        for layout in (h.blank_like({fqn: BIG[fqn]}), {fqn: _row_band(fqn, row, 1)}):
+            before = h.snapshot(layout)
+            h.expect_error(functools.partial(ckpt.load, layout, path), ckpt.ChecksumError)
+            h.assert_unchanged(layout, before)
+        if clean is not None:  # a box and a band elsewhere read the saved values
+            got = ckpt.load_tensor(path, fqn, offsets=[clean, 1], sizes=[1, 3])
+            assert h.same_tensor(got, full[clean : clean + 1, 1:4])
+            band = {fqn: _row_band(fqn, clean, 1)}
+            ckpt.load(band, path)
+            assert h.same_tensor(band[fqn].local_shards()[0], full[clean : clean + 1])
+        verify = h.run_cli("verify", str(path))
+    h.check_cli(verify)
+    assert verify.code == 1 and fqn in verify.out, verify
+
+
+def _header_positions(path: Path) -> tuple[list[int], list[int]]:
+    """Damageable header bytes of the data file: those verify must notice (the length
+    prefix, the entries, the padding) and those of ``__metadata__`` (sampled)."""
+    data = _data_file(path).read_bytes()
+    end = 8 + int.from_bytes(data[:8], "little")
+    start = data.index(b'"__metadata__":')
+    stop = data.index(b"}", start) + 1
+    rng = __import__("random").Random(3)
+    entries = [p for p in range(8, end) if not start <= p < stop]
+    noticed = [*range(8), *rng.sample(entries, 24), end - 1]
+    return noticed, rng.sample(range(start, stop), 6)
+
+
+@pytest.mark.timeout(300)
+def test_damaged_safetensors_headers_are_harmless_to_loads(big: Path) -> None:
+    data = _data_file(big)
+    noticed, metadata = _header_positions(big)
+    for number, position in enumerate(noticed + metadata):
+        with _flipped(data, position, bit=number % 8), h.confined_opens(big):
+            target = h.blank_like(BIG)
+            ckpt.load(target, big)  # loads read byte ranges from the index, never the header
+            box = ckpt.load_tensor(big, "rows", offsets=[380, 7], sizes=[8, 9])
+            verify = h.run_cli("verify", str(big))
+        h.assert_same_values(h.loaded_values(target, BIG_SIZES), BIG_VALUES)
+        assert h.same_tensor(box, BIG_VALUES["rows"][380:388, 7:16])
+        h.check_cli(verify)
+        # verify checks that the headers agree with the index (docs/format.md).
+        assert verify.code in (0, 1), verify
+        if position in noticed:
+            assert verify.code == 1, (position, verify)
+
+
+def test_a_version_1_partial_read_verifies_its_whole_chunk(big: Path) -> None:
+    h.convert_to_v1(big)
+    (_, _, _, begin, nbytes) = _big_chunks_v1(big)[("rows", 0)]
+    with _flipped(_data_file(big), begin + nbytes - 1):  # the chunk's last byte
+        with h.confined_opens(big):
+            err = h.expect_error(
+                lambda: ckpt.load_tensor(big, "rows", offsets=[0, 0], sizes=[1, 1]),
+                ckpt.ChecksumError,
+            )
+            got = ckpt.load_tensor(big, "rows", offsets=[384, 0], sizes=[2, 2])  # other chunk
+        assert err.key == "rows" and "block 0 " in str(err)  # a version-1 chunk: one block
+        assert h.same_tensor(got, BIG_VALUES["rows"][384:386, :2])
+
+
+def _big_chunks_v1(path: Path) -> dict[tuple[str, int], tuple[str, int, int, int, int]]:
+    found = {}
+    for fqn, entry in h.read_document(path)["state_dict_metadata"].items():
+        for chunk in entry.get("chunks", ()):
+            storage = chunk["storage"]
+            row = chunk["offsets"][0]
+            found[fqn, row] = (
+                fqn,
+                row,
+                chunk["sizes"][0],
+                storage["begin"],
+                storage["end"] - storage["begin"],
+            )
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_version_1_chunk_larger_than_a_read_is_verified_streaming(tmp_path: Path) -> None:
+    values = torch.arange(9 << 20, dtype=torch.int64).to(torch.uint8).view(9, 1 << 20)
+    path = tmp_path / "ckpt"
+    ckpt.save({"huge": values}, path)
+    h.convert_to_v1(path)
+    got = ckpt.load_tensor(path, "huge", offsets=[8, 5], sizes=[1, 3])
+    assert h.same_tensor(got, values[8:9, 5:8])
+    with (
+        _flipped(
+            _data_file(path),
+            h.read_document(path)["state_dict_metadata"]["huge"]["chunks"][0]["storage"]["begin"]
+            + (9 << 20)
+            - 1,
+        ),
+        h.confined_opens(path),
+    ):
+        h.expect_error(
+            lambda: ckpt.load_tensor(path, "huge", offsets=[0, 0], sizes=[1, 1]),
+            ckpt.ChecksumError,
+        )
+        target = {"huge": torch.zeros_like(values)}
+        before = h.snapshot(target)
+        h.expect_error(lambda: ckpt.load(target, path), ckpt.ChecksumError)
+        h.assert_unchanged(target, before)
