@@ -838,7 +838,7 @@ def test_data_behind_a_symbolic_link_is_never_opened(
         return
     assert (code, out) == (2, "")
     assert err.startswith(
-        f"shardwise {command}: error: data file is not a regular file inside the checkpoint ("
+        f"shardwise {command}: error: data file is not a regular file inside the checkpoint: "
     )
     assert err.endswith(f"file '{data_file}')\n")
     assert err.count("\n") == 1

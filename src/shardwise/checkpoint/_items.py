@@ -105,7 +105,15 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
 
     Raises:
         ValueError: A DTensor with a ``Partial`` placement (it needs a reduction first).
+        TypeError: A quantized tensor (its scale and zero point have no place in a
+            checkpoint).
     """
+    if value.is_quantized:
+        raise TypeError(
+            f"cannot checkpoint {fqn!r}: it is a quantized tensor ({value.dtype}), whose scale "
+            "and zero point a checkpoint does not store; save value.dequantize() or its "
+            "int_repr() and quantization parameters instead"
+        )
     from shardwise.local_shards import LocalShardsWrapper
     from shardwise.sharded_tensor.api import ShardedTensor
 

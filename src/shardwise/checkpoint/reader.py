@@ -230,7 +230,7 @@ class CheckpointReader:
                 ) from err
             except UnsafePathError as err:
                 raise CheckpointDataError(
-                    f"data file is not a regular file inside the checkpoint ({err.strerror}); "
+                    f"data file is not a regular file inside the checkpoint: {err.strerror}; "
                     "refusing to read it",
                     key=key,
                     file=path,

@@ -226,7 +226,7 @@ def _write_data_file(
     layout = layout_file(entries, {"format": "shardwise", "save_id": save_id, "rank": str(rank)})
     final = storage.join(*name.split("/"))
     temporary = f"{final}.tmp"
-    writer = storage.open_write(temporary)
+    writer = _open_fresh(storage, temporary, rank)
     written: dict[str, list[Any]] = {}
     try:
         out = _ChecksummingWriter(writer)
@@ -291,10 +291,23 @@ def _build_index(
     return encode_index(facts, files, ordered, sorted(records, key=lambda r: r.fqn))
 
 
+def _open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
+    """Create ``path`` (a temporary name unique to this save) for writing."""
+    try:
+        return storage.open_write(path)
+    except (FileExistsError, UnsafePathError) as err:
+        raise CheckpointDataError(
+            "refusing to save: this save's temporary file already exists (something else "
+            "created it, perhaps a link); nothing was written",
+            file=path,
+            rank=rank,
+        ) from err
+
+
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
     name = storage.join(INDEX_NAME)
     temporary = f"{name}.{save_id}.tmp"
-    writer = storage.open_write(temporary)
+    writer = _open_fresh(storage, temporary, None)
     try:
         writer.write(index)
     except BaseException:
@@ -317,7 +330,10 @@ def _remove_leftovers(storage: Storage, index: Index) -> None:
     keep = {name.removeprefix(f"{DATA_DIR}/") for name in index.files}
     for name in storage.listdir(storage.join(DATA_DIR)):
         if is_data_file_name(name) and name not in keep:
-            storage.remove(storage.join(DATA_DIR, name))
+            try:
+                storage.remove(storage.join(DATA_DIR, name))
+            except OSError as err:  # e.g. a directory of that name: skip it, remove the rest
+                logger.warning("could not remove %s: %s", name, err)
 
 
 def _progress_bar(enabled: bool, total: int, description: str) -> Any:

@@ -145,12 +145,12 @@ class _LocalReader:
         # lstat first: a link or special file is refused without being opened at all.
         before = os.lstat(path)
         if not stat.S_ISREG(before.st_mode):
-            raise UnsafePathError(errno.EINVAL, "not a regular file (a link, FIFO or device)", path)
+            raise UnsafePathError(errno.EINVAL, "it is a link, FIFO, device or directory", path)
         try:
             self._fd = os.open(path, _READ_FLAGS)
         except OSError as err:
             if err.errno == errno.ELOOP:
-                raise UnsafePathError(errno.ELOOP, "is a symbolic link", path) from err
+                raise UnsafePathError(errno.ELOOP, "it is a symbolic link", path) from err
             raise
         opened = os.fstat(self._fd)
         if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (
@@ -158,7 +158,7 @@ class _LocalReader:
             before.st_ino,
         ):
             os.close(self._fd)
-            raise UnsafePathError(errno.EINVAL, "changed into a non-regular file", path)
+            raise UnsafePathError(errno.EINVAL, "it changed into a non-regular file", path)
         self.size = opened.st_size
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
@@ -285,7 +285,7 @@ class _FsspecReader:
         self._path = path
         info = storage.fs.info(path)
         if info.get("type") != "file":
-            raise UnsafePathError(errno.EINVAL, "not a regular file", path)
+            raise UnsafePathError(errno.EINVAL, "it is not a regular file", path)
         self.size = int(info["size"])
 
     def read_into(self, offset: int, buffer: memoryview) -> int:

@@ -156,7 +156,8 @@ def test_merge_rejects_disagreement_overlap_and_gaps() -> None:
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "cannot save 'w': its chunks do not tile it: Shards chunk(offsets=[0, 0], sizes=[2, 4]) and "
+            "cannot save 'w': its chunks do not tile it: Shards chunk(offsets=[0, 0], "
+            "sizes=[2, 4]) and "
         ),
     ):
         planner.merge_tensor_plans(

@@ -542,3 +542,11 @@ def test_file_urls_are_local_paths(tmp_path: Path) -> None:
     ckpt.load(target, tmp_path / "c")
     assert torch.equal(target["w"], torch.arange(3))
     assert torch.equal(ckpt.load_tensor(f"file://{tmp_path}/c", "w"), torch.arange(3))
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_quantized_tensors_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="cannot checkpoint 'q': it is a quantized tensor"):
+        ckpt.save({"w": torch.ones(2), "q": quantized}, tmp_path / "c")
+    assert not (tmp_path / "c" / "shardwise.json").exists()
