@@ -126,9 +126,10 @@ class SaveFacts:
     checkpoint_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TensorRecord:
-    """One saved tensor: its properties, global size and chunks (which tile it exactly)."""
+    """One saved tensor: its properties, global size and chunks (which tile it exactly).
+    Treated as immutable (not frozen: see :class:`~shardwise.checkpoint.planner.SavedChunk`)."""
 
     fqn: str
     properties: TensorProperties
@@ -635,13 +636,27 @@ def _decode_v2(document: dict[str, Any]) -> Index:
         _fail("tensors must be a list")
     num_files, num_properties = len(names), len(properties)
     for row in rows:
+        # The hottest loop of a reader (one pass per tensor of the checkpoint): checks are
+        # written out rather than delegated, and a tensor of one whole chunk, the common
+        # case, skips the general tiling check.
         fqn, number, size_row, chunk_rows = _row(row, 4, "a tensors entry")
-        fqn = _text(fqn, "a key")
+        if type(fqn) is not str:
+            _fail(f"a key must be a string, got {type(fqn).__name__}")
         if fqn in tensors:
             _fail("the key appears twice", fqn)
         if type(number) is not int or not 0 <= number < num_properties:
             _fail(f"property index {number!r} does not exist", fqn)
+        props = properties[number]
+        if props.dtype in _QUANTIZED:
+            _fail(
+                f"{props.dtype} is a quantized dtype, which a checkpoint cannot hold (its "
+                "scale and zero point are not stored)",
+                fqn,
+            )
+        itemsize = props.dtype.itemsize
         size = _dims(size_row, "size", fqn)
+        if math.prod(size) * itemsize >= _MAX_INT:
+            _fail(f"the size {list(size)} is too large", fqn)
         if type(chunk_rows) is not list:
             _fail("chunks must be a list", fqn)
         chunks = []
@@ -652,11 +667,28 @@ def _decode_v2(document: dict[str, Any]) -> Index:
             begin = _int(begin, "begin", fqn)
             offsets = _dims(offsets, "chunk offsets", fqn)
             sizes = _dims(sizes, "chunk sizes", fqn)
-            nbytes = math.prod(sizes) * properties[number].dtype.itemsize
-            if type(sums) is not str or begin + nbytes >= _MAX_INT:
+            nbytes = math.prod(sizes) * itemsize
+            end = begin + nbytes
+            if type(sums) is not str or end >= _MAX_INT:
                 _fail("malformed chunk", fqn)
-            chunks.append(SavedChunk(offsets, sizes, names[file], begin, begin + nbytes, sums))
-        tensors[fqn] = _checked_tensor(fqn, properties[number], size, chunks, block_size, ranges)
+            if len(sums) != max(1, -(-nbytes // block_size)) * _HEX:
+                _fail("malformed block checksums (one of 16 hex digits per block expected)", fqn)
+            chunk = SavedChunk(offsets, sizes, names[file], begin, end, sums)
+            ranges.add(chunk, fqn)
+            chunks.append(chunk)
+        only = chunks[0] if len(chunks) == 1 else None
+        whole = (
+            only is not None
+            and only.sizes == size
+            and len(only.offsets) == len(size)
+            and not any(only.offsets)
+        )
+        if not whole:
+            try:
+                planner.check_tiling(size, [(c.offsets, c.sizes) for c in chunks])
+            except ValueError as err:
+                _fail(f"the saved chunks do not tile the tensor of size {list(size)}: {err}", fqn)
+        tensors[fqn] = TensorRecord(fqn, props, size, tuple(chunks))
 
     objects: dict[str, ObjectRecord] = {}
     rows = document["objects"]
