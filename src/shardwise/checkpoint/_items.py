@@ -108,12 +108,6 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
         TypeError: A quantized tensor (its scale and zero point have no place in a
             checkpoint).
     """
-    if value.is_quantized:
-        raise TypeError(
-            f"cannot checkpoint {fqn!r}: it is a quantized tensor ({value.dtype}), whose scale "
-            "and zero point a checkpoint does not store; save value.dequantize() or its "
-            "int_repr() and quantization parameters instead"
-        )
     from shardwise.local_shards import LocalShardsWrapper
     from shardwise.sharded_tensor.api import ShardedTensor
 
@@ -136,6 +130,12 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
         dtype = boxes[0].tensor.dtype if boxes else torch.get_default_dtype()
         properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
         return TensorValue(None, dtype, properties, boxes)
+    if value.is_quantized:  # (a plain tensor: ShardedTensor has no such attribute)
+        raise TypeError(
+            f"cannot checkpoint {fqn!r}: it is a quantized tensor ({value.dtype}), whose scale "
+            "and zero point a checkpoint does not store; save value.dequantize() or its "
+            "int_repr() and quantization parameters instead"
+        )
     tensor = value.detach()
     properties = TensorProperties(dtype=tensor.dtype, requires_grad=value.requires_grad)
     full = LocalBox((0,) * tensor.dim(), tuple(tensor.size()), tensor)
