@@ -177,13 +177,57 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
 
 
 def _is_json_value(value: object) -> bool:
+    """Whether JSON gives ``value`` back as it is (no tuples, string keys only)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
         return all(_is_json_value(item) for item in value)
     if isinstance(value, dict):
-        return all(isinstance(key, str) and _is_json_value(item) for key, item in value.items())
+        return not (_TAGS & value.keys()) and all(
+            isinstance(key, str) and _is_json_value(item) for key, item in value.items()
+        )
     return False
+
+
+# The tagged JSON of "pyjson" values: a tuple is {"__tuple__": [...]}, a dict whose keys are
+# not all strings (or that holds a tag as a key) is {"__dict__": [[key, value], ...]}.
+_TAGS = frozenset({"__tuple__", "__dict__"})
+
+
+def _tagged(value: object) -> object:
+    """``value`` as tagged JSON; TypeError when it holds something else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_tagged(item) for item in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_tagged(item) for item in value]}
+    if isinstance(value, dict):
+        if all(isinstance(key, str) for key in value) and not (_TAGS & value.keys()):
+            return {key: _tagged(item) for key, item in value.items()}
+        return {"__dict__": [[_tagged(key), _tagged(item)] for key, item in value.items()]}
+    raise TypeError(type(value).__name__)
+
+
+def _untagged(value: object) -> Any:
+    if isinstance(value, list):
+        return [_untagged(item) for item in value]
+    if isinstance(value, dict):
+        if len(value) == 1 and "__tuple__" in value and isinstance(value["__tuple__"], list):
+            return tuple(_untagged(item) for item in value["__tuple__"])
+        if len(value) == 1 and "__dict__" in value and isinstance(value["__dict__"], list):
+            pairs = value["__dict__"]
+            if not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
+                raise ValueError("malformed __dict__ pairs")
+            return {_hashable(_untagged(k)): _untagged(v) for k, v in pairs}
+        return {key: _untagged(item) for key, item in value.items()}
+    return value
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, (list, dict)):
+        raise ValueError(f"a dict key cannot be a {type(key).__name__}")
+    return key
 
 
 @dataclass(slots=True)
@@ -191,13 +235,29 @@ class ObjectValue:
     """A non-tensor state-dict value.
 
     Attributes:
-        encoding: ``"json"`` (stored in the index), ``"bytes"``, ``"bytesio"`` or ``"pickle"``
-            (stored as a blob in a data file).
-        payload: JSON text for ``json``; the blob bytes otherwise.
+        encoding: ``"json"`` (stored in the index), ``"pyjson"`` (JSON with tuples and
+            non-string keys tagged, in the index), ``"bytes"``, ``"bytesio"`` or
+            ``"pickle"`` (stored as a blob in a data file).
+        payload: JSON text for ``json``/``pyjson``; the blob bytes otherwise.
     """
 
     encoding: str
     payload: bytes
+
+
+def _pickle_hint(value: object) -> str:
+    """What to do instead of storing ``value``: pickle only where nothing else fits."""
+    name = type(value).__name__
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        return "convert it to a tensor (torch.from_numpy) to store it as one"
+    if isinstance(value, (set, frozenset)):
+        return "store it as a sorted list"
+    if callable(getattr(value, "state_dict", None)):
+        return (
+            f"{name} has state_dict() but no load_state_dict(): save its state_dict() instead, "
+            "or give it load_state_dict() so it is Stateful"
+        )
+    return "pass allow_pickle=True to pickle it (only for checkpoints you will trust)"
 
 
 def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
@@ -210,15 +270,20 @@ def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
         return ObjectValue("bytes", bytes(value))
     if isinstance(value, io.BytesIO):
         return ObjectValue("bytesio", value.getvalue())
-    if _is_json_value(value):
-        # JSON text with NaN/Infinity allowed, so float('inf') round-trips.
-        return ObjectValue("json", json.dumps(value).encode())
+    try:
+        if _is_json_value(value):
+            # JSON text with NaN/Infinity allowed, so float('inf') round-trips.
+            return ObjectValue("json", json.dumps(value).encode())
+        return ObjectValue("pyjson", json.dumps(_tagged(value)).encode())
+    except (TypeError, ValueError, RecursionError):  # not JSON-able, circular, too deep
+        pass
     if allow_pickle:
         return ObjectValue("pickle", pickle.dumps(value))
     raise TypeError(
         f"cannot save state_dict[{fqn!r}] of type {type(value).__name__}: shardwise stores "
-        "tensors, bytes, io.BytesIO and JSON values (None, bool, int, float, str, lists and "
-        "dicts of them) without pickle; pass allow_pickle=True to pickle it"
+        "tensors, bytes, io.BytesIO, Stateful objects and Python values (None, bool, int, "
+        "float, str, and lists, tuples and dicts of them) without pickle; "
+        f"{_pickle_hint(value)}"
     )
 
 
@@ -226,6 +291,8 @@ def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) 
     """The value a stored object decodes to (``loads`` unpickles)."""
     if encoding == "json":
         return json.loads(payload)
+    if encoding == "pyjson":
+        return _untagged(json.loads(payload))
     if encoding == "bytes":
         return payload
     if encoding == "bytesio":
@@ -233,6 +300,15 @@ def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) 
     if encoding == "pickle":
         return loads(payload)
     raise ValueError(f"unknown object encoding {encoding!r}")
+
+
+def untag(value: object) -> Any:
+    """A decoded ``pyjson`` value with its tuples and dicts rebuilt.
+
+    Raises:
+        ValueError: Malformed tags.
+    """
+    return _untagged(value)
 
 
 def nbytes_of(sizes: tuple[int, ...], dtype: torch.dtype) -> int:

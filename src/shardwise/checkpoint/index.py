@@ -51,11 +51,13 @@ __all__ = [
     "MAX_INDEX_BYTES",
     "Index",
     "ObjectRecord",
+    "TEXT_ENCODINGS",
     "SaveFacts",
     "TensorRecord",
     "block_checksums",
     "data_file_name",
     "decode_index",
+    "decode_text",
     "encode_index",
     "is_data_file_name",
     "is_temporary_name",
@@ -88,7 +90,9 @@ _FORMAT = "shardwise-checkpoint"
 # A quantized tensor is not its bytes: its scale and zero point are not part of the format.
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 _HEX = 16
-_ENCODINGS = ("json", "bytes", "bytesio", "pickle")
+_ENCODINGS = ("json", "pyjson", "bytes", "bytesio", "pickle")
+#: Object encodings whose value is JSON text kept in the index (the others are blobs).
+TEXT_ENCODINGS = ("json", "pyjson")
 _SEAL_KEY = b'"index_checksum":"'
 _SEAL_LENGTH = len(_SEAL_KEY) + _HEX + 2  # the key, 16 hex digits, '"}'
 _DATA_FILE = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors")
@@ -185,7 +189,9 @@ class Index:
         assert self.save is not None
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, Any] = {}
-        for fqn, tensor in self.tensors.items():
+        names = _metadata_names([*self.tensors, *self.objects])
+        for key, tensor in self.tensors.items():
+            fqn = names[key]
             entries[fqn] = TensorStorageMetadata(
                 properties=tensor.properties,
                 size=torch.Size(tensor.size),
@@ -197,10 +203,11 @@ class Index:
             for position, chunk in enumerate(tensor.chunks):
                 index = MetadataIndex(fqn, torch.Size(chunk.offsets), position)
                 storage[index] = _stored_info(chunk)
-        for fqn, item in self.objects.items():
+        for key, item in self.objects.items():
+            fqn = names[key]
             entries[fqn] = BytesStorageMetadata()
             if item.blob is None:
-                info: dict[str, Any] = {"encoding": "json", "text": item.text}
+                info: dict[str, Any] = {"encoding": item.encoding, "text": item.text}
             else:
                 info = {"encoding": item.encoding, **_stored_info(item.blob)}
             storage[MetadataIndex(fqn)] = info
@@ -219,6 +226,20 @@ class Index:
             ),
             version=str(self.format_version),
         )
+
+
+def _metadata_names(keys: list[str]) -> dict[str, str]:
+    """The key :class:`Metadata` gives each entry: its dotted key (as DCP names it), or, for
+    the rare second entry of the same dotted key (``{0: x, "0": y}``), its internal key."""
+    from shardwise.checkpoint.state_dict import display_key
+
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for key in keys:
+        name = display_key(key)
+        names[key] = key if name in taken else name
+        taken.add(names[key])
+    return names
 
 
 def _stored_info(chunk: SavedChunk) -> dict[str, Any]:
@@ -410,6 +431,26 @@ def load_json_value(text: str, key: str) -> Any:
     return value
 
 
+def decode_text(record: ObjectRecord) -> Any:
+    """The value of an object kept in the index as JSON text (``json`` or ``pyjson``, whose
+    tuples and non-string dict keys are tagged).
+
+    Raises:
+        CheckpointFormatError: The text is not JSON, is nested too deeply, or its tags are
+            malformed (naming the key).
+    """
+    from shardwise.checkpoint._items import untag
+
+    assert record.text is not None
+    try:
+        value = load_json_value(record.text, record.fqn)
+        return untag(value) if record.encoding == "pyjson" else value
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(err.bare_message, key=record.fqn) from err
+    except (ValueError, TypeError) as err:
+        raise CheckpointFormatError(f"malformed tagged JSON value: {err}", key=record.fqn) from err
+
+
 def _is_int(value: object) -> bool:
     return type(value) is int and 0 <= value < _MAX_INT  # type: ignore[operator]
 
@@ -516,6 +557,20 @@ def _check_checksums(chunk: SavedChunk, block_size: int | None, key: str) -> Non
     count = 1 if block_size is None else max(1, -(-chunk.nbytes // block_size))
     if len(chunk.checksums) != count * _HEX:
         _fail(f"malformed block checksums (expected {count} of 16 hex digits)", key)
+
+
+_INT_SUFFIX = re.compile(r"[^\x00]*\x00(0|[1-9][0-9]{0,3})(,(0|[1-9][0-9]{0,3}))*")
+
+
+def _check_int_suffix(key: str) -> None:
+    """A version-2 key with int parts: ``<dotted key>\x00<positions>``, the positions of
+    the int parts in the ``.``-split key, increasing and inside it."""
+    if _INT_SUFFIX.fullmatch(key) is None:
+        _fail(f"malformed key {key!r}: a NUL may only introduce the positions of int parts")
+    name, positions = key.split("\x00")
+    numbers = [int(p) for p in positions.split(",")]
+    if numbers != sorted(set(numbers)) or numbers[-1] >= name.count(".") + 1:
+        _fail(f"malformed key {key!r}: int positions out of order or out of range")
 
 
 def _check_text(value: str, what: str, key: str | None = None) -> None:
@@ -642,6 +697,8 @@ def _decode_v2(document: dict[str, Any]) -> Index:
         fqn, number, size_row, chunk_rows = _row(row, 4, "a tensors entry")
         if type(fqn) is not str:
             _fail(f"a key must be a string, got {type(fqn).__name__}")
+        if "\x00" in fqn:
+            _check_int_suffix(fqn)
         if fqn in tensors:
             _fail("the key appears twice", fqn)
         if type(number) is not int or not 0 <= number < num_properties:
@@ -697,11 +754,13 @@ def _decode_v2(document: dict[str, Any]) -> Index:
     for row in rows:
         fqn, encoding, payload = _row(row, 3, "an objects entry")
         fqn = _text(fqn, "a key")
+        if "\x00" in fqn:
+            _check_int_suffix(fqn)
         if fqn in tensors or fqn in objects:
             _fail("the key appears twice", fqn)
         if encoding not in _ENCODINGS:
             _fail(f"unknown object encoding {encoding!r}", fqn)
-        if encoding == "json":
+        if encoding in TEXT_ENCODINGS:
             objects[fqn] = ObjectRecord(fqn, encoding, text=_text(payload, "a JSON value", fqn))
             continue
         file, begin, nbytes, sums = _row(payload, 4, "a stored object", fqn)
@@ -817,6 +876,8 @@ def _decode_v1(document: dict[str, Any]) -> Index:
     objects: dict[str, ObjectRecord] = {}
     pending: list[tuple[str, TensorProperties, tuple[int, ...], list[SavedChunk]]] = []
     for fqn, entry in metadata.state_dict_metadata.items():
+        if "\x00" in fqn:  # version 1 had no int parts: a NUL is malformed there
+            _fail("malformed key: version 1 keys hold no NUL", fqn)
         if isinstance(entry, TensorStorageMetadata):
             size = tuple(entry.size)
             if len(size) > _MAX_DIMS or not all(_is_int(v) for v in size):

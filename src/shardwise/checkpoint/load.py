@@ -23,8 +23,10 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-from collections.abc import Mapping, MutableMapping
-from typing import Any
+import warnings
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -37,20 +39,23 @@ from shardwise.checkpoint._items import (
     describe_tensor,
     is_tensor_value,
 )
-from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, load_json_value
+from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.reader import CheckpointReader, Job, decode, read_index_bytes
+from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.storage import open_storage
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
-    CheckpointFormatError,
     CheckpointKeyError,
     CheckpointMismatchError,
     PickleNotAllowedError,
 )
 
-__all__ = ["load", "load_tensor", "read_metadata"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["LoadResult", "load", "load_tensor", "read_metadata"]
 
 
 def read_metadata(
@@ -76,7 +81,9 @@ def _outside(box: LocalBox, size: tuple[int, ...]) -> bool:
     )
 
 
-def _check_target(fqn: str, described: TensorValue, record: TensorRecord) -> None:
+def _check_target(
+    fqn: str, described: TensorValue, record: TensorRecord, allow_dtype_cast: bool
+) -> None:
     saved_dtype = record.dtype
     if described.size is not None and tuple(described.size) != record.size:
         raise CheckpointMismatchError(
@@ -89,42 +96,103 @@ def _check_target(fqn: str, described: TensorValue, record: TensorRecord) -> Non
             f"size mismatch: the state dict's shards do not fit the saved size {list(record.size)}",
             key=fqn,
         )
-    if described.dtype != saved_dtype:
+    if described.dtype != saved_dtype and not (
+        allow_dtype_cast and _castable(saved_dtype) and _castable(described.dtype)
+    ):
+        hint = (
+            "; pass allow_dtype_cast=True to cast it on load"
+            if _castable(saved_dtype) and _castable(described.dtype)
+            else " (only floating-point dtypes are cast on load)"
+        )
         raise CheckpointMismatchError(
             f"dtype mismatch: the checkpoint has {saved_dtype}, the state dict expects "
-            f"{described.dtype}",
+            f"{described.dtype}{hint}",
             key=fqn,
         )
 
 
-def _plan_load(
-    flat: Mapping[str, Any], reader: CheckpointReader, strict: bool, allow_pickle: bool
-) -> tuple[list[LocalBox], list[Job], list[ObjectRecord]]:
-    index: Index = reader.index
-    targets: list[LocalBox] = []
-    jobs: list[Job] = []
-    objects: list[ObjectRecord] = []
-    for fqn, value in flat.items():
-        tensor = index.tensors.get(fqn)
-        item = index.objects.get(fqn)
-        if tensor is None and item is None:
-            if strict:
-                raise CheckpointKeyError(
-                    "missing from the checkpoint (pass strict=False to skip missing keys)",
-                    key=fqn,
-                )
+def _castable(dtype: torch.dtype) -> bool:
+    """Whether ``allow_dtype_cast`` may cast to or from ``dtype`` (floating point: fp64,
+    fp32, bf16, fp16 and the float8 types)."""
+    return dtype.is_floating_point
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load` did, like ``nn.Module.load_state_dict``'s result.
+
+    Attributes:
+        missing_keys: Keys of the state dict the checkpoint does not have (left as they
+            were; only with ``strict=False``).
+        unexpected_keys: Keys of the checkpoint the state dict does not have (not loaded).
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _match(flat: Flat, index: Index) -> tuple[dict[str, str], list[str], list[str]]:
+    """Pair the state dict's keys with the checkpoint's: by key and int positions first,
+    else by the dotted key alone when that names one entry (a checkpoint converted from DCP,
+    or of format version 1, whose keys do not record ints). Returns the pairs (state dict key
+    to checkpoint key) and the missing and unexpected keys."""
+    saved = [*index.tensors, *index.objects]
+    by_display: dict[str, list[str]] = {}
+    for key in saved:
+        by_display.setdefault(display_key(key), []).append(key)
+    pairs: dict[str, str] = {}
+    missing = []
+    for key in flat.leaves:
+        if key in index.tensors or key in index.objects:
+            pairs[key] = key
             continue
+        candidates = by_display.get(display_key(key), [])
+        if len(candidates) == 1 and candidates[0] not in pairs.values():
+            pairs[key] = candidates[0]
+        else:
+            missing.append(display_key(key))
+    used = set(pairs.values())
+    unexpected = [display_key(key) for key in saved if key not in used]
+    return pairs, missing, unexpected
+
+
+@dataclass(slots=True)
+class _Plan:
+    targets: list[LocalBox]
+    jobs: list[Job]
+    objects: list[tuple[str, ObjectRecord]]  # (state dict key, record)
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _plan_load(
+    flat: Flat, reader: CheckpointReader, strict: bool, allow_pickle: bool, allow_dtype_cast: bool
+) -> _Plan:
+    index: Index = reader.index
+    pairs, missing, unexpected = _match(flat, index)
+    if strict and missing:
+        raise CheckpointKeyError(
+            "missing from the checkpoint (pass strict=False to skip missing keys"
+            + (f"; {len(missing)} keys are missing" if len(missing) > 1 else "")
+            + ")",
+            key=missing[0],
+        )
+    plan = _Plan([], [], [], missing, unexpected)
+    for key, saved_key in pairs.items():
+        value = flat.leaves[key]
+        fqn = display_key(key)
+        tensor = index.tensors.get(saved_key)
         if is_tensor_value(value):
             if tensor is None:
                 raise CheckpointMismatchError(
                     "the state dict holds a tensor, the checkpoint an object", key=fqn
                 )
             described = describe_tensor(fqn, value)
-            _check_target(fqn, described, tensor)
+            _check_target(fqn, described, tensor, allow_dtype_cast)
             for box in described.boxes:
-                jobs.extend(reader.plan(fqn, box.box, len(targets)))
-                targets.append(box)
+                plan.jobs.extend(reader.plan(saved_key, box.box, len(plan.targets)))
+                plan.targets.append(box)
             continue
+        item = index.objects.get(saved_key)
         if item is None:
             raise CheckpointMismatchError(
                 "the state dict holds an object, the checkpoint a tensor", key=fqn
@@ -135,16 +203,13 @@ def _plan_load(
                 "checkpoints you trust: unpickling runs code)",
                 key=fqn,
             )
-        objects.append(item)
-    return targets, jobs, objects
+        plan.objects.append((key, item))
+    return plan
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord) -> Any:
     if item.text is not None:
-        try:
-            return load_json_value(item.text, item.fqn)
-        except CheckpointFormatError as err:
-            raise CheckpointFormatError(err.bare_message, key=item.fqn) from err
+        return decode_text(item)
     payload = reader.blob(item.fqn, verify=False)  # its blocks were verified with the rest
     if item.encoding != "pickle":
         return decode_object(item.encoding, payload, pickle.loads)
@@ -160,54 +225,53 @@ def _decode(reader: CheckpointReader, item: ObjectRecord) -> Any:
         ) from err
 
 
-def _set_nested(state_dict: MutableMapping[str, Any], fqn: str, value: Any) -> None:
-    """Replace the value at dotted ``fqn`` in a possibly nested state dict."""
-    if fqn in state_dict:
-        state_dict[fqn] = value
-        return
-    for split in range(len(fqn.split(".")) - 1, 0, -1):
-        prefix = ".".join(fqn.split(".")[:split])
-        child = state_dict.get(prefix)
-        if isinstance(child, dict):
-            _set_nested(child, fqn[len(prefix) + 1 :], value)
-            return
-    raise KeyError(fqn) from None
-
-
 def load(
     state_dict: MutableMapping[str, Any],
     path: str | os.PathLike[str],
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     strict: bool = True,
     verify: bool = True,
     allow_pickle: bool = False,
+    allow_dtype_cast: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
-) -> None:
+) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` (collective).
 
     Tensors (plain, ShardedTensor, DTensor, LocalShardsWrapper; any layout, any world size)
-    are filled in place from whatever layout was saved; other values are replaced. Keys of the
-    checkpoint that the state dict does not have are ignored. Nothing is copied into the state
-    dict before every rank has validated the index and verified every block it will read: a
-    failure leaves the state dict unchanged.
+    are filled in place from whatever layout was saved; other values are replaced in their
+    containers (a tuple is rebuilt and replaced in its parent); every Stateful object has its
+    ``state_dict()`` filled and passed to its ``load_state_dict``. Nothing is copied into the
+    state dict before every rank has validated the index and verified every block it will
+    read: a failure leaves the state dict unchanged.
 
     Args:
         state_dict: The target, with tensors of the right size and dtype.
-        path: Checkpoint directory or fsspec URL.
+        path: Checkpoint directory or fsspec URL (``~`` is expanded).
         process_group: The ranks loading together (default: the default group, if any).
-        strict: Raise when a key of ``state_dict`` is missing from the checkpoint.
+        strict: Raise when a key of ``state_dict`` is missing from the checkpoint; with
+            ``False``, missing keys are left as they are and a warning names them and the
+            checkpoint's keys that were not loaded.
         verify: Check the checksum of every block read (``False`` skips this).
         allow_pickle: Allow loading entries that were pickled.
+        allow_dtype_cast: Cast a saved floating-point tensor to the target's floating-point
+            dtype (fp64, fp32, bf16, fp16, float8) when they differ; refused otherwise.
         storage_options: fsspec options for URLs.
         progress: Show a progress bar on rank 0.
+
+    Returns:
+        ``LoadResult(missing_keys, unexpected_keys)``: the state dict's keys the checkpoint
+        lacks, and the checkpoint's keys the state dict lacks (not loaded).
 
     Raises:
         CheckpointError: (a subclass) missing or incomplete checkpoint, corrupt or malformed
             index, unknown version, missing key, size or dtype mismatch, checksum mismatch,
             missing, unsafe or truncated data file, pickled entry without ``allow_pickle``.
             Every rank raises the same error.
+
+    Example:
+        >>> result = shardwise.checkpoint.load({"model": model, "optim": optim}, "/ckpt/100")
     """
     comm = collectives.Comm(process_group)
     path_text = os.path.expanduser(os.fspath(path))
@@ -233,59 +297,85 @@ def load(
     data = envelope["text"].encode("utf-8", "surrogateescape")
     # Every rank decodes the same bytes, so every rank reaches the same verdict.
     reader = CheckpointReader(storage, decode(data, storage), path_text, comm.rank)
+    options = _Options(strict, verify, allow_pickle, allow_dtype_cast, progress)
     try:
-        _load(reader, comm, state_dict, strict, verify, allow_pickle, progress)
+        result = _load(reader, comm, state_dict, options)
     finally:
         reader.close()
+    if not strict and (result.missing_keys or result.unexpected_keys):
+        warnings.warn(
+            f"loading {path_text}: {_keys('missing from the checkpoint', result.missing_keys)}"
+            f"; {_keys('in the checkpoint but not in the state dict', result.unexpected_keys)}",
+            stacklevel=2,
+        )
+    return result
+
+
+def _keys(what: str, keys: list[str]) -> str:
+    shown = ", ".join(repr(key) for key in keys[:10])
+    more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+    return f"{len(keys)} keys {what}" + (f" ({shown}{more})" if keys else "")
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    strict: bool
+    verify: bool
+    allow_pickle: bool
+    allow_dtype_cast: bool
+    progress: bool
 
 
 def _load(
     reader: CheckpointReader,
     comm: collectives.Comm,
     state_dict: MutableMapping[str, Any],
-    strict: bool,
-    verify: bool,
-    allow_pickle: bool,
-    progress: bool,
-) -> None:
-    def plan() -> tuple[list[LocalBox], list[Job], list[ObjectRecord]]:
-        flat = planner.flatten_state_dict(state_dict)
-        planned = _plan_load(flat, reader, strict, allow_pickle)
-        _, jobs, objects = planned
-        blobs = [(item.fqn, item.blob) for item in objects if item.blob is not None]
-        reader.check_files(itertools.chain(((job.key, job.chunk) for job in jobs), blobs))
+    options: _Options,
+) -> LoadResult:
+    flat = Flat()
+
+    def plan() -> _Plan:
+        nonlocal flat
+        flat = flatten(state_dict)
+        planned = _plan_load(
+            flat, reader, options.strict, options.allow_pickle, options.allow_dtype_cast
+        )
+        blobs = [(item.fqn, item.blob) for _, item in planned.objects if item.blob is not None]
+        jobs = ((job.key, job.chunk) for job in planned.jobs)
+        reader.check_files(itertools.chain(jobs, blobs))
         return planned
 
-    (targets, jobs, objects), _ = comm.exchange_or_raise(plan, lambda _: None)
+    planned, _ = comm.exchange_or_raise(plan, lambda _: None)
 
     def check() -> dict[str, Any]:
-        if verify:
+        if options.verify:
             blobs = (
                 reader.blocks(item.fqn, item.blob, 0, item.blob.nbytes)
-                for item in objects
+                for _, item in planned.objects
                 if item.blob is not None
             )
-            reader.verify(itertools.chain(reader.job_blocks(jobs), *blobs))
-        return {item.fqn: _decode(reader, item) for item in objects}
+            reader.verify(itertools.chain(reader.job_blocks(planned.jobs), *blobs))
+        return {key: _decode(reader, item) for key, item in planned.objects}
 
     values, _ = comm.exchange_or_raise(check, lambda _: None)
     bar = None
-    if progress and comm.rank == 0:
+    if options.progress and comm.rank == 0:
         from tqdm import tqdm  # type: ignore[import-untyped]
 
-        total = sum(job.read.nbytes for job in jobs)
+        total = sum(job.read.nbytes for job in planned.jobs)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {reader.path}")
     try:
         comm.exchange_or_raise(
-            lambda: reader.fill(jobs, targets, None if bar is None else bar.update),
+            lambda: reader.fill(planned.jobs, planned.targets, None if bar is None else bar.update),
             lambda _: None,
         )
     finally:
         if bar is not None:
             bar.close()
-    # Objects are replaced only once every rank has loaded everything.
-    for fqn, value in values.items():
-        _set_nested(state_dict, fqn, value)
+    # Objects are replaced, and Stateful objects given their state, only once every rank has
+    # loaded everything.
+    restore(state_dict, flat, values)
+    return LoadResult(planned.missing, planned.unexpected)
 
 
 def load_tensor(

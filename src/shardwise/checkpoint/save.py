@@ -46,6 +46,7 @@ from shardwise.checkpoint.index import (
     BLOCK_SIZE,
     DATA_DIR,
     INDEX_NAME,
+    TEXT_ENCODINGS,
     Index,
     ObjectRecord,
     SaveFacts,
@@ -58,6 +59,7 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.state_dict import flatten
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer, open_storage
 from shardwise.errors import CheckpointDataError
 from shardwise.metadata import TensorProperties, dtype_name
@@ -85,10 +87,9 @@ class _Snapshot:
 
 
 def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
-    flat = planner.flatten_state_dict(state_dict)
     tensors: dict[str, TensorValue] = {}
     objects: dict[str, ObjectValue] = {}
-    for fqn, value in flat.items():
+    for fqn, value in flatten(state_dict).leaves.items():
         if is_tensor_value(value):
             tensors[fqn] = describe_tensor(fqn, value)
         else:
@@ -282,8 +283,8 @@ def _build_index(
         )
     records = []
     for fqn, value in objects.items():
-        if value.encoding == "json":
-            records.append(ObjectRecord(fqn, "json", text=value.payload.decode()))
+        if value.encoding in TEXT_ENCODINGS:
+            records.append(ObjectRecord(fqn, value.encoding, text=value.payload.decode()))
         else:
             records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
     facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, path)
@@ -362,11 +363,13 @@ def _save_snapshot(
             plan["save_id"] = secrets.token_hex(8)
             # JSON values travel as text (they go into the index); blobs as their length.
             plan["objects"] = {
-                fqn: [obj.encoding, obj.payload.decode() if obj.encoding == "json" else ""]
+                fqn: [obj.encoding, obj.payload.decode() if obj.encoding in TEXT_ENCODINGS else ""]
                 for fqn, obj in snapshot.objects.items()
             }
             plan["blob_bytes"] = sum(
-                len(obj.payload) for obj in snapshot.objects.values() if obj.encoding != "json"
+                len(obj.payload)
+                for obj in snapshot.objects.values()
+                if obj.encoding not in TEXT_ENCODINGS
             )
         return plan
 
@@ -385,7 +388,11 @@ def _save_snapshot(
     mine = assignments[comm.rank]
     blobs = []
     if comm.rank == coordinator_rank:
-        blobs = [(fqn, obj) for fqn, obj in snapshot.objects.items() if obj.encoding != "json"]
+        blobs = [
+            (fqn, obj)
+            for fqn, obj in snapshot.objects.items()
+            if obj.encoding not in TEXT_ENCODINGS
+        ]
 
     def write() -> dict[str, Any]:
         data_dir = storage.join(DATA_DIR)

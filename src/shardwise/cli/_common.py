@@ -17,7 +17,7 @@ from shardwise.checkpoint.index import (
     CHECKSUM_ALGORITHM,
     ObjectRecord,
     TensorRecord,
-    load_json_value,
+    decode_text,
 )
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.reader import CheckpointReader
@@ -123,7 +123,7 @@ class _Checkpoint:
         """The value of a JSON object entry (kept in the index)."""
         entry = self.entries[fqn]
         assert isinstance(entry, ObjectRecord) and entry.text is not None
-        return load_json_value(entry.text, fqn)
+        return decode_text(entry)
 
     def payload(self, fqn: str) -> bytes:
         """The stored bytes of object ``fqn`` (the JSON text for a JSON value); never decoded,

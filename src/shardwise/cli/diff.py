@@ -128,7 +128,7 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
                     )
                     continue
                 why = _compare_tensors(first.tensor(fqn), second.tensor(fqn), atol, rtol)
-            elif kind_first == "json":
+            elif kind_first in ("json", "pyjson"):
                 why = _compare_json(first, second, fqn)
             else:
                 why = _compare_bytes(kind_first, first.payload(fqn), second.payload(fqn))

@@ -18,7 +18,7 @@ from shardwise.checkpoint.format import (
     header_length,
     parse_header,
 )
-from shardwise.checkpoint.index import ObjectRecord, TensorRecord, block_checksums, load_json_value
+from shardwise.checkpoint.index import ObjectRecord, TensorRecord, block_checksums, decode_text
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.storage import UnsafePathError
@@ -77,7 +77,7 @@ def _json_problems(checkpoint: _Checkpoint) -> list[str]:
     for fqn, entry in checkpoint.entries.items():
         if isinstance(entry, ObjectRecord) and entry.text is not None:
             try:
-                load_json_value(entry.text, fqn)
+                decode_text(entry)
             except CheckpointFormatError as err:
                 problems.append(f"BAD JSON key {fqn!r}: {err.bare_message}")
     return problems

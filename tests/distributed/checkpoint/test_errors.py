@@ -146,9 +146,11 @@ def test_missing_key_strict_and_lenient(tmp_path: Path) -> None:
     assert str(caught.value) == message + (")" if rank == 2 else ", rank 2)")
     _assert_untouched(state)
 
-    # strict=False skips it and loads the rest.
+    # strict=False skips it, loads the rest, says so in a warning and in its result.
     state = {**_target(COLS), "extra": torch.zeros(2)}
-    ckpt.load(state, path, strict=False)
+    with pytest.warns(UserWarning, match=r"1 keys missing from the checkpoint \('extra'\)"):
+        result = ckpt.load(state, path, strict=False)
+    assert result.missing_keys == ["extra"] and result.unexpected_keys == []
     assert torch.equal(state["extra"], torch.zeros(2))
     (shard,) = state["w"].local_shards()
     assert torch.equal(shard.tensor, FULL[:, 2 * rank : 2 * rank + 2])
@@ -177,11 +179,27 @@ def test_size_and_dtype_mismatch(tmp_path: Path) -> None:
         ckpt.CheckpointMismatchError,
         match=re.escape(
             "dtype mismatch: the checkpoint has torch.float32, the state dict expects "
-            "torch.float64 (key 'w')"
+            "torch.float64; pass allow_dtype_cast=True to cast it on load (key 'w')"
         ),
     ):
         ckpt.load(state, path)
     _assert_untouched(state)
+    # The opt-in casts on load, in any layout (here float32 rows into bfloat16 columns).
+    state["w"] = sw.full(COLS, (8, 6), -1.0, dtype=torch.bfloat16)
+    ckpt.load(state, path, allow_dtype_cast=True)
+    (shard,) = state["w"].local_shards()
+    rank = dist.get_rank()
+    assert shard.tensor.dtype == torch.bfloat16
+    assert torch.equal(shard.tensor, FULL[:, 2 * rank : 2 * rank + 2].to(torch.bfloat16))
+    # Only floating-point dtypes are cast.
+    state = _target()
+    state["b"] = torch.full((3,), -1, dtype=torch.int64)
+    with pytest.raises(
+        ckpt.CheckpointMismatchError,
+        match=re.escape("(only floating-point dtypes are cast on load) (key 'b'"),
+    ):
+        ckpt.load(state, path, allow_dtype_cast=True)
+    assert torch.all(state["b"] == -1)
 
     # A mismatch on one rank only (a plain tensor of the wrong size on rank 3).
     state = _target()

@@ -1,0 +1,203 @@
+"""How a state dict is taken apart into checkpoint entries, and put back (see
+``docs/format.md``, *Keys*).
+
+A state dict is any nesting of Mappings (``dict``, ``OrderedDict``; keys ``str`` or ``int``),
+lists and tuples, and Stateful objects (anything with ``state_dict()`` and
+``load_state_dict()``, such as modules, optimizers and LR schedulers), down to leaves:
+tensors (plain, ShardedTensor, DTensor, LocalShardsWrapper) and other values.
+
+* A Mapping is always entered: each value's path gets the key.
+* A Stateful object is entered through its ``state_dict()`` (on load, that dict is filled and
+  handed to ``load_state_dict``).
+* A list or tuple is entered (each element's path gets its index) when it holds a tensor, a
+  Mapping, a Stateful object or an enterable list or tuple; otherwise it is one leaf (a list of
+  numbers, the ``betas`` tuple of Adam, ``random.getstate()``).
+
+An entry's **key** is its path's parts joined by ``.`` — the key DCP gives the same entry
+(``optim.state.0.exp_avg``, ``optim.param_groups.0.lr``). Paths with ``int`` parts (an
+optimizer's ``state`` keys, list indices) also record which parts are ints, so ``{0: x}`` and
+``{"0": y}`` stay distinct: the internal key is then ``<key>\\x00<positions>``, the positions
+(in the ``.``-split key) of the int parts, comma separated. :func:`display_key` drops that
+suffix for messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Flat",
+    "display_key",
+    "flatten",
+    "is_stateful",
+    "restore",
+]
+
+_MAX_DEPTH = 100
+_SEPARATOR = "\x00"
+
+
+def display_key(key: str) -> str:
+    """The dotted key of an internal key (its int-position suffix dropped)."""
+    return key.split(_SEPARATOR, 1)[0]
+
+
+def is_stateful(value: object) -> bool:
+    """Whether ``value`` follows the Stateful protocol (``state_dict`` and
+    ``load_state_dict``); tensors never do."""
+    return (
+        not isinstance(value, (torch.Tensor, Mapping))
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+def _internal_key(path: tuple[str | int, ...]) -> str:
+    parts: list[str] = []
+    ints: list[str] = []
+    segments = 0
+    for part in path:
+        if isinstance(part, str):
+            parts.append(part)
+            segments += part.count(".") + 1
+        else:
+            ints.append(str(segments))
+            parts.append(str(part))
+            segments += 1
+    key = ".".join(parts)
+    return f"{key}{_SEPARATOR}{','.join(ints)}" if ints else key
+
+
+@dataclass(slots=True)
+class Flat:
+    """A state dict taken apart.
+
+    Attributes:
+        leaves: Every leaf by internal key, in traversal order.
+        statefuls: The Stateful objects met, each with the dict its ``state_dict()`` returned
+            (the one :func:`restore` fills), innermost first.
+    """
+
+    leaves: dict[str, Any] = field(default_factory=dict)
+    statefuls: list[tuple[Any, Any]] = field(default_factory=list)
+    _dicts: dict[int, Any] = field(default_factory=dict)
+
+    def state_of(self, value: Any) -> Any:
+        """The state dict of Stateful ``value`` (asked once, then remembered)."""
+        known = self._dicts.get(id(value))
+        if known is None:
+            known = self._dicts[id(value)] = value.state_dict()
+            if not isinstance(known, Mapping):
+                raise TypeError(
+                    f"{type(value).__name__}.state_dict() returned a "
+                    f"{type(known).__name__}, not a Mapping"
+                )
+        return known
+
+
+def _enterable(value: object) -> bool:
+    if isinstance(value, (torch.Tensor, Mapping)) or is_stateful(value):
+        return True
+    return isinstance(value, (list, tuple)) and any(_enterable(item) for item in value)
+
+
+def _node(flat: Flat, value: Any) -> Any:
+    """What stands at a path: a Stateful object's state dict, or the value itself."""
+    return flat.state_of(value) if is_stateful(value) else value
+
+
+def _children(node: Any) -> Iterator[tuple[str | int, Any]] | None:
+    """The children of a node with their path parts, or None for a leaf. An empty Mapping is
+    a leaf (an entry ``{}``), so that it round-trips."""
+    if isinstance(node, torch.Tensor):
+        return None
+    if isinstance(node, Mapping):
+        return iter(node.items()) if node else None
+    if isinstance(node, (list, tuple)) and _enterable(node):
+        return iter(enumerate(node))
+    return None
+
+
+def _check_part(part: object, path: tuple[str | int, ...]) -> str | int:
+    if isinstance(part, bool) or not isinstance(part, (str, int)):
+        where = ".".join(str(p) for p in path) or "the state dict"
+        raise TypeError(
+            f"state_dict keys must be strings or ints, found {part!r} "
+            f"({type(part).__name__}) in {where}"
+        )
+    if isinstance(part, str) and _SEPARATOR in part:
+        raise TypeError(f"state_dict keys must not contain NUL characters, found {part!r}")
+    return part
+
+
+def flatten(state_dict: Mapping[str, Any]) -> Flat:
+    """Take ``state_dict`` apart into leaves by internal key.
+
+    Raises:
+        TypeError: A key is neither ``str`` nor ``int``, or the nesting is deeper than 100
+            (a cycle?).
+        ValueError: Two paths give the same key (e.g. ``{"a.b": 1, "a": {"b": 2}}``).
+    """
+    flat = Flat()
+
+    def visit(value: Any, path: tuple[str | int, ...]) -> None:
+        if len(path) > _MAX_DEPTH:
+            raise TypeError(
+                f"the state dict is nested deeper than {_MAX_DEPTH} levels at "
+                f"{'.'.join(str(p) for p in path[:5])}... (a cycle?)"
+            )
+        node = _node(flat, value) if path else value
+        children = _children(node) if path else iter(value.items())
+        if children is None:
+            key = _internal_key(path)
+            if key in flat.leaves:
+                raise ValueError(
+                    f"state_dict keys [{display_key(key)!r}] appear twice after flattening"
+                )
+            flat.leaves[key] = node
+            return
+        for part, child in children:
+            visit(child, (*path, _check_part(part, path)))
+        if path and is_stateful(value):
+            flat.statefuls.append((value, flat.state_of(value)))
+
+    visit(state_dict, ())
+    return flat
+
+
+def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[str, Any]) -> None:
+    """Put ``values`` (leaves by internal key, as :func:`flatten` of this same ``state_dict``
+    named them) into ``state_dict`` in place: Mappings and lists are assigned into, tuples are
+    rebuilt (``type(t)(...)``, so namedtuples stay namedtuples) and assigned into their parent,
+    and every Stateful object gets ``load_state_dict`` of its filled dict."""
+
+    def rebuild(value: Any, path: tuple[str | int, ...]) -> Any:
+        container = _node(flat, value) if path else value
+        children = _children(container) if path else iter(value.items())
+        if children is None:
+            key = _internal_key(path)
+            if key not in values:
+                return value
+            if container is not value:  # an empty state dict of a Stateful object
+                container.update(values[key])
+                return value
+            return values[key]
+        items = list(children)
+        new_items = [(part, rebuild(child, (*path, part))) for part, child in items]
+        if isinstance(container, tuple):
+            if all(new is old for (_, new), (_, old) in zip(new_items, items, strict=True)):
+                return value
+            fields = [new for _, new in new_items]
+            return type(container)(*fields) if hasattr(container, "_fields") else tuple(fields)
+        for (part, new), (_, old) in zip(new_items, items, strict=True):
+            if new is not old:
+                container[part] = new
+        return value
+
+    rebuild(state_dict, ())
+    for stateful, state in flat.statefuls:
+        stateful.load_state_dict(state)
