@@ -1,6 +1,6 @@
 """Distributed checkpoints: pickle-free, verified, atomic and reshardable save and load."""
 
-from shardwise.checkpoint.load import load, load_tensor, read_metadata
+from shardwise.checkpoint.load import LoadResult, load, load_tensor, read_metadata
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -33,6 +33,7 @@ __all__ = [
     "ChecksumError",
     "ChunkStorageMetadata",
     "DCPImportError",
+    "LoadResult",
     "Metadata",
     "MetadataIndex",
     "PickleNotAllowedError",
