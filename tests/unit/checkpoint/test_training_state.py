@@ -140,7 +140,7 @@ def test_a_converted_dcp_checkpoint_loads_strictly_into_model_and_optimizer(
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
-    model, optim, sched = _trained(0, 3)  # the scheduler changed the learning rate
+    model, optim, _ = _trained(0, 3)  # its scheduler changed the learning rate
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notice
         dcp.save(
