@@ -130,36 +130,83 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _match(flat: Flat, index: Index) -> tuple[dict[str, str], list[str], list[str]]:
+def _match(
+    flat: Flat, index: Index
+) -> tuple[dict[str, str], dict[str, list[str]], list[str], list[str]]:
     """Pair the state dict's keys with the checkpoint's: by key and int positions first,
     else by the dotted key alone when that names one entry (a checkpoint converted from DCP,
-    or of format version 1, whose keys do not record ints). Returns the pairs (state dict key
-    to checkpoint key) and the missing and unexpected keys."""
+    or of format version 1, whose keys do not record ints).
+
+    An empty Mapping of the state dict under which the checkpoint has entries (the ``state``
+    of an optimizer that has not stepped yet) is grown: those entries are loaded into it.
+
+    Returns:
+        The pairs (state dict key to checkpoint key), the grown Mappings (state dict key to
+        the checkpoint keys under it), and the missing and unexpected keys.
+    """
     saved = [*index.tensors, *index.objects]
     by_display: dict[str, list[str]] = {}
     for key in saved:
         by_display.setdefault(display_key(key), []).append(key)
     pairs: dict[str, str] = {}
-    missing = []
+    used: set[str] = set()
+    unmatched = []
     for key in flat.leaves:
         if key in index.tensors or key in index.objects:
-            pairs[key] = key
-            continue
-        candidates = by_display.get(display_key(key), [])
-        if len(candidates) == 1 and candidates[0] not in pairs.values():
-            pairs[key] = candidates[0]
+            found: str | None = key
+        else:
+            candidates = by_display.get(display_key(key), [])
+            found = candidates[0] if len(candidates) == 1 else None
+        if found is None or found in used:
+            unmatched.append(key)
+        else:
+            pairs[key] = found
+            used.add(found)
+    grown: dict[str, list[str]] = {}
+    missing = []
+    for key in unmatched:
+        value = flat.leaves[key]
+        prefix = display_key(key) + "."
+        under = (
+            [k for k in saved if k not in used and display_key(k).startswith(prefix)]
+            if isinstance(value, MutableMapping) and not value
+            else []
+        )
+        if under:
+            grown[key] = under
+            used.update(under)
         else:
             missing.append(display_key(key))
-    used = set(pairs.values())
     unexpected = [display_key(key) for key in saved if key not in used]
-    return pairs, missing, unexpected
+    return pairs, grown, missing, unexpected
+
+
+def _grow(flat: Flat, grown: dict[str, list[str]], values: dict[str, Any]) -> None:
+    """Build the entries of each grown Mapping from its checkpoint keys: nested dicts whose
+    keys are ints where the checkpoint recorded ints."""
+    for key, saved_keys in grown.items():
+        root = flat.leaves[key]
+        offset = display_key(key).count(".") + 1
+        for saved in saved_keys:
+            name, _, positions = saved.partition("\x00")
+            ints = {int(p) - offset for p in positions.split(",") if p}
+            parts: list[str | int] = [
+                int(part) if i in ints else part
+                for i, part in enumerate(name[len(display_key(key)) + 1 :].split("."))
+            ]
+            node = root
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = values[saved]
 
 
 @dataclass(slots=True)
 class _Plan:
     targets: list[LocalBox]
     jobs: list[Job]
-    objects: list[tuple[str, ObjectRecord]]  # (state dict key, record)
+    objects: list[tuple[str, ObjectRecord]]  # (state dict or grown checkpoint key, record)
+    grown: dict[str, list[str]]  # (see _match)
+    new_tensors: dict[str, torch.Tensor]  # checkpoint key -> tensor allocated to grow into
     missing: list[str]
     unexpected: list[str]
 
@@ -168,7 +215,7 @@ def _plan_load(
     flat: Flat, reader: CheckpointReader, strict: bool, allow_pickle: bool, allow_dtype_cast: bool
 ) -> _Plan:
     index: Index = reader.index
-    pairs, missing, unexpected = _match(flat, index)
+    pairs, grown, missing, unexpected = _match(flat, index)
     if strict and missing:
         raise CheckpointKeyError(
             "missing from the checkpoint (pass strict=False to skip missing keys"
@@ -176,7 +223,26 @@ def _plan_load(
             + ")",
             key=missing[0],
         )
-    plan = _Plan([], [], [], missing, unexpected)
+    plan = _Plan([], [], [], grown, {}, missing, unexpected)
+    for saved_key in itertools.chain.from_iterable(grown.values()):
+        record = index.tensors.get(saved_key)
+        if record is None:
+            stored = index.objects[saved_key]
+            if stored.encoding == "pickle" and not allow_pickle:
+                raise PickleNotAllowedError(
+                    "this entry was pickled; pass allow_pickle=True to load it (only for "
+                    "checkpoints you trust: unpickling runs code)",
+                    key=display_key(saved_key),
+                )
+            plan.objects.append((saved_key, stored))
+            continue
+        # Allocated only once its data files are known to hold it.
+        reader.check_files((saved_key, chunk) for chunk in record.chunks)
+        allocated = torch.empty(record.size, dtype=record.dtype)
+        plan.new_tensors[saved_key] = allocated
+        whole = LocalBox((0,) * len(record.size), record.size, allocated)
+        plan.jobs.extend(reader.plan(saved_key, whole.box, len(plan.targets)))
+        plan.targets.append(whole)
     for key, saved_key in pairs.items():
         value = flat.leaves[key]
         fqn = display_key(key)
@@ -374,6 +440,7 @@ def _load(
             bar.close()
     # Objects are replaced, and Stateful objects given their state, only once every rank has
     # loaded everything.
+    _grow(flat, planned.grown, {**values, **planned.new_tensors})
     restore(state_dict, flat, values)
     return LoadResult(planned.missing, planned.unexpected)
 

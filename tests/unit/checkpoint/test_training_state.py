@@ -229,3 +229,21 @@ def test_values_that_need_pickle_get_the_right_hint(tmp_path: Path) -> None:
 
     with pytest.raises(TypeError, match="allow_pickle=True"):
         ckpt.save({"a": Custom()}, tmp_path / "c")
+
+
+def test_a_fresh_optimizer_gets_its_state_from_the_checkpoint(tmp_path: Path) -> None:
+    # Resuming at start-up: the optimizer has not stepped, so its state dict's "state" is
+    # empty; the checkpoint's entries under it are loaded into it (int keys as saved).
+    model, optim, sched = _trained(0, 3)
+    ckpt.save({"model": model, "optim": optim, "sched": sched}, tmp_path / "c")
+    torch.manual_seed(1)
+    fresh_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    fresh_optim = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_optim, step_size=1, gamma=0.5)
+    assert fresh_optim.state_dict()["state"] == {}
+    target = {"model": fresh_model, "optim": fresh_optim, "sched": fresh_sched}
+    assert ckpt.load(target, tmp_path / "c") == ckpt.LoadResult([], [])
+    _assert_same_optimizer(fresh_optim, optim)
+    assert fresh_sched.last_epoch == 3
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(a, b)
