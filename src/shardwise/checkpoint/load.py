@@ -369,18 +369,26 @@ def load(
     finally:
         reader.close()
     if not strict and (result.missing_keys or result.unexpected_keys):
-        warnings.warn(
-            f"loading {path_text}: {_keys('missing from the checkpoint', result.missing_keys)}"
-            f"; {_keys('in the checkpoint but not in the state dict', result.unexpected_keys)}",
-            stacklevel=2,
-        )
+        parts = [
+            _keys(what, keys)
+            for what, keys in (
+                ("missing from the checkpoint", result.missing_keys),
+                (
+                    "in the checkpoint but not in the state dict (not loaded)",
+                    result.unexpected_keys,
+                ),
+            )
+            if keys
+        ]
+        warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=2)
     return result
 
 
 def _keys(what: str, keys: list[str]) -> str:
     shown = ", ".join(repr(key) for key in keys[:10])
     more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
-    return f"{len(keys)} keys {what}" + (f" ({shown}{more})" if keys else "")
+    noun = "key" if len(keys) == 1 else "keys"
+    return f"{len(keys)} {noun} {what} ({shown}{more})"
 
 
 @dataclass(frozen=True, slots=True)

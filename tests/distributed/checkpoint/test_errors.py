@@ -148,7 +148,7 @@ def test_missing_key_strict_and_lenient(tmp_path: Path) -> None:
 
     # strict=False skips it, loads the rest, says so in a warning and in its result.
     state = {**_target(COLS), "extra": torch.zeros(2)}
-    with pytest.warns(UserWarning, match=r"1 keys missing from the checkpoint \('extra'\)"):
+    with pytest.warns(UserWarning, match=r"1 key missing from the checkpoint \('extra'\)"):
         result = ckpt.load(state, path, strict=False)
     assert result.missing_keys == ["extra"] and result.unexpected_keys == []
     assert torch.equal(state["extra"], torch.zeros(2))

@@ -129,7 +129,7 @@ def test_strict_false_reports_and_warns(tmp_path: Path) -> None:
     with pytest.raises(ckpt.CheckpointKeyError, match="missing from the checkpoint"):
         ckpt.load(target, tmp_path / "c")
     assert torch.equal(target["a"], torch.zeros(1))
-    with pytest.warns(UserWarning, match=r"1 keys missing from the checkpoint \('c'\)"):
+    with pytest.warns(UserWarning, match=r"1 key missing from the checkpoint \('c'\)"):
         result = ckpt.load(target, tmp_path / "c", strict=False)
     assert result.missing_keys == ["c"] and result.unexpected_keys == ["b"]
     assert torch.equal(target["a"], torch.ones(1)) and target["c"] == 5

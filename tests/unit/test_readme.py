@@ -1,0 +1,302 @@
+"""README.md's Python blocks run as tests, so that the README cannot drift from the code.
+
+Every fenced block of the README is labelled (``python``, ``bash`` or ``text``) and starts at
+column 0; every ``python`` block sits under one of the headings in :data:`RUN`, and the test
+named there runs it:
+
+* *Checkpoints* in this process, with no process group, in a temporary working directory
+  (the README's paths are relative).
+* *Sharded tensors*, *Use it from your own code* (``train.py``) and *FSDP2 and DTensor* on the
+  gloo ranks of the harness (``tests/harness.py``), as under ``torchrun``: their
+  ``dist.init_process_group("gloo")`` finds the harness's group already up, and
+  ``dist.destroy_process_group()`` leaves it up for the next test.
+
+A block runs as the README's own lines (tracebacks point into README.md), with every warning
+an error, and the test then checks that it did what the README says it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import CodeType
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
+
+import shardwise.checkpoint as ckpt
+from tests.harness import distributed, run_on_ranks
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+#: Fence labels; only ``python`` blocks run.
+LANGUAGES = frozenset({"python", "bash", "text"})
+
+SHARDED_TENSORS = "Sharded tensors"
+CHECKPOINTS = "Checkpoints"
+OWN_CODE = "Use it from your own code"
+FSDP2 = "FSDP2 and DTensor"
+#: The heading of every section with Python blocks, and the test that runs them.
+RUN = {
+    SHARDED_TENSORS: "test_sharded_tensor_tour_on_4_ranks",
+    CHECKPOINTS: "test_checkpoint_tour_in_one_process",
+    OWN_CODE: "test_train_py_saves_and_resumes_on_2_ranks",
+    FSDP2: "test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One ``python`` block of the README."""
+
+    section: str
+    """The heading the block stands under."""
+    line: int
+    """The README line of the block's first line of code (1-based)."""
+    code: str
+
+    def compile(self) -> CodeType:
+        # Blank lines in front, so that tracebacks name README.md and its own line numbers.
+        return compile("\n" * (self.line - 1) + self.code, str(README), "exec")
+
+
+def readme_blocks() -> list[Block]:
+    """The README's ``python`` blocks, in order; asserts that every fence is well formed."""
+    blocks: list[Block] = []
+    section = ""
+    language: str | None = None  # of the open fence
+    start, lines = 0, []
+    for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+        assert not (line.lstrip().startswith("```") and line[0] != "`"), (
+            f"README.md:{number}: indented fence (its block would not run)"
+        )
+        if language is None and line.startswith("```"):
+            language = line[3:].strip()
+            assert language in LANGUAGES, (
+                f"README.md:{number}: label the fence with one of {sorted(LANGUAGES)}, "
+                f"not {language!r}"
+            )
+            start, lines = number + 1, []
+        elif language is None:
+            if line.startswith("#"):
+                section = line.lstrip("#").strip()
+        elif line.startswith("```"):
+            assert line == "```", f"README.md:{number}: a closing fence has no label"
+            if language == "python":
+                blocks.append(Block(section, start, "\n".join(lines) + "\n"))
+            language = None
+        else:
+            lines.append(line)
+    assert language is None, "README.md ends inside a fenced block"
+    return blocks
+
+
+def section_blocks(section: str) -> list[Block]:
+    blocks = [block for block in readme_blocks() if block.section == section]
+    assert blocks, f"README.md has no Python block under the heading {section!r}"
+    return blocks
+
+
+def run_blocks(blocks: Iterable[Block]) -> dict[str, Any]:
+    """Run ``blocks`` one after the other in one fresh namespace, as a script; return it."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning the README's code gets is a README bug
+        for block in blocks:
+            exec(block.compile(), namespace)
+    return namespace
+
+
+@contextlib.contextmanager
+def launched_by_harness() -> Iterator[None]:
+    """In a harness worker, the default group a README script creates is already up (the
+    harness did what torchrun and ``init_process_group`` do), and must outlive the script."""
+    assert dist.is_initialized()
+
+    def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
+        assert backend == "gloo" and not kwargs, "README scripts must run on CPU with gloo"
+
+    def destroy_process_group(group: Any = None) -> None:
+        assert group is None, "README scripts destroy only the default group"
+
+    with (
+        mock.patch.object(dist, "init_process_group", init_process_group),
+        mock.patch.object(dist, "destroy_process_group", destroy_process_group),
+    ):
+        yield
+
+
+def run_script(blocks: Iterable[Block], cwd: str) -> dict[str, Any]:
+    """Run ``blocks`` as a script on this rank, in ``cwd`` (the harness restores the working
+    directory after the body)."""
+    os.chdir(cwd)
+    with launched_by_harness():
+        return run_blocks(blocks)
+
+
+def test_every_block_is_labelled_and_every_python_block_runs() -> None:
+    sections = [block.section for block in readme_blocks()]
+    assert set(sections) == set(RUN), (
+        "every Python block of README.md must stand under a heading that a test of this "
+        f"module runs (see RUN); found Python blocks under {sorted(set(sections))}"
+    )
+    assert all(name in globals() for name in RUN.values())
+
+
+# -- API tour: sharded tensors -----------------------------------------------------------------
+
+
+@distributed(world_size=4)
+def test_sharded_tensor_tour_on_4_ranks() -> None:
+    namespace = run_script(section_blocks(SHARDED_TENSORS), os.getcwd())
+    sizes = [shard.shard_sizes for shard in namespace["md"].shards_metadata]
+    assert sizes == [[3, 4], [3, 4], [3, 4], [1, 4]]
+    assert namespace["st"].size() == torch.Size([10, 4])
+    if dist.get_rank() == 0:
+        assert torch.equal(namespace["full"], namespace["data"]), "gather != rank 0's data"
+    else:
+        assert namespace["full"] is None
+
+
+# -- API tour: checkpoints ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def rng_states() -> Iterator[None]:
+    """Restore this process's RNG states after a block that sets them."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    yield
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+
+
+@pytest.mark.usefixtures("rng_states")
+def test_checkpoint_tour_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    monkeypatch.chdir(tmp_path)
+    namespace = run_blocks(section_blocks(CHECKPOINTS))
+
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == [
+        "step-1000",
+        "step-1001",
+    ]
+    assert namespace["result"] == ckpt.LoadResult(missing_keys=[], unexpected_keys=[])
+    state, model = namespace["state"], namespace["model"]
+    assert state["step"] == 1000
+    assert state["sched"] is namespace["scheduler"], "a Stateful value is loaded into"
+    assert isinstance(state["rng"], tuple) and isinstance(state["rng"][1], tuple)
+    assert 0 in state["optim"]["state"], "the optimizer's int keys stay ints"
+
+    partial = namespace["partial"]
+    assert partial.missing_keys == []
+    assert {"optim.state.0.exp_avg", "sched.last_epoch", "step"} <= set(partial.unexpected_keys)
+    assert not any(key.startswith("model.") for key in partial.unexpected_keys)
+    bf16 = namespace["bf16_model"]
+    assert bf16.weight.dtype == torch.bfloat16
+    assert torch.equal(bf16.weight, model.weight.detach().to(torch.bfloat16))
+
+    assert "model.weight" in namespace["meta"].state_dict_metadata
+    assert torch.equal(namespace["w"], model.weight.detach())
+    # The asynchronous save wrote the same state.
+    again = {"model": torch.nn.Linear(4, 8)}
+    ckpt.load(again, tmp_path / "checkpoints" / "step-1001")
+    assert torch.equal(again["model"].weight, model.weight)
+
+
+# -- Use it from your own code: train.py -------------------------------------------------------
+
+
+def _train_py(cwd: str) -> dict[str, Any]:
+    namespace = run_script(section_blocks(OWN_CODE), cwd)
+    return {
+        "start": namespace["start"],
+        "lr": namespace["scheduler"].get_last_lr(),
+        "params": {name: p.detach().clone() for name, p in namespace["net"].named_parameters()},
+    }
+
+
+@pytest.mark.distributed(world_size=2, fresh=False, rpc=False)
+def test_train_py_saves_and_resumes_on_2_ranks(tmp_path: Path) -> None:
+    uninterrupted = run_on_ranks(_train_py, 2, args=(str(tmp_path),))
+    assert [result["start"] for result in uninterrupted] == [0, 0]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == [
+        f"step-{step:06d}" for step in (5, 10, 15, 20)
+    ]
+
+    # As if the run had died while saving step 15: step 20 never happened and step 15 was
+    # never committed (no index), so the script resumes from step 10.
+    shutil.rmtree(checkpoints / "step-000020")
+    (checkpoints / "step-000015" / "shardwise.json").unlink()
+    resumed = run_on_ranks(_train_py, 2, args=(str(tmp_path),))
+
+    assert [result["start"] for result in resumed] == [10, 10]
+    for rank, (got, expected) in enumerate(zip(resumed, uninterrupted, strict=True)):
+        assert got["lr"] == expected["lr"], f"rank {rank}: the LR schedule did not resume"
+        assert got["params"].keys() == expected["params"].keys()
+        for name, tensor in expected["params"].items():
+            assert torch.equal(got["params"][name], tensor), f"rank {rank}: {name} differs"
+
+
+# -- FSDP2 and DTensor -------------------------------------------------------------------------
+
+
+def _fsdp_blocks() -> tuple[Block, Block, Block]:
+    blocks = section_blocks(FSDP2)
+    assert len(blocks) == 3, f"expected set-up, save and resume blocks, got {len(blocks)}"
+    return blocks[0], blocks[1], blocks[2]
+
+
+def _fsdp_state(namespace: dict[str, Any]) -> dict[str, Any]:
+    """The run's step, and its parameters and optimizer state as full tensors (collective)."""
+    model, optim = namespace["model"], namespace["optim"]
+
+    def full(value: Any) -> Any:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "not sharded by FSDP2"
+    _, optim_sd = get_state_dict(model, optim)
+    return {
+        "step": namespace["step"],
+        "params": {name: full(p).detach() for name, p in model.named_parameters()},
+        "optim": {
+            f"{name}.{key}": full(value)
+            for name, entry in optim_sd["state"].items()
+            for key, value in entry.items()
+        },
+        "lr": optim.param_groups[0]["lr"],
+    }
+
+
+def _fsdp_save(cwd: str) -> dict[str, Any]:
+    setup, save, _ = _fsdp_blocks()
+    return _fsdp_state(run_script([setup, save], cwd))
+
+
+def _fsdp_resume(cwd: str) -> dict[str, Any]:
+    setup, _, resume = _fsdp_blocks()
+    return _fsdp_state(run_script([setup, resume], cwd))
+
+
+@pytest.mark.distributed(world_size=4, fresh=False, rpc=False)
+def test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4(tmp_path: Path) -> None:
+    saved = run_on_ranks(_fsdp_save, 2, args=(str(tmp_path),))
+    expected = saved[0]
+    assert expected["step"] == 1 and expected["optim"], "the save block trains one step"
+    for rank, got in enumerate(run_on_ranks(_fsdp_resume, 4, args=(str(tmp_path),))):
+        assert got["step"] == 1, f"rank {rank}: step not loaded"
+        assert got["lr"] == expected["lr"]
+        for what in ("params", "optim"):
+            assert got[what].keys() == expected[what].keys(), f"rank {rank}: {what} keys"
+            for key, tensor in expected[what].items():
+                assert torch.equal(got[what][key], tensor), f"rank {rank}: {key} differs"
