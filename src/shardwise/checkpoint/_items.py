@@ -260,6 +260,17 @@ def _pickle_hint(value: object) -> str:
     return "pass allow_pickle=True to pickle it (only for checkpoints you will trust)"
 
 
+def _as_json(value: object) -> ObjectValue | None:
+    """``value`` as ``json`` (plain JSON; NaN and Infinity allowed, so ``float("inf")``
+    round-trips) or ``pyjson`` (tagged) text, or None when it is neither."""
+    try:
+        if _is_json_value(value):
+            return ObjectValue("json", json.dumps(value).encode())
+        return ObjectValue("pyjson", json.dumps(_tagged(value)).encode())
+    except (TypeError, ValueError, RecursionError):  # not JSON-able, circular, too deep
+        return None
+
+
 def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
     """How a non-tensor value is stored.
 
@@ -270,13 +281,9 @@ def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
         return ObjectValue("bytes", bytes(value))
     if isinstance(value, io.BytesIO):
         return ObjectValue("bytesio", value.getvalue())
-    try:
-        if _is_json_value(value):
-            # JSON text with NaN/Infinity allowed, so float('inf') round-trips.
-            return ObjectValue("json", json.dumps(value).encode())
-        return ObjectValue("pyjson", json.dumps(_tagged(value)).encode())
-    except (TypeError, ValueError, RecursionError):  # not JSON-able, circular, too deep
-        pass
+    as_json = _as_json(value)
+    if as_json is not None:
+        return as_json
     if allow_pickle:
         return ObjectValue("pickle", pickle.dumps(value))
     raise TypeError(
