@@ -562,6 +562,9 @@ def _check_checksums(chunk: SavedChunk, block_size: int | None, key: str) -> Non
 _INT_SUFFIX = re.compile(r"[^\x00]*\x00(0|[1-9][0-9]{0,3})(,(0|[1-9][0-9]{0,3}))*")
 
 
+_INT_PART = re.compile(r"-?(0|[1-9][0-9]{0,18})")
+
+
 def _check_int_suffix(key: str) -> None:
     """A version-2 key with int parts: ``<dotted key>\x00<positions>``, the positions of
     the int parts in the ``.``-split key, increasing and inside it."""
@@ -569,8 +572,11 @@ def _check_int_suffix(key: str) -> None:
         _fail(f"malformed key {key!r}: a NUL may only introduce the positions of int parts")
     name, positions = key.split("\x00")
     numbers = [int(p) for p in positions.split(",")]
-    if numbers != sorted(set(numbers)) or numbers[-1] >= name.count(".") + 1:
+    segments = name.split(".")
+    if numbers != sorted(set(numbers)) or numbers[-1] >= len(segments):
         _fail(f"malformed key {key!r}: int positions out of order or out of range")
+    if any(_INT_PART.fullmatch(segments[n]) is None for n in numbers):
+        _fail(f"malformed key {key!r}: a part marked as an int is not one")
 
 
 def _check_text(value: str, what: str, key: str | None = None) -> None:

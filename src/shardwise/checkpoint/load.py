@@ -47,6 +47,7 @@ from shardwise.checkpoint.storage import open_storage
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointKeyError,
     CheckpointMismatchError,
     PickleNotAllowedError,
@@ -181,20 +182,47 @@ def _match(
     return pairs, grown, missing, unexpected
 
 
-def _grow(flat: Flat, grown: dict[str, list[str]], values: dict[str, Any]) -> None:
-    """Build the entries of each grown Mapping from its checkpoint keys: nested dicts whose
-    keys are ints where the checkpoint recorded ints."""
+_Parts = tuple[str | int, ...]
+
+
+def _grown_paths(grown: dict[str, list[str]]) -> dict[str, list[tuple[_Parts, str]]]:
+    """Where each checkpoint entry goes inside its grown Mapping: its key's parts after the
+    Mapping's, ints where the checkpoint recorded ints.
+
+    Raises:
+        CheckpointFormatError: One entry's parts are a prefix of another's (an entry would
+            have to be a value and a Mapping at once).
+    """
+    paths: dict[str, list[tuple[_Parts, str]]] = {}
     for key, saved_keys in grown.items():
-        root = flat.leaves[key]
-        offset = display_key(key).count(".") + 1
+        prefix = display_key(key)
+        offset = prefix.count(".") + 1
+        entries = []
         for saved in saved_keys:
             name, _, positions = saved.partition("\x00")
             ints = {int(p) - offset for p in positions.split(",") if p}
-            parts: list[str | int] = [
+            parts = tuple(
                 int(part) if i in ints else part
-                for i, part in enumerate(name[len(display_key(key)) + 1 :].split("."))
-            ]
-            node = root
+                for i, part in enumerate(name[len(prefix) + 1 :].split("."))
+            )
+            entries.append((parts, saved))
+        leaves = {parts for parts, _ in entries}
+        for parts, saved in entries:
+            if any(parts[:n] in leaves for n in range(1, len(parts))):
+                raise CheckpointFormatError(
+                    "this entry lies under another entry's value; it cannot be placed in "
+                    f"the empty {prefix!r} of the state dict",
+                    key=display_key(saved),
+                )
+        paths[key] = entries
+    return paths
+
+
+def _grow(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]], values: dict[str, Any]) -> None:
+    """Build the entries of each grown Mapping: nested dicts down to the loaded values."""
+    for key, entries in paths.items():
+        for parts, saved in entries:
+            node = flat.leaves[key]
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = values[saved]
@@ -205,7 +233,7 @@ class _Plan:
     targets: list[LocalBox]
     jobs: list[Job]
     objects: list[tuple[str, ObjectRecord]]  # (state dict or grown checkpoint key, record)
-    grown: dict[str, list[str]]  # (see _match)
+    grown: dict[str, list[tuple[_Parts, str]]]  # (see _match and _grown_paths)
     new_tensors: dict[str, torch.Tensor]  # checkpoint key -> tensor allocated to grow into
     missing: list[str]
     unexpected: list[str]
@@ -223,7 +251,7 @@ def _plan_load(
             + ")",
             key=missing[0],
         )
-    plan = _Plan([], [], [], grown, {}, missing, unexpected)
+    plan = _Plan([], [], [], _grown_paths(grown), {}, missing, unexpected)
     for saved_key in itertools.chain.from_iterable(grown.values()):
         record = index.tensors.get(saved_key)
         if record is None:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.index import BLOCK_SIZE
+from shardwise.checkpoint.index import BLOCK_SIZE, seal
 from shardwise.local_shards import LocalShardsWrapper
 from tests import _hostile as h
 
@@ -1430,3 +1430,23 @@ def test_a_version_1_chunk_larger_than_a_read_is_verified_streaming(tmp_path: Pa
         before = h.snapshot(target)
         h.expect_error(lambda: ckpt.load(target, path), ckpt.ChecksumError)
         h.assert_unchanged(target, before)
+
+
+def test_int_positions_of_a_key_must_mark_int_parts(tmp_path: Path) -> None:
+    # A version-2 key's NUL suffix names which dotted parts are ints; a sealed index that
+    # marks a part that is not an int, or a position past the key, is refused when read.
+    path = tmp_path / "c"
+    ckpt.save({"o": {"state": {0: torch.ones(2)}}}, path)
+    index = json.loads((path / "shardwise.json").read_bytes())
+    del index["index_checksum"]
+    (key,) = [row[0] for row in index["tensors"]]
+    assert key == "o.state.0\x002"
+    for bad in ("o.state.0\x001", "o.state.0\x003", "o.state.0\x002,2", "o.state.0\x00x"):
+        index["tensors"][0][0] = bad
+        (path / "shardwise.json").write_bytes(seal(index))
+        with pytest.raises(ckpt.CheckpointFormatError, match="malformed key"):
+            ckpt.read_metadata(path)
+        target = {"o": {"state": {}}}
+        with pytest.raises(ckpt.CheckpointFormatError, match="malformed key"):
+            ckpt.load(target, path)
+        assert target == {"o": {"state": {}}}

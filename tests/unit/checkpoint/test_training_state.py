@@ -247,3 +247,13 @@ def test_a_fresh_optimizer_gets_its_state_from_the_checkpoint(tmp_path: Path) ->
     assert fresh_sched.last_epoch == 3
     for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_growing_an_empty_mapping_refuses_entries_that_cannot_nest(tmp_path: Path) -> None:
+    # "state.0" is a value and "state.0.a" lies under it: they cannot both go into an
+    # empty "state"; the refusal comes before anything is copied.
+    ckpt.save({"o": {"state.0": 1, "state.0.a": torch.ones(1)}, "w": torch.ones(2)}, tmp_path / "c")
+    target: dict[str, Any] = {"o": {"state": {}}, "w": torch.zeros(2)}
+    with pytest.raises(ckpt.CheckpointFormatError, match="lies under another entry's value"):
+        ckpt.load(target, tmp_path / "c")
+    assert target["o"] == {"state": {}} and torch.equal(target["w"], torch.zeros(2))
