@@ -43,7 +43,7 @@ from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.reader import CheckpointReader, Job, decode, read_index_bytes
 from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
-from shardwise.checkpoint.storage import open_storage
+from shardwise.checkpoint.storage import open_shared_storage
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
@@ -369,7 +369,7 @@ def load(
     """
     comm = collectives.Comm(process_group)
     path_text = os.path.expanduser(os.fspath(path))
-    storage = open_storage(path_text, storage_options)
+    storage = open_shared_storage(path_text, storage_options, comm.world_size)
 
     # Rank 0 reads the index and broadcasts it (or its failure): O(index) bytes per rank.
     # surrogateescape carries arbitrary bytes through the JSON broadcast unchanged.

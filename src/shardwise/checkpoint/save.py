@@ -59,9 +59,14 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.state_dict import flatten
-from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer, open_storage
-from shardwise.errors import CheckpointDataError
+from shardwise.checkpoint.state_dict import display_key, flatten
+from shardwise.checkpoint.storage import (
+    Storage,
+    UnsafePathError,
+    Writer,
+    open_shared_storage,
+)
+from shardwise.errors import CheckpointDataError, CheckpointError
 from shardwise.metadata import TensorProperties, dtype_name
 
 __all__ = ["async_save", "save"]
@@ -89,24 +94,46 @@ class _Snapshot:
 def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
     tensors: dict[str, TensorValue] = {}
     objects: dict[str, ObjectValue] = {}
-    for fqn, value in flatten(state_dict).leaves.items():
-        if is_tensor_value(value):
-            tensors[fqn] = describe_tensor(fqn, value)
-        else:
-            objects[fqn] = describe_object(fqn, value, allow_pickle)
+    try:
+        leaves = flatten(state_dict).leaves
+    except (TypeError, ValueError):
+        raise
+    except Exception as err:  # a Stateful object's state_dict() failed
+        raise CheckpointError(
+            f"cannot save: taking the state dict apart failed with {type(err).__name__}: {err}"
+        ) from err
+    for key, value in leaves.items():
+        fqn = display_key(key)
+        try:
+            if is_tensor_value(value):
+                tensors[key] = describe_tensor(fqn, value)
+            else:
+                objects[key] = describe_object(fqn, value, allow_pickle)
+        except (TypeError, ValueError):
+            raise
+        # Anything else (an AttributeError while pickling, a RuntimeError of a DTensor
+        # helper) is named and shared with every rank like the user errors above, so no rank
+        # is left waiting.
+        except Exception as err:
+            raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
     return _Snapshot(tensors, objects)
 
 
 def _describe_or_error(
     state_dict: Mapping[str, Any], allow_pickle: bool, stage: bool
 ) -> tuple[_Snapshot, BaseException | None]:
-    """The local description (staged to CPU memory with ``stage``), or the user error that
-    stops it: raised later, after every rank has shared its verdict."""
+    """The local description (staged to CPU memory with ``stage``), or the error that stops
+    it: raised later, after every rank has shared its verdict."""
     try:
         snapshot = _describe(state_dict, allow_pickle)
-        return (_stage(snapshot) if stage else snapshot), None
-    except (TypeError, ValueError) as err:
+    except Exception as err:
         return _Snapshot({}, {}), err
+    try:
+        return (_stage(snapshot) if stage else snapshot), None
+    except Exception as err:  # e.g. out of memory while copying to staging memory
+        error = CheckpointError(f"cannot stage the state dict: {type(err).__name__}: {err}")
+        error.__cause__ = err
+        return _Snapshot({}, {}), error
 
 
 def _plan_entries(snapshot: _Snapshot) -> list[dict[str, Any]]:
@@ -355,9 +382,13 @@ def _save_snapshot(
     progress: bool,
     local_error: BaseException | None = None,
 ) -> Metadata:
+    storage: Storage | None = None
+
     def local_plan() -> dict[str, Any]:
+        nonlocal storage
         if local_error is not None:
             raise local_error
+        storage = open_shared_storage(path, storage_options, comm.world_size)
         plan: dict[str, Any] = {"tensors": _plan_entries(snapshot)}
         if comm.rank == coordinator_rank:
             plan["save_id"] = secrets.token_hex(8)
@@ -384,7 +415,7 @@ def _save_snapshot(
 
     # Pure in the exchanged plans: every rank reaches the same verdict without talking.
     merged, assignments = global_plan()
-    storage = open_storage(path, storage_options)
+    assert storage is not None
     mine = assignments[comm.rank]
     blobs = []
     if comm.rank == coordinator_rank:

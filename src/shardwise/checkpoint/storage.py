@@ -26,6 +26,7 @@ __all__ = [
     "Storage",
     "UnsafePathError",
     "Writer",
+    "open_shared_storage",
     "open_storage",
 ]
 
@@ -62,6 +63,8 @@ class Storage(Protocol):
     """The operations the checkpoint layer needs from a file system."""
 
     root: str
+    #: Whether only this process sees the files (``memory://``): no use to a group.
+    process_local: bool
 
     def join(self, *parts: str) -> str:
         """``root`` joined with ``parts``."""
@@ -179,6 +182,8 @@ def _real_directory(path: str) -> bool:
 
 class LocalStorage:
     """A directory on a local (or mounted shared) file system."""
+
+    process_local = False
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
@@ -307,6 +312,8 @@ class FsspecStorage:
             ) from err
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.process_local = "memory" in protocols
 
     def join(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -367,3 +374,24 @@ def open_storage(
     if text.startswith("file://"):
         text = text[len("file://") :]
     return LocalStorage(text)
+
+
+def open_shared_storage(
+    path: str, storage_options: dict[str, Any] | None, world_size: int
+) -> Storage:
+    """:func:`open_storage`, refused when ``world_size`` processes would not share it.
+
+    Raises:
+        CheckpointError: A process-local store (``memory://``) for more than one process.
+    """
+    from shardwise.errors import CheckpointError
+
+    storage = open_storage(path, storage_options)
+    if storage.process_local and world_size > 1:
+        raise CheckpointError(
+            f"{path} is in a store that only this process sees (memory://), but {world_size} "
+            "processes save or load it together: each would have its own copy. Use a shared "
+            "file system or object store, or one process",
+            file=path,
+        )
+    return storage
