@@ -15,6 +15,7 @@ Hierarchy::
     │   └── ChecksumError            the bytes of a chunk do not match their checksum
     ├── PickleNotAllowedError        an entry needs pickle and the caller did not opt in
     │                                (also TypeError)
+    ├── CheckpointLockedError        another save to the same path is running
     └── DCPImportError               a torch.distributed.checkpoint directory is malformed, or
                                      cannot be read without running pickled code
 
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointKeyError",
+    "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "ChecksumError",
@@ -118,6 +120,11 @@ class PickleNotAllowedError(CheckpointError, TypeError):
     given."""
 
 
+class CheckpointLockedError(CheckpointError):
+    """Another save to the same checkpoint path is running (saves to one path run one at a
+    time)."""
+
+
 class DCPImportError(CheckpointError):
     """A DCP checkpoint is malformed, or cannot be read without running pickled code."""
 
@@ -130,6 +137,7 @@ CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
         CheckpointDataError,
         CheckpointFormatError,
         CheckpointKeyError,
+        CheckpointLockedError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
         ChecksumError,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import re
 import secrets
 import threading
 from collections.abc import Mapping
@@ -56,7 +57,9 @@ from shardwise.checkpoint.index import (
     decode_index,
     encode_index,
     is_data_file_name,
+    is_temporary_name,
 )
+from shardwise.checkpoint.lock import SaveLock
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.state_dict import display_key, flatten
@@ -79,6 +82,8 @@ _BUFFER_LIMIT = 8 << 20
 # Large entries are written in pieces of this size (a multiple of BLOCK_SIZE), each block
 # hashed right before it is written, while it is in cache.
 _PIECE = 4 * BLOCK_SIZE
+# The temporary name of the index of a save (see _commit).
+_TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
 # GPU tensors are copied to the host through a reused pinned buffer of this size.
 _STAGING_BYTES = 64 << 20
 
@@ -349,19 +354,29 @@ def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> N
 
 
 def _remove_leftovers(storage: Storage, index: Index) -> None:
-    """Remove the data files of earlier saves to this path: every name in ``data/`` that has
-    the writer's data-file pattern and that the committed index does not name (files of the
-    index it replaced, and of saves that crashed before their commit). Runs after the commit
-    is acknowledged, so no rank waits for it. Nothing else is ever removed: not a file of
-    another name, not a temporary file, nothing outside ``data/`` (a ``data/`` that is a link
-    is refused, not followed)."""
+    """Remove what earlier saves to this path left: every name in ``data/`` that has the
+    writer's data-file pattern and that the committed index does not name (files of the index
+    it replaced, and of saves that crashed before their commit), the writer's temporary data
+    files, and temporary indexes. Safe because this save holds the save lock: no other save is
+    writing there. Runs after the commit is acknowledged, so no rank waits for it. Nothing else
+    is ever removed: not a file of another name, nothing outside ``data/`` and the index's
+    temporary names (a ``data/`` that is a link is refused, not followed)."""
     keep = {name.removeprefix(f"{DATA_DIR}/") for name in index.files}
-    for name in storage.listdir(storage.join(DATA_DIR)):
-        if is_data_file_name(name) and name not in keep:
-            try:
-                storage.remove(storage.join(DATA_DIR, name))
-            except OSError as err:  # e.g. a directory of that name: skip it, remove the rest
-                logger.warning("could not remove %s: %s", name, err)
+    stale = [
+        storage.join(DATA_DIR, name)
+        for name in storage.listdir(storage.join(DATA_DIR))
+        if (is_data_file_name(name) and name not in keep) or is_temporary_name(name)
+    ]
+    stale += [
+        storage.join(name)
+        for name in storage.listdir(storage.root)
+        if _TEMPORARY_INDEX.fullmatch(name)
+    ]
+    for path in stale:
+        try:
+            storage.remove(path)
+        except OSError as err:  # e.g. a directory of that name: skip it, remove the rest
+            logger.warning("could not remove %s: %s", path, err)
 
 
 def _progress_bar(enabled: bool, total: int, description: str) -> Any:
@@ -383,15 +398,21 @@ def _save_snapshot(
     local_error: BaseException | None = None,
 ) -> Metadata:
     storage: Storage | None = None
+    lock: SaveLock | None = None
 
     def local_plan() -> dict[str, Any]:
-        nonlocal storage
+        nonlocal storage, lock
         if local_error is not None:
             raise local_error
         storage = open_shared_storage(path, storage_options, comm.world_size)
         plan: dict[str, Any] = {"tensors": _plan_entries(snapshot)}
         if comm.rank == coordinator_rank:
+            # One save at a time per path, taken before anything is written (see lock.py).
             plan["save_id"] = secrets.token_hex(8)
+            storage.makedirs(storage.root)
+            taken = SaveLock(storage, plan["save_id"])
+            taken.acquire()
+            lock = taken  # only a lock this save holds is released by it
             # JSON values travel as text (they go into the index); blobs as their length.
             plan["objects"] = {
                 fqn: [obj.encoding, obj.payload.decode() if obj.encoding in TEXT_ENCODINGS else ""]
@@ -404,70 +425,76 @@ def _save_snapshot(
             )
         return plan
 
-    _, plans = comm.exchange_or_raise(local_plan)
-    coordinator_plan = plans[coordinator_rank]
-    save_id = coordinator_plan["save_id"]
+    try:
+        _, plans = comm.exchange_or_raise(local_plan)
+        coordinator_plan = plans[coordinator_rank]
+        save_id = coordinator_plan["save_id"]
 
-    def global_plan() -> tuple[dict[str, planner.TensorPlan], list[list[planner.WriteAssignment]]]:
-        merged = planner.merge_tensor_plans([plan["tensors"] for plan in plans])
-        blob_bytes = {coordinator_rank: coordinator_plan["blob_bytes"]}
-        return merged, planner.assign_writers(merged, comm.world_size, blob_bytes)
+        def global_plan() -> tuple[
+            dict[str, planner.TensorPlan], list[list[planner.WriteAssignment]]
+        ]:
+            merged = planner.merge_tensor_plans([plan["tensors"] for plan in plans])
+            blob_bytes = {coordinator_rank: coordinator_plan["blob_bytes"]}
+            return merged, planner.assign_writers(merged, comm.world_size, blob_bytes)
 
-    # Pure in the exchanged plans: every rank reaches the same verdict without talking.
-    merged, assignments = global_plan()
-    assert storage is not None
-    mine = assignments[comm.rank]
-    blobs = []
-    if comm.rank == coordinator_rank:
-        blobs = [
-            (fqn, obj)
-            for fqn, obj in snapshot.objects.items()
-            if obj.encoding not in TEXT_ENCODINGS
-        ]
-
-    def write() -> dict[str, Any]:
-        data_dir = storage.join(DATA_DIR)
-        try:
-            storage.makedirs(data_dir)
-        except UnsafePathError as err:
-            raise CheckpointDataError(
-                f"refusing to save: {err.filename} is not a real directory (a symbolic link "
-                "or a file?); a checkpoint's data/ must be a directory inside it",
-                file=data_dir,
-                rank=comm.rank,
-            ) from err
-        bar = _progress_bar(
-            progress and comm.rank == 0, sum(item.nbytes for item in mine), f"saving {path}"
-        )
-        try:
-            return _write_data_file(
-                storage, comm.rank, save_id, mine, snapshot, blobs, sync_files, bar
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-
-    _, written = comm.exchange_or_raise(write)
-    # Only the coordinator's objects are saved; every rank builds the same index from its plan.
-    objects = {
-        fqn: ObjectValue(encoding, text.encode())
-        for fqn, (encoding, text) in coordinator_plan["objects"].items()
-    }
-    data = _build_index(merged, objects, written, comm.world_size, save_id, path)
-    index = decode_index(data)
-
-    def commit() -> None:
+        # Pure in the exchanged plans: every rank reaches the same verdict without talking.
+        merged, assignments = global_plan()
+        assert storage is not None
+        mine = assignments[comm.rank]
+        blobs = []
         if comm.rank == coordinator_rank:
-            _commit(storage, data, sync_files, save_id)
+            blobs = [
+                (fqn, obj)
+                for fqn, obj in snapshot.objects.items()
+                if obj.encoding not in TEXT_ENCODINGS
+            ]
 
-    comm.exchange_or_raise(commit, lambda _: None)
-    if comm.rank == coordinator_rank:
-        try:
-            _remove_leftovers(storage, index)
-        except OSError as err:
-            # The checkpoint is committed and complete; stale files only cost space.
-            logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
-    return index.to_metadata()
+        def write() -> dict[str, Any]:
+            data_dir = storage.join(DATA_DIR)
+            try:
+                storage.makedirs(data_dir)
+            except UnsafePathError as err:
+                raise CheckpointDataError(
+                    f"refusing to save: {err.filename} is not a real directory (a symbolic link "
+                    "or a file?); a checkpoint's data/ must be a directory inside it",
+                    file=data_dir,
+                    rank=comm.rank,
+                ) from err
+            bar = _progress_bar(
+                progress and comm.rank == 0, sum(item.nbytes for item in mine), f"saving {path}"
+            )
+            try:
+                return _write_data_file(
+                    storage, comm.rank, save_id, mine, snapshot, blobs, sync_files, bar
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+
+        _, written = comm.exchange_or_raise(write)
+        # Only the coordinator's objects are saved; every rank builds the same index from its plan.
+        objects = {
+            fqn: ObjectValue(encoding, text.encode())
+            for fqn, (encoding, text) in coordinator_plan["objects"].items()
+        }
+        data = _build_index(merged, objects, written, comm.world_size, save_id, path)
+        index = decode_index(data)
+
+        def commit() -> None:
+            if comm.rank == coordinator_rank:
+                _commit(storage, data, sync_files, save_id)
+
+        comm.exchange_or_raise(commit, lambda _: None)
+        if comm.rank == coordinator_rank:
+            try:
+                _remove_leftovers(storage, index)
+            except OSError as err:
+                # The checkpoint is committed and complete; stale files only cost space.
+                logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
+        return index.to_metadata()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def save(

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 from typing import Any, Protocol
 
 __all__ = [
@@ -104,6 +105,15 @@ class Storage(Protocol):
 
     def check_directory(self, path: str) -> None:
         """Raise :class:`UnsafePathError` if ``path`` exists but is not a real directory."""
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create the file ``path`` holding ``data`` unless it exists (then return False)."""
+
+    def replace_small(self, path: str, data: bytes) -> None:
+        """Atomically replace the small file ``path`` by one holding ``data``."""
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        """The file ``path`` (a regular file of at most ``limit`` bytes, else OSError)."""
 
     def sync_dir(self, path: str) -> None:
         """Make renames and creations inside directory ``path`` durable."""
@@ -264,6 +274,44 @@ class LocalStorage:
         except FileNotFoundError:
             return []
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        # Written in full under a unique name, then linked into place: link() fails if the
+        # name exists, so no reader ever sees the file without its content.
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        self.remove(temporary)
+        writer = self.open_write(temporary)
+        try:
+            writer.write(data)
+        finally:
+            writer.close(sync=False)
+        try:
+            os.link(temporary, path, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(temporary)
+        return True
+
+    def replace_small(self, path: str, data: bytes) -> None:
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        self.remove(temporary)
+        writer = self.open_write(temporary)
+        try:
+            writer.write(data)
+        finally:
+            writer.close(sync=False)
+        self.rename(temporary, path)
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        reader = self.open_reader(path)
+        try:
+            if reader.size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
+            data = bytearray(reader.size)
+            return bytes(data[: reader.read_into(0, memoryview(data))])
+        finally:
+            reader.close()
+
     def sync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -359,6 +407,25 @@ class FsspecStorage:
     def check_directory(self, path: str) -> None:
         # Object stores have no links; a "directory" is a key prefix.
         return None
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        # Object stores have no exclusive create that every backend offers: this check and
+        # write can race (documented: concurrent saves to one URL are the caller's to avoid).
+        if self.fs.exists(path):
+            return False
+        with self.fs.open(path, "wb") as file:
+            file.write(data)
+        return True
+
+    def replace_small(self, path: str, data: bytes) -> None:
+        with self.fs.open(path, "wb") as file:  # a PUT replaces an object atomically
+            file.write(data)
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        reader = _FsspecReader(self, path)
+        if reader.size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
+        return bytes(self.fs.cat_file(path))
 
     def sync_dir(self, path: str) -> None:
         return None

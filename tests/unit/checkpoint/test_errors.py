@@ -14,6 +14,7 @@ from shardwise.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointKeyError,
+    CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumError,
@@ -31,6 +32,7 @@ HIERARCHY = [
     (ChecksumError, (CheckpointDataError, CheckpointError, OSError)),
     (PickleNotAllowedError, (CheckpointError, TypeError)),
     (DCPImportError, (CheckpointError,)),
+    (CheckpointLockedError, (CheckpointError,)),
 ]
 
 

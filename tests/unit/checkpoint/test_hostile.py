@@ -436,10 +436,14 @@ def test_save_refuses_a_file_in_place_of_the_data_directory(victim: Path) -> Non
 def test_save_removes_only_the_writers_files(victim: Path) -> None:
     save_id = h.read_document(victim)["save"]["save_id"]
     old = _data_file(victim)
-    leftovers = {
+    # Temporary files of killed saves are removed (the save lock guarantees that no other
+    # save is writing them); nothing else that is not the writer's is.
+    killed = {
         f"data/{old.name}.tmp": b"temporary data file of a crashed save",
         "data/rank-00000.fedcba9876543210.safetensors.tmp": b"another one",
         f"shardwise.json.{save_id}.tmp": b"temporary index",
+    }
+    leftovers = {
         "data/notes.txt": b"notes",
         "data/rank-00000.safetensors.bak": b"backup",
         f"data/RANK-00000.{save_id}.safetensors": b"not the pattern",
@@ -449,7 +453,7 @@ def test_save_removes_only_the_writers_files(victim: Path) -> None:
         f"data/rank-00009.{save_id}.safetensors/payload": b"in a directory named like a file",
         "README": b"next to the index",
     }
-    for name, contents in leftovers.items():
+    for name, contents in {**killed, **leftovers}.items():
         (victim / name).parent.mkdir(parents=True, exist_ok=True)
         (victim / name).write_bytes(contents)
     for _ in range(2):
@@ -457,6 +461,7 @@ def test_save_removes_only_the_writers_files(victim: Path) -> None:
             ckpt.save(STATE, victim)
     for name, contents in leftovers.items():
         assert (victim / name).read_bytes() == contents, name
+    assert not any((victim / name).exists() for name in killed)
     assert not old.exists()  # the file the replaced index named is cleaned up
     _loads_exactly(victim)
 

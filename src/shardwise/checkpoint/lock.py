@@ -1,0 +1,135 @@
+"""One save at a time per checkpoint path: the save lock (see ``docs/format.md``, *Concurrent
+saves*).
+
+The coordinator of a save creates ``<ckpt>/shardwise.lock`` exclusively before any data file
+is written and removes it after the commit and the cleanup. The lock names its holder (save
+id, host, pid) and carries a heartbeat the holder renews every few seconds. A second save to
+the same path finds the lock and is refused with a clear error, unless the lock is stale: its
+holder's process is gone (same host) or its heartbeat stopped (a holder killed on another
+host). Holding the lock is also what makes removing leftovers of killed saves safe: no other
+save can be writing there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from shardwise.checkpoint.storage import Storage
+from shardwise.errors import CheckpointLockedError
+
+__all__ = ["LOCK_NAME", "SaveLock"]
+
+#: Name of the lock file, in the checkpoint directory.
+LOCK_NAME = "shardwise.lock"
+# The holder renews its heartbeat this often; a lock whose heartbeat is older than _STALE
+# (a generous margin for clock differences between hosts) belongs to a dead save.
+_HEARTBEAT = 5.0
+_STALE = 120.0
+_MAX_LOCK_BYTES = 4096
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
+
+
+class SaveLock:
+    """The save lock of one checkpoint path, held by this process while it coordinates a save.
+
+    Args:
+        storage: The checkpoint's storage.
+        save_id: The id of the save taking the lock.
+    """
+
+    def __init__(self, storage: Storage, save_id: str) -> None:
+        self._storage = storage
+        self._path = storage.join(LOCK_NAME)
+        self._save_id = save_id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _content(self) -> bytes:
+        return json.dumps(
+            {
+                "save_id": self._save_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat": time.time(),
+            }
+        ).encode()
+
+    def _holder(self) -> dict[str, Any] | None:
+        """The current holder as recorded, or None when there is no lock (or it is unreadable,
+        which only a holder killed mid-write leaves: treated as stale)."""
+        try:
+            data = self._storage.read_small(self._path, _MAX_LOCK_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return {}
+        try:
+            holder = json.loads(data)
+        except ValueError:
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _stale(self, holder: dict[str, Any]) -> bool:
+        heartbeat, host, pid = holder.get("heartbeat"), holder.get("host"), holder.get("pid")
+        if not isinstance(heartbeat, (int, float)) or not isinstance(pid, int):
+            return True
+        if host == socket.gethostname() and not _alive(pid):
+            return True
+        return time.time() - heartbeat > _STALE
+
+    def acquire(self) -> None:
+        """Take the lock (replacing a stale one) and start the heartbeat.
+
+        Raises:
+            CheckpointLockedError: Another save to this path is running.
+        """
+        for _ in range(3):
+            if self._storage.create_exclusive(self._path, self._content()):
+                self._thread = threading.Thread(
+                    target=self._beat, name="shardwise-save-lock", daemon=True
+                )
+                self._thread.start()
+                return
+            holder = self._holder()
+            if holder is None:
+                continue  # released meanwhile: try again
+            if not self._stale(holder):
+                raise CheckpointLockedError(
+                    f"another save to this path is running (save {holder.get('save_id')!r}, "
+                    f"process {holder.get('pid')} on {holder.get('host')!r}); saves to one "
+                    "path run one at a time: wait for it, or save to another path. A lock "
+                    f"whose save died is taken over after {int(_STALE)} s without a heartbeat",
+                    file=self._path,
+                )
+            self._storage.remove(self._path)
+        raise CheckpointLockedError(
+            "could not take the save lock: other saves keep taking it", file=self._path
+        )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(_HEARTBEAT):
+            try:
+                self._storage.replace_small(self._path, self._content())
+            except OSError:
+                return  # the save fails or finishes on its own; a missed beat is harmless
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._storage.remove(self._path)
