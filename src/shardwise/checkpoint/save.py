@@ -467,6 +467,14 @@ def _save_snapshot(
                 return _write_data_file(
                     storage, comm.rank, save_id, mine, snapshot, blobs, sync_files, bar
                 )
+            except CheckpointError:
+                raise
+            except OSError as err:  # a full disk, a lost mount: named, on every rank
+                raise CheckpointDataError(
+                    f"writing this rank's data file failed: {err}; nothing was committed",
+                    file=data_dir,
+                    rank=comm.rank,
+                ) from err
             finally:
                 if bar is not None:
                     bar.close()

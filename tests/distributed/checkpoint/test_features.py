@@ -197,8 +197,11 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     if rank == 2:
         save_module._write_data_file = crash
     try:
-        with pytest.raises((OSError, RuntimeError), match="simulated crash while writing"):
+        with pytest.raises(
+            ckpt.CheckpointDataError, match="simulated crash while writing"
+        ) as caught:
             ckpt.save({"w": sw.shard_tensor(full_a + 100, ROWS), "o": b"B"}, path)
+        assert caught.value.rank == 2  # every rank names the rank that failed
     finally:
         save_module._write_data_file = real
     dist.barrier()
