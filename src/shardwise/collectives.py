@@ -4,20 +4,29 @@ Everything that crosses ranks goes through here: group and rank bookkeeping, JSO
 exchange (never pickles), verdict agreement before a collective, and the point-to-point moves
 of shard bytes. Keeping it in one place makes the rest of shardwise testable without processes
 and keeps the rank/group-rank translation (a classic source of bugs) in one spot.
+
+Every collective is bounded by its process group's timeout: the backend raises once it passes.
+For the checkpoint layer (:class:`Comm`, and the ``operation`` keyword of
+:func:`exchange_or_raise` and :func:`all_gather_json`) that failure becomes a
+:class:`~shardwise.errors.CheckpointTimeoutError` that names the call, the timeout and the
+ranks that did not arrive; elsewhere the backend's own error propagates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shardwise.errors import CHECKPOINT_ERRORS, CheckpointError
+from shardwise.errors import CHECKPOINT_ERRORS, CheckpointError, CheckpointTimeoutError
 
 __all__ = [
     "Comm",
@@ -34,6 +43,7 @@ __all__ = [
     "global_rank",
     "global_ranks",
     "group_rank",
+    "group_timeout",
     "group_world_size",
     "is_initialized",
     "is_member",
@@ -49,6 +59,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The operation a Comm names when its caller does not say which one it runs.
+_ANY_OPERATION = "checkpoint"
+# The "[path/to/file.cc:123] " that gloo puts in front of its messages.
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 
 # Exception types that can be rebuilt with the same type on a rank that did not raise: the
 # built-in ones the API contract uses. Anything else is re-raised as RemoteError.
@@ -121,6 +136,19 @@ def to_group_rank(process_group: ProcessGroup, rank: int) -> int:
     return dist.get_group_rank(process_group, rank)
 
 
+def group_timeout(process_group: ProcessGroup) -> timedelta | None:
+    """The timeout of ``process_group``'s collectives (``None`` when its backend does not say).
+
+    It is the ``timeout`` given to ``init_process_group``/``new_group`` (or set since), read
+    from the backend that runs the group's collectives on :func:`comm_device`.
+    """
+    try:
+        timeout = process_group._get_backend(comm_device(process_group)).options._timeout
+    except (AttributeError, RuntimeError, TypeError):  # a backend without options, or fake
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
+
+
 def comm_device(process_group: ProcessGroup) -> torch.device:
     """The device collectives of ``process_group`` run on: CPU for gloo, else the accelerator."""
     backend = str(dist.get_backend(process_group))
@@ -135,22 +163,98 @@ def _encode(value: object) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
 
 
-def all_gather_json(value: object, process_group: ProcessGroup) -> list[Any]:
+def _seconds(timeout: timedelta) -> str:
+    return f"{timeout.total_seconds():g} s"
+
+
+def _name_ranks(process_group: ProcessGroup, ranks: Sequence[int]) -> str:
+    """``ranks`` (group ranks), with their global ranks where those differ."""
+    text = ", ".join(str(rank) for rank in ranks)
+    members = global_ranks(process_group)
+    if any(members[rank] != rank for rank in ranks):
+        text += f" (global {', '.join(str(members[rank]) for rank in ranks)})"
+    return text
+
+
+def _collective_failure(
+    process_group: ProcessGroup, operation: str, error: BaseException
+) -> CheckpointTimeoutError:
+    """The error that says checkpoint ``operation`` is collective, after one of its
+    collectives over ``process_group`` failed with ``error`` (a timeout, a peer that died).
+
+    Which ranks are missing is known only in a group of two (the other one): a failed
+    all-gather or broadcast does not say which peers never came.
+    """
+    call = (
+        "this shardwise.checkpoint call"
+        if operation == _ANY_OPERATION
+        else f"shardwise.checkpoint.{operation}"
+    )
+    me = group_rank(process_group)
+    others = [rank for rank in range(group_world_size(process_group)) if rank != me]
+    timeout = group_timeout(process_group)
+    within = "within the process group's timeout"
+    if timeout is not None:
+        within = f"within {_seconds(timeout)} (the process group's timeout)"
+    lines = str(error).strip().splitlines()
+    detail = _SOURCE_LOCATION.sub("", lines[0]) if lines else ""
+    context = [
+        f"this is rank {_name_ranks(process_group, [me])}",
+        f"{type(error).__name__}: {detail}",
+    ]
+    if len(others) == 1:
+        missing = f"rank {_name_ranks(process_group, others)}"
+    else:
+        missing = f"one or more of ranks {_name_ranks(process_group, others)}"
+        context.insert(0, "which ones cannot be known from here")
+    return CheckpointTimeoutError(
+        f"{call} is collective: every rank of the process group must call it; {missing} did "
+        f"not arrive {within} or dropped out ({'; '.join(context)}). Call it on every rank: "
+        "one that skips it, raises before calling it or dies leaves the others waiting until "
+        "the timeout"
+    )
+
+
+@contextlib.contextmanager
+def _bounded(process_group: ProcessGroup, operation: str | None) -> Iterator[None]:
+    """Raise a failure of the collectives inside as a CheckpointTimeoutError naming
+    ``operation`` (as torch raised it when ``operation`` is ``None``)."""
+    if operation is None:
+        yield
+        return
+    try:
+        yield
+    # torch.distributed's errors (DistBackendError, DistNetworkError, ...) are RuntimeErrors,
+    # and so are gloo's timeouts and closed connections.
+    except RuntimeError as err:
+        raise _collective_failure(process_group, operation, err) from err
+
+
+def all_gather_json(
+    value: object, process_group: ProcessGroup, *, operation: str | None = None
+) -> list[Any]:
     """Gather one JSON-able ``value`` from every member of ``process_group``, in group-rank order.
 
     Two collectives: the payload lengths, then the payloads padded to the longest.
+
+    Args:
+        operation: The checkpoint operation this gather is part of (``"save"``, ...): a failure
+            of the collectives (a rank that never comes, or died) is then raised as
+            :class:`~shardwise.errors.CheckpointTimeoutError`. ``None``: as torch raises it.
     """
     device = comm_device(process_group)
     world = group_world_size(process_group)
     payload = _encode(value).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=process_group)
+    with _bounded(process_group, operation):
+        dist.all_gather(lengths, length, group=process_group)
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     received = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(received, padded, group=process_group)
+    with _bounded(process_group, operation):
+        dist.all_gather(received, padded, group=process_group)
     return [
         json.loads(bytes(buf[: int(n.item())].cpu().numpy()).decode())
         for buf, n in zip(received, lengths, strict=True)
@@ -181,12 +285,19 @@ def exchange_or_raise(
     process_group: ProcessGroup,
     compute: Callable[[], T],
     encode: Callable[[T], object] = lambda value: value,
+    *,
+    operation: str | None = None,
 ) -> tuple[T, list[Any]]:
     """Run ``compute`` locally, then share its verdict with every member of the group.
 
     Every rank reaches the same verdict before anyone moves on: if ``compute`` raised on any
     rank, every rank raises — the failing rank its own exception, the others an exception of
     the same built-in type and message as the lowest failing rank (or :class:`RemoteError`).
+
+    Args:
+        operation: As for :func:`all_gather_json`. Only the exchange is concerned: what
+            ``compute`` raises is shared as usual. A rank whose ``compute`` raised and whose
+            exchange then failed raises its own exception, with the failure as a note.
 
     Returns:
         The local result and the list of every rank's ``encode(result)`` in group-rank order.
@@ -199,7 +310,14 @@ def exchange_or_raise(
     except Exception as err:
         error = err
         envelope = {"error": describe_error(err)}
-    gathered = all_gather_json(envelope, process_group)
+    try:
+        gathered = all_gather_json(envelope, process_group, operation=operation)
+    except CheckpointTimeoutError as failure:
+        if error is None:
+            raise
+        # This rank's own error is what its caller must fix; the other ranks never heard of it.
+        error.add_note(f"It was not shared with the other ranks: {failure}")
+        raise error from None
     if error is not None:
         raise error
     for rank, entry in enumerate(gathered):
@@ -325,9 +443,18 @@ class Comm:
 
     ``Comm(None)`` with no default group initialized is a world of one: gathers return the
     local value, barriers return at once. So save/load work in a plain process.
+
+    Every collective is bounded by the group's timeout; when one fails (a rank that never
+    calls, or died) it raises :class:`~shardwise.errors.CheckpointTimeoutError` naming
+    ``operation``, e.g. ``Comm(process_group, operation="save")``.
     """
 
-    def __init__(self, process_group: ProcessGroup | None) -> None:
+    def __init__(
+        self, process_group: ProcessGroup | None, *, operation: str = _ANY_OPERATION
+    ) -> None:
+        #: The checkpoint call this is for (``"save"``, ``"async_save"``, ``"load"``): a failed
+        #: collective raises :class:`~shardwise.errors.CheckpointTimeoutError` naming it.
+        self.operation = operation
         self.group: ProcessGroup | None
         if process_group is None and not is_initialized():
             self.group = None
@@ -342,7 +469,7 @@ class Comm:
         """Every rank's JSON-able ``value``, in group-rank order."""
         if self.group is None:
             return [json.loads(json.dumps(value))]
-        return all_gather_json(value, self.group)
+        return all_gather_json(value, self.group, operation=self.operation)
 
     def broadcast_json(self, value: object, src: int) -> Any:
         """Group rank ``src``'s JSON-able ``value`` on every rank (others pass anything)."""
@@ -352,13 +479,15 @@ class Comm:
         payload = _encode(value).to(device) if self.rank == src else None
         length = torch.tensor([0 if payload is None else payload.numel()], device=device)
         src_global = dist.get_global_rank(self.group, src)
-        dist.broadcast(length, src=src_global, group=self.group)
+        with _bounded(self.group, self.operation):
+            dist.broadcast(length, src=src_global, group=self.group)
         buffer = (
             payload
             if payload is not None
             else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
         )
-        dist.broadcast(buffer, src=src_global, group=self.group)
+        with _bounded(self.group, self.operation):
+            dist.broadcast(buffer, src=src_global, group=self.group)
         return json.loads(bytes(buffer.cpu().numpy()).decode())
 
     def exchange_or_raise(
@@ -368,24 +497,29 @@ class Comm:
         if self.group is None:
             local = compute()
             return local, [json.loads(json.dumps(encode(local)))]
-        return exchange_or_raise(self.group, compute, encode)
+        return exchange_or_raise(self.group, compute, encode, operation=self.operation)
 
     def barrier(self) -> None:
         """Wait for every rank."""
         if self.group is not None:
-            barrier(self.group)
+            with _bounded(self.group, self.operation):
+                barrier(self.group)
 
 
 def new_gloo_group_like(process_group: ProcessGroup | None) -> ProcessGroup | None:
-    """A new gloo group over the same ranks (collective over the default group).
+    """A new gloo group over the same ranks, with the same timeout (collective over the default
+    group).
 
     Background checkpoint writes use it so that they never interleave with the training
-    job's own collectives on the original group.
+    job's own collectives on the original group; they wait for a missing rank no longer than
+    the original group would (not torch's default of 30 minutes).
     """
     if process_group is None and not is_initialized():
         return None
-    ranks = global_ranks(resolve_group(process_group))
-    group: ProcessGroup | None = dist.new_group(ranks=ranks, backend="gloo")
+    original = resolve_group(process_group)
+    group: ProcessGroup | None = dist.new_group(
+        ranks=global_ranks(original), timeout=group_timeout(original), backend="gloo"
+    )
     return group
 
 

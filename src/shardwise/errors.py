@@ -16,6 +16,9 @@ Hierarchy::
     ├── PickleNotAllowedError        an entry needs pickle and the caller did not opt in
     │                                (also TypeError)
     ├── CheckpointLockedError        another save to the same path is running
+    ├── CheckpointTimeoutError       a rank did not join a collective step of save, async_save
+    │                                or load within the process group's timeout, or dropped out
+    │                                (also RuntimeError, as torch's own collective errors are)
     └── DCPImportError               a torch.distributed.checkpoint directory is malformed, or
                                      cannot be read without running pickled code
 
@@ -39,6 +42,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "ChecksumError",
     "DCPImportError",
     "MetadataFormatError",
@@ -125,6 +129,12 @@ class CheckpointLockedError(CheckpointError):
     time)."""
 
 
+class CheckpointTimeoutError(CheckpointError, RuntimeError):
+    """A collective step of a save, async save or load failed: another rank did not call it
+    within the process group's timeout (it skipped the call, raised before it, or is stuck), or
+    it died. The torch.distributed error is the ``__cause__``."""
+
+
 class DCPImportError(CheckpointError):
     """A DCP checkpoint is malformed, or cannot be read without running pickled code."""
 
@@ -140,6 +150,7 @@ CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
         CheckpointLockedError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
+        CheckpointTimeoutError,
         ChecksumError,
         PickleNotAllowedError,
         DCPImportError,

@@ -367,7 +367,7 @@ def load(
     Example:
         >>> result = shardwise.checkpoint.load({"model": model, "optim": optim}, "/ckpt/100")
     """
-    comm = collectives.Comm(process_group)
+    comm = collectives.Comm(process_group, operation="load")
     path_text = os.path.expanduser(os.fspath(path))
     storage = open_shared_storage(path_text, storage_options, comm.world_size)
 

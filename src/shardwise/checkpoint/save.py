@@ -542,7 +542,7 @@ def save(
     Example:
         >>> shardwise.checkpoint.save({"model": model.state_dict(), "step": 10}, "/ckpt/100")
     """
-    comm = collectives.Comm(process_group)
+    comm = collectives.Comm(process_group, operation="save")
     _check_coordinator(coordinator_rank, comm)
     snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
     return _save_snapshot(
@@ -589,6 +589,8 @@ def _stage(snapshot: _Snapshot) -> _Snapshot:
 
 
 def _background_group(process_group: Any) -> Any:
+    """The gloo group background saves over ``process_group``'s ranks use: same ranks, same
+    timeout (created on first use; that is collective over the default group)."""
     if not collectives.is_initialized():
         return None
     group = collectives.resolve_group(process_group)
@@ -600,6 +602,10 @@ def _background_group(process_group: Any) -> Any:
         except (KeyError, ValueError, RuntimeError):
             # Destroyed since (destroy_process_group, a re-initialized job): make a new one.
             cached = None
+    # Made for a group over the same ranks with another timeout: background saves must give
+    # up when this group would. Every rank sees the same timeouts, so all join the new_group.
+    if cached is not None and collectives.group_timeout(cached) != collectives.group_timeout(group):
+        cached = None
     if cached is None:
         cached = _background_groups[key] = collectives.new_gloo_group_like(group)
     return cached
@@ -632,7 +638,7 @@ def async_save(
         if _in_flight is not None:
             concurrent.futures.wait([_in_flight])
         comm_group = _background_group(process_group)
-        comm = collectives.Comm(comm_group)
+        comm = collectives.Comm(comm_group, operation="async_save")
         _check_coordinator(coordinator_rank, comm)
         snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=True)
         if _executor is None:

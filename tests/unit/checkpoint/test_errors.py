@@ -17,6 +17,7 @@ from shardwise.errors import (
     CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     ChecksumError,
     DCPImportError,
     MetadataFormatError,
@@ -33,6 +34,7 @@ HIERARCHY = [
     (PickleNotAllowedError, (CheckpointError, TypeError)),
     (DCPImportError, (CheckpointError,)),
     (CheckpointLockedError, (CheckpointError,)),
+    (CheckpointTimeoutError, (CheckpointError, RuntimeError)),
 ]
 
 
