@@ -59,7 +59,7 @@ from shardwise.checkpoint.index import (
     is_data_file_name,
     is_temporary_name,
 )
-from shardwise.checkpoint.lock import SaveLock
+from shardwise.checkpoint.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.state_dict import display_key, flatten
@@ -69,7 +69,7 @@ from shardwise.checkpoint.storage import (
     Writer,
     open_shared_storage,
 )
-from shardwise.errors import CheckpointDataError, CheckpointError
+from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
 from shardwise.metadata import TensorProperties, dtype_name
 
 __all__ = ["async_save", "save"]
@@ -84,6 +84,8 @@ _BUFFER_LIMIT = 8 << 20
 _PIECE = 4 * BLOCK_SIZE
 # The temporary name of the index of a save (see _commit).
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
+# The temporary name under which the save lock is written (see LocalStorage.replace_small).
+_TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
 # GPU tensors are copied to the host through a reused pinned buffer of this size.
 _STAGING_BYTES = 64 << 20
 
@@ -337,6 +339,19 @@ def _open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
         ) from err
 
 
+def _built_index(
+    plans: dict[str, planner.TensorPlan],
+    objects: dict[str, ObjectValue],
+    written: list[dict[str, Any]],
+    world_size: int,
+    save_id: str,
+    path: str,
+) -> tuple[bytes, Index]:
+    """The sealed index of this save, and its records (read back as a reader would)."""
+    data = _build_index(plans, objects, written, world_size, save_id, path)
+    return data, decode_index(data)
+
+
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
     name = storage.join(INDEX_NAME)
     temporary = f"{name}.{save_id}.tmp"
@@ -370,7 +385,7 @@ def _remove_leftovers(storage: Storage, index: Index) -> None:
     stale += [
         storage.join(name)
         for name in storage.listdir(storage.root)
-        if _TEMPORARY_INDEX.fullmatch(name)
+        if _TEMPORARY_INDEX.fullmatch(name) or _TEMPORARY_LOCK.fullmatch(name)
     ]
     for path in stale:
         try:
@@ -485,14 +500,31 @@ def _save_snapshot(
             fqn: ObjectValue(encoding, text.encode())
             for fqn, (encoding, text) in coordinator_plan["objects"].items()
         }
-        data = _build_index(merged, objects, written, comm.world_size, save_id, path)
-        index = decode_index(data)
+        # Every rank builds the same index, and says so before the coordinator commits it:
+        # a rank that fails or dies up to here leaves nothing committed.
+        data, index = comm.exchange_or_raise(
+            lambda: _built_index(merged, objects, written, comm.world_size, save_id, path),
+            lambda _: None,
+        )[0]
+        committed = False
 
         def commit() -> None:
+            nonlocal committed
             if comm.rank == coordinator_rank:
                 _commit(storage, data, sync_files, save_id)
+                committed = True
 
-        comm.exchange_or_raise(commit, lambda _: None)
+        try:
+            comm.exchange_or_raise(commit, lambda _: None)
+        except CheckpointTimeoutError as err:
+            if not committed:
+                raise
+            # A rank died after agreeing to the commit: the checkpoint is complete and loads.
+            raise CheckpointTimeoutError(
+                f"the checkpoint at {path} was committed (it is complete and loads), but "
+                f"{err.bare_message}",
+                file=path,
+            ) from err
         if comm.rank == coordinator_rank:
             try:
                 _remove_leftovers(storage, index)

@@ -76,6 +76,7 @@ def test_leftovers_of_killed_saves_are_removed_and_nothing_else(tmp_path: Path) 
         data / "rank-00000.aaaaaaaaaaaaaaaa.safetensors.tmp",  # a data file being written
         data / "rank-00001.bbbbbbbbbbbbbbbb.safetensors",  # written, never committed
         path / "shardwise.json.cccccccccccccccc.tmp",  # an index being written
+        path / f"{LOCK_NAME}.{_dead_pid()}.140000000000000.tmp",  # a lock being written
     ]
     kept = [data / "notes.txt", data / "rank-00000.safetensors.bak", path / "README"]
     for file in leftovers + kept:
