@@ -85,11 +85,13 @@ class SaveLock:
 
     def _stale(self, holder: dict[str, Any]) -> bool:
         heartbeat, host, pid = holder.get("heartbeat"), holder.get("host"), holder.get("pid")
-        if not isinstance(heartbeat, (int, float)) or not isinstance(pid, int):
+        # The lock is a file like any other: a value no holder writes (a pid that is not a
+        # process id, a heartbeat from the future) marks it stale rather than held forever.
+        if type(heartbeat) not in (int, float) or type(pid) is not int or pid <= 0:
             return True
         if host == socket.gethostname() and not _alive(pid):
             return True
-        return time.time() - heartbeat > _STALE
+        return abs(time.time() - heartbeat) > _STALE
 
     def acquire(self) -> None:
         """Take the lock (replacing a stale one) and start the heartbeat.

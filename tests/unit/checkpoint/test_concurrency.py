@@ -51,13 +51,19 @@ def test_a_running_save_keeps_a_second_one_out(tmp_path: Path) -> None:
     assert (path / LOCK_NAME).exists()  # the other save's lock is not ours to remove
 
 
-@pytest.mark.parametrize("kind", ["dead-process", "no-heartbeat", "garbage"])
+@pytest.mark.parametrize(
+    "kind", ["dead-process", "no-heartbeat", "garbage", "future-heartbeat", "bad-pid"]
+)
 def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "c"
     if kind == "dead-process":
         _lock(path, _dead_pid())
     elif kind == "no-heartbeat":
         _lock(path, 1, host="another-host", age=3600)
+    elif kind == "future-heartbeat":
+        _lock(path, 1, host="another-host", age=-(10**9))
+    elif kind == "bad-pid":
+        _lock(path, -1)
     else:
         path.mkdir()
         (path / LOCK_NAME).write_bytes(b"\x00 not json")
