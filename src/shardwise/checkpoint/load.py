@@ -185,13 +185,21 @@ def _match(
 _Parts = tuple[str | int, ...]
 
 
-def _grown_paths(grown: dict[str, list[str]]) -> dict[str, list[tuple[_Parts, str]]]:
+def _grown_paths(grown: dict[str, list[str]], typed: bool) -> dict[str, list[tuple[_Parts, str]]]:
     """Where each checkpoint entry goes inside its grown Mapping: its key's parts after the
     Mapping's, ints where the checkpoint recorded ints.
+
+    Args:
+        grown: See :func:`_match`.
+        typed: Whether the checkpoint records int parts at all (a checkpoint converted from
+            DCP, or of format version 1, does not: DCP turns every key into a string).
 
     Raises:
         CheckpointFormatError: One entry's parts are a prefix of another's (an entry would
             have to be a value and a Mapping at once).
+        CheckpointMismatchError: The checkpoint does not record key types and a part is all
+            digits: an int key (an optimizer's parameter number) or a string cannot be told
+            apart, and guessing wrong would leave the state unused without a word.
     """
     paths: dict[str, list[tuple[_Parts, str]]] = {}
     for key, saved_keys in grown.items():
@@ -206,6 +214,21 @@ def _grown_paths(grown: dict[str, list[str]]) -> dict[str, list[tuple[_Parts, st
                 for i, part in enumerate(name[len(prefix) + 1 :].split("."))
             )
             entries.append((parts, saved))
+        ambiguous = [
+            saved
+            for parts, saved in entries
+            if any(isinstance(part, str) and part.lstrip("-").isdigit() for part in parts)
+        ]
+        if ambiguous and not typed:
+            raise CheckpointMismatchError(
+                f"the state dict's {prefix!r} is empty and the checkpoint's entries under it "
+                f"(e.g. {display_key(ambiguous[0])!r}) have number-like keys whose type the "
+                "checkpoint does not record (it was converted from DCP, or is of format "
+                "version 1): fill the Mapping first (step a fresh optimizer once, or build the "
+                "target with torch.distributed.checkpoint.state_dict.get_state_dict), so its "
+                "keys are known",
+                key=prefix,
+            )
         leaves = {parts for parts, _ in entries}
         for parts, saved in entries:
             if any(parts[:n] in leaves for n in range(1, len(parts))):
@@ -251,7 +274,8 @@ def _plan_load(
             + ")",
             key=missing[0],
         )
-    plan = _Plan([], [], [], _grown_paths(grown), {}, missing, unexpected)
+    typed = any("\x00" in saved for saved in (*index.tensors, *index.objects))
+    plan = _Plan([], [], [], _grown_paths(grown, typed), {}, missing, unexpected)
     for saved_key in itertools.chain.from_iterable(grown.values()):
         record = index.tensors.get(saved_key)
         if record is None:

@@ -87,11 +87,17 @@ class SaveLock:
         heartbeat, host, pid = holder.get("heartbeat"), holder.get("host"), holder.get("pid")
         # The lock is a file like any other: a value no holder writes (a pid that is not a
         # process id, a heartbeat from the future) marks it stale rather than held forever.
-        if type(heartbeat) not in (int, float) or type(pid) is not int or pid <= 0:
+        if (
+            not isinstance(heartbeat, (int, float))
+            or isinstance(heartbeat, bool)
+            or not isinstance(pid, int)
+            or isinstance(pid, bool)
+            or pid <= 0
+        ):
             return True
         if host == socket.gethostname() and not _alive(pid):
             return True
-        return abs(time.time() - heartbeat) > _STALE
+        return abs(time.time() - float(heartbeat)) > _STALE
 
     def acquire(self) -> None:
         """Take the lock (replacing a stale one) and start the heartbeat.

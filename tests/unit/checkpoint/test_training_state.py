@@ -250,10 +250,41 @@ def test_a_fresh_optimizer_gets_its_state_from_the_checkpoint(tmp_path: Path) ->
 
 
 def test_growing_an_empty_mapping_refuses_entries_that_cannot_nest(tmp_path: Path) -> None:
-    # "state.0" is a value and "state.0.a" lies under it: they cannot both go into an
+    # "state.x" is a value and "state.x.a" lies under it: they cannot both go into an
     # empty "state"; the refusal comes before anything is copied.
-    ckpt.save({"o": {"state.0": 1, "state.0.a": torch.ones(1)}, "w": torch.ones(2)}, tmp_path / "c")
-    target: dict[str, Any] = {"o": {"state": {}}, "w": torch.zeros(2)}
+    state = {"o": {"state.x": 1, "state.x.a": torch.ones(1), 0: 0}, "w": torch.ones(2)}
+    ckpt.save(state, tmp_path / "c")
+    target: dict[str, Any] = {"o": {"state": {}, 0: 0}, "w": torch.zeros(2)}
     with pytest.raises(ckpt.CheckpointFormatError, match="lies under another entry's value"):
         ckpt.load(target, tmp_path / "c")
-    assert target["o"] == {"state": {}} and torch.equal(target["w"], torch.zeros(2))
+    assert target["o"] == {"state": {}, 0: 0} and torch.equal(target["w"], torch.zeros(2))
+
+
+def test_a_converted_dcp_checkpoint_into_a_fresh_optimizer_is_refused_not_misplaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # DCP turns the optimizer's int state keys into strings: growing a fresh optimizer's
+    # empty state from them would give "0" keys that Optimizer.load_state_dict leaves unused.
+    # The load says so, before anything is copied.
+    import torch.distributed.checkpoint as dcp
+
+    model, optim, _ = _trained(0, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            {"model": model.state_dict(), "optim": optim.state_dict()},
+            checkpoint_id=str(tmp_path / "dcp"),
+            no_dist=True,
+        )
+    assert cli_main(["convert-dcp", str(tmp_path / "dcp"), str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    before = {name: value.clone() for name, value in fresh.state_dict().items()}
+    target = {"model": fresh.state_dict(), "optim": fresh_optim.state_dict()}
+    with pytest.raises(ckpt.CheckpointMismatchError, match="step a fresh optimizer once"):
+        ckpt.load(target, tmp_path / "c")
+    assert target["optim"]["state"] == {}
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, before[name])
