@@ -294,8 +294,9 @@ def _build_index(
     world_size: int,
     save_id: str,
     path: str,
-) -> bytes:
-    """The sealed index of this save (every rank builds the same bytes)."""
+) -> tuple[bytes, Index]:
+    """The sealed index of this save (every rank builds the same bytes), and its records as
+    a reader reads them back."""
     files = {part["file"][0]: part["file"][1] for part in written if part}
     where: dict[str, tuple[str, list[Any]]] = {}
     for part in written:
@@ -323,7 +324,8 @@ def _build_index(
             records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
     facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, path)
     ordered = sorted(tensors, key=lambda record: record.fqn)
-    return encode_index(facts, files, ordered, sorted(records, key=lambda r: r.fqn))
+    data = encode_index(facts, files, ordered, sorted(records, key=lambda r: r.fqn))
+    return data, decode_index(data)
 
 
 def _open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
@@ -337,19 +339,6 @@ def _open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
             file=path,
             rank=rank,
         ) from err
-
-
-def _built_index(
-    plans: dict[str, planner.TensorPlan],
-    objects: dict[str, ObjectValue],
-    written: list[dict[str, Any]],
-    world_size: int,
-    save_id: str,
-    path: str,
-) -> tuple[bytes, Index]:
-    """The sealed index of this save, and its records (read back as a reader would)."""
-    data = _build_index(plans, objects, written, world_size, save_id, path)
-    return data, decode_index(data)
 
 
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
@@ -503,7 +492,7 @@ def _save_snapshot(
         # Every rank builds the same index, and says so before the coordinator commits it:
         # a rank that fails or dies up to here leaves nothing committed.
         data, index = comm.exchange_or_raise(
-            lambda: _built_index(merged, objects, written, comm.world_size, save_id, path),
+            lambda: _build_index(merged, objects, written, comm.world_size, save_id, path),
             lambda _: None,
         )[0]
         committed = False

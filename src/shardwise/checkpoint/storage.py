@@ -274,9 +274,8 @@ class LocalStorage:
         except FileNotFoundError:
             return []
 
-    def create_exclusive(self, path: str, data: bytes) -> bool:
-        # Written in full under a unique name, then linked into place: link() fails if the
-        # name exists, so no reader ever sees the file without its content.
+    def _written_aside(self, path: str, data: bytes) -> str:
+        """A new file beside ``path`` (a name unique to this thread) holding ``data``."""
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         self.remove(temporary)
         writer = self.open_write(temporary)
@@ -284,6 +283,12 @@ class LocalStorage:
             writer.write(data)
         finally:
             writer.close(sync=False)
+        return temporary
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        # Written in full under a unique name, then linked into place: link() fails if the
+        # name exists, so no reader ever sees the file without its content.
+        temporary = self._written_aside(path, data)
         try:
             os.link(temporary, path, follow_symlinks=False)
         except FileExistsError:
@@ -293,14 +298,7 @@ class LocalStorage:
         return True
 
     def replace_small(self, path: str, data: bytes) -> None:
-        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        self.remove(temporary)
-        writer = self.open_write(temporary)
-        try:
-            writer.write(data)
-        finally:
-            writer.close(sync=False)
-        self.rename(temporary, path)
+        self.rename(self._written_aside(path, data), path)
 
     def read_small(self, path: str, limit: int) -> bytes:
         reader = self.open_reader(path)
