@@ -29,6 +29,7 @@ __all__ = [
     "describe_tensor",
     "is_tensor_value",
     "narrow_to",
+    "storage_key",
 ]
 
 
@@ -78,6 +79,29 @@ class TensorValue:
     dtype: torch.dtype
     properties: TensorProperties
     boxes: list[LocalBox]
+
+
+def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
+    """What identifies the local data of ``value``: equal for two state-dict entries that are
+    the same tensor on this rank (the same object, or views of one storage with the same
+    offset, strides and boxes, as ``model.state_dict()`` gives for tied weights), ``None``
+    when this rank holds none of its elements (it cannot tell)."""
+    parts: list[Any] = [value.size, value.dtype, value.properties.requires_grad]
+    for box in value.boxes:
+        tensor = box.tensor
+        if tensor.numel() == 0:
+            continue
+        try:
+            where: Any = (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.stride()),
+                str(tensor.device),
+            )
+        except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: by identity
+            where = ("object", id(tensor))
+        parts.append((box.offsets, box.sizes, tensor.dtype, where))
+    return tuple(parts) if len(parts) > 3 else None
 
 
 def _dtensor_type() -> type | None:

@@ -16,7 +16,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -72,6 +72,9 @@ INDEX_NAME = "shardwise.json"
 DATA_DIR = "data"
 #: The version :func:`encode_index` writes.
 FORMAT_VERSION = 2
+# Version 2 with tied tensors (an ``aliases`` table): written only by saves that have some, so
+# every other checkpoint stays readable by readers of version 2.
+ALIASES_VERSION = 3
 #: The block checksum (xxh3, 64 bits, hex). Chosen by measurement: see docs/format.md.
 CHECKSUM_ALGORITHM = "xxh3_64"
 #: Bytes per checksummed block. Chosen by measurement: see docs/format.md.
@@ -113,6 +116,7 @@ _V2_KEYS = (
     "objects",
     "index_checksum",
 )
+_V3_KEYS = (*_V2_KEYS[:-1], "aliases", "index_checksum")
 _SAVE_KEYS = ("writer", "torch", "world_size", "save_id", "checkpoint_id")
 
 
@@ -168,6 +172,9 @@ class Index:
         objects: The other entries by key, in save order.
         save: Facts of the save (version 2; ``None`` in version 1).
         legacy: The parsed version-1 document (``None`` in version 2).
+        aliases: Tied tensors (version 3): alias key -> the key whose tensor it is (the one
+            first in the saved state dict). ``tensors`` holds each alias too, with its
+            target's record (the same chunks), so that readers need not know about ties.
     """
 
     format_version: int
@@ -177,6 +184,7 @@ class Index:
     objects: dict[str, ObjectRecord]
     save: SaveFacts | None = None
     legacy: Metadata | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def block_size_of(self, chunk: SavedChunk) -> int:
         """The block size of ``chunk``'s checksums (a version-1 chunk is a single block)."""
@@ -309,10 +317,13 @@ def encode_index(
     tensors: Iterable[TensorRecord],
     objects: Iterable[ObjectRecord],
     block_size: int = BLOCK_SIZE,
+    aliases: Mapping[str, str] | None = None,
 ) -> bytes:
-    """The sealed version-2 index of a checkpoint (see ``docs/format.md``)."""
+    """The sealed index of a checkpoint (see ``docs/format.md``): version 2, or version 3
+    when there are ``aliases`` (alias key -> the tensor key it is tied to; the alias is not
+    among ``tensors``)."""
     with _no_gc():
-        return _encode(save, files, tensors, objects, block_size)
+        return _encode(save, files, tensors, objects, block_size, aliases or {})
 
 
 def _encode(
@@ -321,6 +332,7 @@ def _encode(
     tensors: Iterable[TensorRecord],
     objects: Iterable[ObjectRecord],
     block_size: int,
+    aliases: Mapping[str, str],
 ) -> bytes:
     file_numbers = {name: number for number, name in enumerate(files)}
     property_numbers: dict[tuple[Any, ...], int] = {}
@@ -353,9 +365,9 @@ def _encode(
             blob = item.blob
             stored = [file_numbers[blob.file], blob.begin, blob.nbytes, blob.checksums]
             object_rows.append([item.fqn, item.encoding, stored])
-    document = {
+    document: dict[str, Any] = {
         "format": _FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": ALIASES_VERSION if aliases else FORMAT_VERSION,
         "save": {
             "writer": save.writer,
             "torch": save.torch,
@@ -369,6 +381,8 @@ def _encode(
         "tensors": tensor_rows,
         "objects": object_rows,
     }
+    if aliases:
+        document["aliases"] = [[alias, aliases[alias]] for alias in sorted(aliases)]
     return seal(document)
 
 
@@ -622,23 +636,27 @@ def _decode(data: bytes, sealed: bool) -> Index:
             f"expected {_FORMAT!r}"
         )
     version = document.get("format_version")
-    if type(version) is int and version == FORMAT_VERSION:
+    if type(version) is int and version in (FORMAT_VERSION, ALIASES_VERSION):
         if not sealed:
             _fail("the checkpoint index is corrupt: its checksum (index_checksum) is missing")
         if b"\\u" in data and _SURROGATE_ESCAPE.search(data):
             _fail("the checkpoint index holds a lone surrogate, which is not text")
-        return _decode_v2(document)
+        return _decode_v2(document, version)
     if type(version) is int and version == 1:
         return _decode_v1(document)
     _fail(
-        f"unsupported checkpoint format version {version!r}; this shardwise reads versions 1 "
-        f"and {FORMAT_VERSION} (a newer shardwise may read it)"
+        f"unsupported checkpoint format version {version!r}; this shardwise reads versions 1, "
+        f"{FORMAT_VERSION} and {ALIASES_VERSION} (a newer shardwise may read it)"
     )
 
 
-def _decode_v2(document: dict[str, Any]) -> Index:
-    if tuple(document) != _V2_KEYS:
-        _fail(f"the checkpoint index must have exactly the keys {list(_V2_KEYS)} in order")
+def _decode_v2(document: dict[str, Any], version: int) -> Index:
+    expected = _V2_KEYS if version == FORMAT_VERSION else _V3_KEYS
+    if tuple(document) != expected:
+        _fail(
+            f"the checkpoint index of version {version} must have exactly the keys "
+            f"{list(expected)} in order"
+        )
     save = document["save"]
     if type(save) is not dict or tuple(save) != _SAVE_KEYS:
         _fail(f"the checkpoint index's save facts must have the keys {list(_SAVE_KEYS)}")
@@ -780,7 +798,32 @@ def _decode_v2(document: dict[str, Any]) -> Index:
         ranges.add(blob, fqn)
         objects[fqn] = ObjectRecord(fqn, encoding, blob=blob)
     ranges.check()
-    return Index(FORMAT_VERSION, block_size, files, tensors, objects, save=facts)
+    aliases = {} if version == FORMAT_VERSION else _aliases(document["aliases"], tensors, objects)
+    for alias, target in aliases.items():  # after the range check: they share the bytes
+        record = tensors[target]
+        tensors[alias] = TensorRecord(alias, record.properties, record.size, record.chunks)
+    return Index(version, block_size, files, tensors, objects, save=facts, aliases=aliases)
+
+
+def _aliases(
+    rows: object, tensors: dict[str, TensorRecord], objects: dict[str, ObjectRecord]
+) -> dict[str, str]:
+    """The validated ``aliases`` table: each alias a new key, each target a saved tensor."""
+    if type(rows) is not list or not rows:
+        _fail("aliases must be a non-empty list (version 3 is written only when there are some)")
+    aliases: dict[str, str] = {}
+    for row in rows:
+        alias, target = _row(row, 2, "an aliases entry")
+        alias = _text(alias, "a key")
+        target = _text(target, "a key", alias)
+        if "\x00" in alias:
+            _check_int_suffix(alias)
+        if alias in tensors or alias in objects or alias in aliases:
+            _fail("the key appears twice", alias)
+        if target not in tensors:
+            _fail(f"it is tied to {target!r}, which is not a saved tensor", alias)
+        aliases[alias] = target
+    return aliases
 
 
 def _properties(row: object) -> TensorProperties:

@@ -133,6 +133,41 @@ def merge_tensor_plans(local_plans: Sequence[Sequence[dict[str, Any]]]) -> dict[
     return merged
 
 
+def agree_aliases(
+    local_aliases: Sequence[Mapping[str, str]], merged: Mapping[str, TensorPlan]
+) -> dict[str, str]:
+    """The tied tensors of a save: key -> the key it is tied to, from every rank's view.
+
+    ``local_aliases[r]`` maps each key whose local data rank ``r`` sees to be that of an
+    earlier key (in state-dict order) to that key. A key is tied to a target when every rank
+    that holds an element of either says so, the two have the same global facts, and the
+    target is not itself tied. Anything less is saved as two tensors (always correct).
+    """
+    candidates: dict[str, str] = {}
+    refused: set[str] = set()
+    for aliases in local_aliases:
+        for alias, target in aliases.items():
+            if candidates.setdefault(alias, target) != target:
+                refused.add(alias)
+    agreed: dict[str, str] = {}
+    for alias, target in candidates.items():
+        if alias in refused or alias not in merged or target not in merged:
+            continue
+        a, t = merged[alias], merged[target]
+        if (a.dtype, a.size, a.properties) != (t.dtype, t.size, t.properties):
+            continue
+        witnesses = {
+            rank
+            for plan in (a, t)
+            for (_, sizes), ranks in plan.holders.items()
+            if numel(sizes)
+            for rank in ranks
+        }
+        if witnesses and all(local_aliases[rank].get(alias) == target for rank in witnesses):
+            agreed[alias] = target
+    return {alias: target for alias, target in agreed.items() if target not in agreed}
+
+
 def _fill_unknown_sizes(
     local_plans: Sequence[Sequence[dict[str, Any]]],
 ) -> list[list[dict[str, Any]]]:

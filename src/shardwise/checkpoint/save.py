@@ -25,7 +25,7 @@ import re
 import secrets
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from shardwise.checkpoint._items import (
     describe_object,
     describe_tensor,
     is_tensor_value,
+    storage_key,
 )
 from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.index import (
@@ -96,6 +97,8 @@ class _Snapshot:
 
     tensors: dict[str, TensorValue]
     objects: dict[str, ObjectValue]
+    # Keys whose local data is that of an earlier key (tied weights): key -> that key.
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
@@ -123,7 +126,20 @@ def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
         # is left waiting.
         except Exception as err:
             raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
-    return _Snapshot(tensors, objects)
+    return _Snapshot(tensors, objects, _local_aliases(tensors))
+
+
+def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
+    """Each key whose local data is that of an earlier key, mapped to the first such key."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases = {}
+    for key, value in tensors.items():
+        identity = storage_key(value)
+        if identity is not None:
+            target = first.setdefault(identity, key)
+            if target != key:
+                aliases[key] = target
+    return aliases
 
 
 def _describe_or_error(
@@ -289,6 +305,7 @@ def _write_data_file(
 
 def _build_index(
     plans: dict[str, planner.TensorPlan],
+    aliases: dict[str, str],
     objects: dict[str, ObjectValue],
     written: list[dict[str, Any]],
     world_size: int,
@@ -324,7 +341,9 @@ def _build_index(
             records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
     facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, path)
     ordered = sorted(tensors, key=lambda record: record.fqn)
-    data = encode_index(facts, files, ordered, sorted(records, key=lambda r: r.fqn))
+    data = encode_index(
+        facts, files, ordered, sorted(records, key=lambda r: r.fqn), aliases=aliases
+    )
     return data, decode_index(data)
 
 
@@ -409,7 +428,7 @@ def _save_snapshot(
         if local_error is not None:
             raise local_error
         storage = open_shared_storage(path, storage_options, comm.world_size)
-        plan: dict[str, Any] = {"tensors": _plan_entries(snapshot)}
+        plan: dict[str, Any] = {"tensors": _plan_entries(snapshot), "aliases": snapshot.aliases}
         if comm.rank == coordinator_rank:
             # One save at a time per path, taken before anything is written (see lock.py).
             plan["save_id"] = secrets.token_hex(8)
@@ -435,14 +454,17 @@ def _save_snapshot(
         save_id = coordinator_plan["save_id"]
 
         def global_plan() -> tuple[
-            dict[str, planner.TensorPlan], list[list[planner.WriteAssignment]]
+            dict[str, planner.TensorPlan], dict[str, str], list[list[planner.WriteAssignment]]
         ]:
             merged = planner.merge_tensor_plans([plan["tensors"] for plan in plans])
+            # A tied tensor is written once; the index names its other keys (aliases).
+            aliases = planner.agree_aliases([plan["aliases"] for plan in plans], merged)
+            written = {fqn: plan for fqn, plan in merged.items() if fqn not in aliases}
             blob_bytes = {coordinator_rank: coordinator_plan["blob_bytes"]}
-            return merged, planner.assign_writers(merged, comm.world_size, blob_bytes)
+            return written, aliases, planner.assign_writers(written, comm.world_size, blob_bytes)
 
         # Pure in the exchanged plans: every rank reaches the same verdict without talking.
-        merged, assignments = global_plan()
+        merged, aliases, assignments = global_plan()
         assert storage is not None
         mine = assignments[comm.rank]
         blobs = []
@@ -492,7 +514,9 @@ def _save_snapshot(
         # Every rank builds the same index, and says so before the coordinator commits it:
         # a rank that fails or dies up to here leaves nothing committed.
         data, index = comm.exchange_or_raise(
-            lambda: _build_index(merged, objects, written, comm.world_size, save_id, path),
+            lambda: _build_index(
+                merged, aliases, objects, written, comm.world_size, save_id, path
+            ),
             lambda _: None,
         )[0]
         committed = False
@@ -597,8 +621,14 @@ _background_groups: dict[tuple[int, ...], Any] = {}
 def _stage(snapshot: _Snapshot) -> _Snapshot:
     """A copy of every local box in CPU memory (pinned when an accelerator exists)."""
     pin = torch.cuda.is_available()
-    tensors = {}
+    tensors: dict[str, TensorValue] = {}
     for fqn, value in snapshot.tensors.items():
+        target = snapshot.aliases.get(fqn)
+        if target is not None:  # the same local data as an earlier key: staged once
+            tensors[fqn] = TensorValue(
+                value.size, value.dtype, value.properties, tensors[target].boxes
+            )
+            continue
         boxes = []
         for box in value.boxes:
             source = box.tensor.detach()
@@ -606,7 +636,7 @@ def _stage(snapshot: _Snapshot) -> _Snapshot:
             staged.copy_(source)
             boxes.append(LocalBox(box.offsets, box.sizes, staged))
         tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes)
-    return _Snapshot(tensors, dict(snapshot.objects))
+    return _Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)
 
 
 def _background_group(process_group: Any) -> Any:
