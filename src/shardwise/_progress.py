@@ -8,7 +8,8 @@ the count themselves and say the unit.
 from __future__ import annotations
 
 import sys
-from typing import Any
+import threading
+from typing import Any, Protocol
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -70,7 +71,6 @@ class ByteBar:
             unit=unit,
             desc=description,
             file=file,
-            leave=False,
             bar_format=(
                 f"{{desc}}: {{percentage:3.0f}}%|{{bar}}| {{n:.{decimals}f}}/"
                 f"{{total:.{decimals}f}} {unit} [{{elapsed}}<{{remaining}}, {{rate_fmt}}]"
@@ -89,7 +89,9 @@ class ByteBar:
             self.update(done - self.done)
 
     def close(self) -> None:
+        """Draw the final count (tqdm may have skipped the last updates) and stop."""
         if self._bar is not None:
+            self._bar.refresh()
             self._bar.close()
             self._bar = None
 
@@ -98,6 +100,95 @@ class ByteBar:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Counter(Protocol):
+    """A count the ranks of a group share (see :class:`shardwise.collectives.SharedCounter`)."""
+
+    def add(self, amount: int) -> None: ...
+
+    def read(self) -> int | None: ...
+
+    def remove(self) -> None: ...
+
+
+class JobProgress:
+    """The progress of a job the ranks of a group share: each rank counts the bytes it has
+    done, one rank draws a bar of the whole job's bytes.
+
+    Ranks add to ``counter`` in steps of ``step`` bytes (and whatever is left at
+    :meth:`finish`); the drawing rank reads it every ``interval`` seconds on a thread. Without
+    a counter (one process) the bar counts this process's bytes, which are then the job's.
+
+    Args:
+        total: Bytes of the whole job (every rank's).
+        description: What is done, e.g. ``"saving /ckpt"``.
+        show: Draw the bar on this rank.
+        counter: The shared count, or ``None``.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        description: str,
+        *,
+        show: bool,
+        counter: Counter | None,
+        step: int = 8 << 20,
+        interval: float = 0.2,
+    ) -> None:
+        self._bar = ByteBar(total, description, enabled=True) if show else None
+        self._counter = counter
+        self._step = step
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if self._bar is not None and counter is not None:
+            self._poller = threading.Thread(
+                target=self._poll, args=(interval,), name="shardwise-progress", daemon=True
+            )
+            self._poller.start()
+
+    def _poll(self, interval: float) -> None:
+        assert self._counter is not None and self._bar is not None
+        while not self._stop.wait(interval):
+            done = self._counter.read()
+            if done is not None:
+                self._bar.set_done(done)
+
+    def update(self, count: int) -> None:
+        """This rank has done ``count`` more bytes (thread-safe)."""
+        with self._lock:
+            if self._counter is None:
+                if self._bar is not None:
+                    self._bar.update(count)
+                return
+            self._pending += count
+            if self._pending >= self._step:
+                self._counter.add(self._pending)
+                self._pending = 0
+
+    def finish(self) -> None:
+        """This rank is done: its last bytes are counted (call on every rank before the
+        collective that ends the job)."""
+        with self._lock:
+            if self._counter is not None and self._pending:
+                self._counter.add(self._pending)
+                self._pending = 0
+
+    def close(self, succeeded: bool) -> None:
+        """Stop drawing. With ``succeeded`` (every rank finished), the bar ends full."""
+        self.finish()
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join()
+        if self._bar is not None:
+            if succeeded:
+                self._bar.set_done(self._bar.total)
+            self._bar.close()
+            if self._counter is not None:
+                self._counter.remove()
 
 
 def count_bar(total: int, description: str, unit: str, enabled: bool | None = None) -> Any:

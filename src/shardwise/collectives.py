@@ -505,6 +505,44 @@ class Comm:
             with _bounded(self.group, self.operation):
                 barrier(self.group)
 
+    def counter(self, key: str) -> SharedCounter | None:
+        """A count every rank of this group adds to and any rank reads, without a collective,
+        through the group's key-value store; ``None`` in a single process or when the group
+        has no store."""
+        if self.group is None:
+            return None
+        try:
+            store = dist.distributed_c10d._get_process_group_store(self.group)
+        except (AttributeError, KeyError, RuntimeError, ValueError):
+            return None
+        return SharedCounter(store, f"shardwise/counter/{key}")
+
+
+class SharedCounter:
+    """A count summed over the ranks of a group in its c10d store (see :meth:`Comm.counter`):
+    used for progress, so no rank ever waits on it."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store = store
+        self._key = key
+
+    def add(self, amount: int) -> None:
+        """Add ``amount`` (a failing store is ignored: a count is never worth a failure)."""
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._store.add(self._key, amount)
+
+    def read(self) -> int | None:
+        """The sum so far, or ``None`` when the store cannot be reached."""
+        try:
+            return int(self._store.add(self._key, 0))
+        except (RuntimeError, ValueError):
+            return None
+
+    def remove(self) -> None:
+        """Delete the count from the store (once every rank is done adding)."""
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._store.delete_key(self._key)
+
 
 def new_gloo_group_like(process_group: ProcessGroup | None) -> ProcessGroup | None:
     """A new gloo group over the same ranks, with the same timeout (collective over the default

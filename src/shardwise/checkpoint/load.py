@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import secrets
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from shardwise import collectives
+from shardwise._progress import JobProgress
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import (
     LocalBox,
@@ -376,7 +378,7 @@ def load(
         allow_dtype_cast: Cast a saved floating-point tensor to the target's floating-point
             dtype (fp64, fp32, bf16, fp16, float8) when they differ; refused otherwise.
         storage_options: fsspec options for URLs.
-        progress: Show a progress bar on rank 0.
+        progress: Show a progress bar on rank 0 (stderr) of the bytes every rank loads.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)``: the state dict's keys the checkpoint
@@ -471,7 +473,9 @@ def _load(
         reader.check_files(itertools.chain(jobs, blobs))
         return planned
 
-    planned, _ = comm.exchange_or_raise(plan, lambda _: None)
+    # Rank 0's wish for a progress bar, and a name for the count every rank adds to.
+    token = secrets.token_hex(8)
+    planned, wishes = comm.exchange_or_raise(plan, lambda _: [options.progress, token])
 
     def check() -> dict[str, Any]:
         if options.verify:
@@ -484,20 +488,31 @@ def _load(
         return {key: _decode(reader, item) for key, item in planned.objects}
 
     values, _ = comm.exchange_or_raise(check, lambda _: None)
-    bar = None
-    if options.progress and comm.rank == 0:
-        from tqdm import tqdm  # type: ignore[import-untyped]
-
-        total = sum(job.read.nbytes for job in planned.jobs)
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {reader.path}")
-    try:
-        comm.exchange_or_raise(
-            lambda: reader.fill(planned.jobs, planned.targets, None if bar is None else bar.update),
-            lambda _: None,
+    bar: JobProgress | None = None
+    if wishes[0][0]:
+        totals = comm.all_gather_json(sum(job.read.nbytes for job in planned.jobs))
+        bar = JobProgress(
+            sum(totals),
+            f"loading {reader.path}",
+            show=comm.rank == 0,
+            counter=comm.counter(f"load/{wishes[0][1]}"),
         )
-    finally:
+
+    def fill() -> None:
+        try:
+            reader.fill(planned.jobs, planned.targets, None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.finish()
+
+    try:
+        comm.exchange_or_raise(fill, lambda _: None)
+    except BaseException:
         if bar is not None:
-            bar.close()
+            bar.close(succeeded=False)
+        raise
+    if bar is not None:
+        bar.close(succeeded=True)
     # Objects are replaced, and Stateful objects given their state, only once every rank has
     # loaded everything.
     _grow(flat, planned.grown, {**values, **planned.new_tensors})
