@@ -420,3 +420,74 @@ def test_any_tiling_reads_back_into_any_tiling_exactly(case: dict[str, Any]) -> 
                 touched = {read.chunk for read in reads}
                 assert storage.bytes_read <= sum(chunks[i].end - chunks[i].begin for i in touched)
         assert torch.equal(out, full)
+
+
+# -- ChunkLookup: the sweep that replaces comparing every box with every chunk ------------------
+
+
+@st.composite
+def _tiling_and_targets(draw: Any) -> tuple[tuple[int, ...], list[Box], list[Box]]:
+    """A tensor size, a random guillotine tiling of it (plus empty chunks) and boxes in it."""
+    ndim = draw(st.integers(1, 3))
+    size = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
+    boxes: list[Box] = [((0,) * ndim, size)]
+    for _ in range(draw(st.integers(0, 12))):
+        index = draw(st.integers(0, len(boxes) - 1))
+        offsets, sizes = boxes[index]
+        dim = draw(st.integers(0, ndim - 1))
+        if sizes[dim] < 2:
+            continue
+        cut = draw(st.integers(1, sizes[dim] - 1))
+        first = (offsets, (*sizes[:dim], cut, *sizes[dim + 1 :]))
+        second_offsets = (*offsets[:dim], offsets[dim] + cut, *offsets[dim + 1 :])
+        second = (second_offsets, (*sizes[:dim], sizes[dim] - cut, *sizes[dim + 1 :]))
+        boxes[index : index + 1] = [first, second]
+    empties = draw(st.integers(0, 2))
+    boxes += [(tuple(size), (0,) * ndim)] * empties  # ceil-rule chunks past the end
+    order = draw(st.permutations(range(len(boxes))))
+    boxes = [boxes[i] for i in order]
+    targets = []
+    for _ in range(draw(st.integers(1, 6))):
+        offsets = tuple(draw(st.integers(0, n - 1)) for n in size)
+        sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(size, offsets, strict=True))
+        targets.append((offsets, sizes))
+    return size, boxes, targets
+
+
+def _chunks_of(boxes: list[Box]) -> list[SavedChunk]:
+    chunks, position = [], 8
+    for offsets, sizes in boxes:
+        nbytes = math.prod(sizes) * 4
+        chunks.append(SavedChunk(offsets, sizes, "data/f", position, position + nbytes, ""))
+        position += nbytes
+    return chunks
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_tiling_and_targets())
+def test_chunk_lookup_plans_exactly_what_the_all_pairs_search_plans(case: Any) -> None:
+    size, boxes, targets = case
+    planner.check_tiling(size, boxes)
+    chunks = _chunks_of(boxes)
+    lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])
+    for target in targets:
+        overlapping = [
+            i
+            for i, c in enumerate(chunks)
+            if math.prod(c.sizes) and planner._intersect(target, (c.offsets, c.sizes))
+        ]
+        candidates = lookup.candidates(target)
+        assert set(overlapping) <= set(candidates), (target, overlapping, candidates)
+        assert planner.plan_reads(target, chunks, 4, lookup=lookup) == planner.plan_reads(
+            target, chunks, 4
+        )
+
+
+def test_chunk_lookup_of_many_row_chunks_returns_only_the_neighbours() -> None:
+    rows = [((r * 4, 0), (4, 16)) for r in range(1024)]
+    lookup = planner.ChunkLookup(rows)
+    assert lookup.candidates(((4 * 500 + 1, 0), (4, 16))) == [500, 501]
+    columns = [((0, c * 2), (8, 2)) for c in range(512)]
+    assert planner.ChunkLookup(columns).candidates(((0, 7), (8, 2))) == [3, 4]
+    assert planner.ChunkLookup([((0,), (5,))]).candidates(((2,), (1,))) == [0]
+    assert planner.ChunkLookup([((), ())]).candidates(((), ())) == [0]
