@@ -360,7 +360,11 @@ def barrier(process_group: ProcessGroup) -> None:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     # Move raw bytes so every dtype (bool, complex, float8, ...) travels the same way, whatever
-    # the backend supports for arithmetic collectives.
+    # the backend supports for arithmetic collectives. A tensor torch calls contiguous may
+    # still have a stride other than 1 in a dim of size 1 (e.g. a one-element expand), which
+    # view() refuses: such a tensor is copied.
+    if tensor.dim() and tensor.stride(-1) != 1:
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor.reshape(-1).view(torch.uint8)
 
 

@@ -27,9 +27,17 @@ Autograd: the local result is differentiable with respect to the local shard and
 all-to-all), so every rank must run the backward pass.
 
 Validation happens before any data moves and every rank reaches the same verdict: the
-upstream checks (with their exact messages), the unsharded op's own checks (run on a weight
-with no columns), and an agreement check that every rank passed the same input shape and
-options.
+upstream checks (with their exact messages), the unsharded op's own checks (run on a stand-in
+weight, see :func:`_stand_in`), and an agreement check that every rank passed the same input
+shape and options.
+
+Zero-width tables: torch's CPU pooling kernel has a fast path (float32, half and bfloat16
+tables with unit column stride, no ``padding_idx``) that hands each thread's bags to fbgemm;
+fbgemm cannot pool rows of width 0 and reports a failure, which torch turns into the
+misleading ``Expected i < index_size to be true`` — only when the bags are split over more
+than one thread, so it came and went with the machine's thread count. Nothing here ever
+passes a zero-width table to the kernel: the validation stand-in has one (broadcast) column,
+and a shard with no columns (e.g. 3 columns over 4 ranks) pools to an empty result directly.
 """
 
 from __future__ import annotations
@@ -126,9 +134,8 @@ def _validate_embedding(params: Any) -> int:
     _check_max_norm(params["max_norm"])
     _check_weight_layout(weight)
     dim = _sharding_dim(weight, "Embedding")
-    # The unsharded op's own checks (ids dtype, padding_idx range), on a weight of the same
-    # rows and dtype but no columns: nothing is computed, and the errors are torch's own.
-    F.embedding(ids, _no_columns(weight), padding_idx=params["padding_idx"])
+    # The unsharded op's own checks (ids dtype, padding_idx range), with torch's messages.
+    F.embedding(ids, _stand_in(weight), padding_idx=params["padding_idx"])
     return dim
 
 
@@ -175,9 +182,11 @@ def _validate_embedding_bag(params: Any) -> int:
     _check_max_norm(params["max_norm"])
     _check_weight_layout(weight)
     dim = _sharding_dim(weight, "EmbeddingBag")
+    # The unsharded op's own checks (dtypes, offsets, per_sample_weights with the mode,
+    # padding_idx range), with torch's messages.
     F.embedding_bag(
         ids,
-        _no_columns(weight),
+        _stand_in(weight),
         offsets,
         mode=mode,
         per_sample_weights=per_sample_weights,
@@ -187,9 +196,47 @@ def _validate_embedding_bag(params: Any) -> int:
     return dim
 
 
-def _no_columns(weight: Any) -> torch.Tensor:
+def _stand_in(weight: Any) -> torch.Tensor:
+    """A weight with the sharded weight's rows, dtype and device, for the unsharded op's checks.
+
+    One column broadcast from a single element (strides 0, 0): no memory per row, and a
+    shape the kernels handle like any real table. Not zero columns: see the module docstring.
+    """
     local = weight.local_tensor()
-    return torch.empty((weight.size(0), 0), dtype=local.dtype, device=local.device)
+    return torch.zeros((), dtype=local.dtype, device=local.device).expand(weight.size(0), 1)
+
+
+def _pool(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    starts: torch.Tensor,
+    *,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+    padding_idx: int | None,
+) -> torch.Tensor:
+    """``F.embedding_bag`` of 1-D ``ids`` in bags starting at ``starts``, any table width.
+
+    A table with no columns gives ``(bags, 0)`` without calling the kernel (see the module
+    docstring), still tied to the table and the weights in the autograd graph: the
+    exchanges downstream run their backward only on ranks whose inputs need gradients, and
+    every rank must take part.
+    """
+    if table.size(1) > 0:
+        return F.embedding_bag(
+            ids,
+            table,
+            starts,
+            mode=mode,
+            per_sample_weights=per_sample_weights,
+            padding_idx=padding_idx,
+        )
+    empty = table.new_zeros((starts.numel(), 0))
+    for source in (table, per_sample_weights):
+        if source is not None and source.requires_grad:
+            # (source * 0) first: its gradient is then a dense tensor, not a broadcast one.
+            empty = empty + (source * 0).sum()
+    return empty
 
 
 def _mode(params: Any) -> Any:
@@ -276,14 +323,27 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         ctx.send_shapes = [send.shape for send in sends]
         recvs = [sends[0].new_empty(shape) for shape in recv_shapes]
-        collectives.all_to_all(sends, recvs, group)
+        collectives.all_to_all([_dense(send) for send in sends], recvs, group)
         return tuple(recvs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         grad_sends = [grads[0].new_empty(shape) for shape in ctx.send_shapes]
-        collectives.all_to_all([grad.contiguous() for grad in grads], grad_sends, ctx.group)
+        collectives.all_to_all([_dense(grad) for grad in grads], grad_sends, ctx.group)
         return (None, None, *grad_sends)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its own memory, one element after the other.
+
+    ``contiguous()`` is not enough: a one-element tensor broadcast from a scalar (autograd
+    makes such gradients) counts as contiguous with a stride of 0, which the byte view of a
+    point-to-point message rejects.
+    """
+    tensor = tensor.contiguous()
+    if tensor.dim() > 0 and tensor.stride(-1) != 1:
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 def _exchange(
@@ -490,7 +550,7 @@ def sharded_embedding_bag(
         )
     if max_norm is not None:
         _renorm_split_rows(shard, torch.unique(bags.ids), max_norm, norm_type, group)
-    pooled = F.embedding_bag(
+    pooled = _pool(
         bags.ids,
         shard,
         bags.starts,
@@ -573,7 +633,7 @@ def _embedding_bag_row_wise(
     kept_before = torch.cat([owned.new_zeros(1, dtype=torch.int64), owned.cumsum(0)])
     positions = owned.nonzero().squeeze(1)
     weights = bags.per_sample_weights
-    partial = F.embedding_bag(
+    partial = _pool(
         local[positions],
         shard,
         kept_before[bags.starts],

@@ -17,7 +17,6 @@ _WRAPPER_OPS = (
     torch.Tensor.layout.__get__,  # type: ignore[attr-defined,union-attr]
     torch.Tensor.ndim.__get__,  # type: ignore[attr-defined,union-attr]
     torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined,union-attr]
-    torch.Tensor.grad.__get__,  # type: ignore[attr-defined,union-attr]
     torch.Tensor.grad_fn.__get__,  # type: ignore[attr-defined,union-attr]
     torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined,union-attr]
     torch.Tensor.size,

@@ -97,11 +97,15 @@ def init_from_local_tensor(
 
 
 def _register() -> None:
+    from shardwise.sharded_tensor.guards import install_optimizer_guard
     from shardwise.sharded_tensor.serialization import ProcessGroupState, register_safe_globals
 
     # Upstream spells it ShardedTensor.ProcessGroupState.
     ShardedTensor.ProcessGroupState = ProcessGroupState  # type: ignore[attr-defined]
     register_safe_globals()
+    # A torch.optim optimizer given a ShardedTensor parameter raises instead of silently
+    # leaving it unchanged.
+    install_optimizer_guard()
 
 
 _register()

@@ -97,11 +97,9 @@ class ShardedTensorBase(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        raise RuntimeError(
-            f"A {cls.__name__} object is being used from c++ while calling "
-            f"{func.__module__}.{func.__name__} but the there is no custom __torch_dispatch__ "
-            "implementation for it."
-        )
+        from shardwise.sharded_tensor.guards import dispatch_error
+
+        raise dispatch_error(cls.__name__, func)
 
     # -- accessors -------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Pure helpers of sharded-tensor construction: size flattening, placement resolution, and the
-local and cross-rank metadata validation of ``init_from_local_shards``.
+"""Pure helpers of sharded-tensor construction: size flattening, placement resolution, the
+local and cross-rank metadata validation of ``init_from_local_shards``, and new tensors laid
+out like an existing one (:func:`with_local_tensors`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "flatten_tensor_size",
     "parse_and_validate_remote_device",
     "recalc_global_sharded_tensor_metadata",
+    "with_local_tensors",
 ]
 
 
@@ -186,3 +188,46 @@ def _placement_rank(metadata: ShardMetadata) -> int:
     placement = metadata.placement
     rank = None if placement is None else placement.rank()
     return -1 if rank is None else rank
+
+
+def with_local_tensors(like: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """A ShardedTensor laid out like ``like`` whose local shards are ``tensors`` (no copies).
+
+    ``tensors[i]`` takes the place of ``like``'s ``i``-th local shard and must have its size
+    and device; dtype and requires_grad come from the tensors (all alike). The gradient of a
+    sharded parameter and the optimizer state of one are built this way. No communication.
+
+    Raises:
+        ValueError: The number of tensors, or one's size, dtype or requires_grad, does not fit.
+    """
+    from shardwise.sharded_tensor.api import ShardedTensor
+
+    local = like.local_shards()
+    if len(tensors) != len(local):
+        raise ValueError(f"expected {len(local)} local tensors, got {len(tensors)}")
+    global_metadata = like.metadata()
+    shards_metadata = copy.deepcopy(global_metadata.shards_metadata)
+    # The local shards' metadata are entries of the global list (the same objects).
+    position = {id(entry): i for i, entry in enumerate(global_metadata.shards_metadata)}
+    shards = []
+    for shard, tensor in zip(local, tensors, strict=True):
+        index = position.get(id(shard.metadata))
+        if index is None:
+            index = global_metadata.shards_metadata.index(shard.metadata)
+        shards.append(Shard(tensor, shards_metadata[index]))
+    first = tensors[0] if tensors else None
+    properties = TensorProperties(
+        dtype=like.dtype if first is None else first.dtype,
+        layout=global_metadata.tensor_properties.layout,
+        requires_grad=False if first is None else first.requires_grad,
+        memory_format=global_metadata.tensor_properties.memory_format,
+        pin_memory=False if first is None else first.is_pinned(),
+    )
+    metadata = ShardedTensorMetadata(shards_metadata, global_metadata.size, properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards,
+        metadata,
+        process_group=like._process_group,
+        init_rrefs=False,
+        sharding_spec=like.sharding_spec(),
+    )
