@@ -13,6 +13,8 @@ Hierarchy::
     ├── CheckpointMismatchError      saved and target size or dtype differ (also ValueError)
     ├── CheckpointDataError          a data file is missing or truncated (also OSError)
     │   └── ChecksumError            the bytes of a chunk do not match their checksum
+    ├── CheckpointStorageError       the storage itself failed: no credentials, an unreachable
+    │                                endpoint, permission denied, no such bucket (also OSError)
     ├── PickleNotAllowedError        an entry needs pickle and the caller did not opt in
     │                                (also TypeError)
     ├── CheckpointLockedError        another save to the same path is running
@@ -42,6 +44,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointStorageError",
     "CheckpointTimeoutError",
     "ChecksumError",
     "DCPImportError",
@@ -119,6 +122,16 @@ class ChecksumError(CheckpointDataError):
     """The bytes read for a chunk do not match the checksum recorded in the index."""
 
 
+class CheckpointStorageError(CheckpointError, OSError):
+    """The storage holding a checkpoint failed: no credentials found, the endpoint cannot be
+    reached, permission denied, no such bucket, a timeout, or another error of the storage
+    library (fsspec and its backends, e.g. s3fs and botocore).
+
+    The message is one line naming the URL and the cause in words; the storage library's own
+    exception is the ``__cause__``.
+    """
+
+
 class PickleNotAllowedError(CheckpointError, TypeError):
     """An entry can only be saved or loaded with pickle, and ``allow_pickle=True`` was not
     given."""
@@ -150,6 +163,7 @@ CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
         CheckpointLockedError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
+        CheckpointStorageError,
         CheckpointTimeoutError,
         ChecksumError,
         PickleNotAllowedError,

@@ -8,11 +8,18 @@ the same path finds the lock and is refused with a clear error, unless the lock 
 holder's process is gone (same host) or its heartbeat stopped (a holder killed on another
 host). Holding the lock is also what makes removing leftovers of killed saves safe: no other
 save can be writing there.
+
+The exclusive create is :meth:`~shardwise.checkpoint.storage.Storage.create_exclusive`: a hard
+link on a local file system; on an object store a check, then a conditional PUT
+(``If-None-Match: *``) where the backend offers one (s3fs), which the store refuses if another
+save created the lock in between; a plain write (check then write: it can race) where it does
+not.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -20,9 +27,11 @@ import time
 from typing import Any
 
 from shardwise.checkpoint.storage import Storage
-from shardwise.errors import CheckpointLockedError
+from shardwise.errors import CheckpointLockedError, CheckpointStorageError
 
 __all__ = ["LOCK_NAME", "SaveLock"]
+
+logger = logging.getLogger(__name__)
 
 #: Name of the lock file, in the checkpoint directory.
 LOCK_NAME = "shardwise.lock"
@@ -75,6 +84,8 @@ class SaveLock:
             data = self._storage.read_small(self._path, _MAX_LOCK_BYTES)
         except FileNotFoundError:
             return None
+        except CheckpointStorageError:
+            raise  # the storage failed (no credentials, ...): no verdict on the lock
         except OSError:
             return {}
         try:
@@ -136,8 +147,20 @@ class SaveLock:
                 return  # the save fails or finishes on its own; a missed beat is harmless
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock."""
+        """Stop the heartbeat and remove the lock.
+
+        A lock that cannot be removed (the storage failed) is logged, not raised: the save's
+        own outcome stands, and the lock goes stale once its heartbeat stops.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._storage.remove(self._path)
+        try:
+            self._storage.remove(self._path)
+        except OSError as err:
+            logger.warning(
+                "could not remove the save lock %s: %s; another save takes it over after %d s",
+                self._path,
+                err,
+                int(_STALE),
+            )

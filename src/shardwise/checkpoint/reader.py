@@ -12,11 +12,18 @@ regular files inside ``<ckpt>/data`` whose size agrees with the index, and reads
 So a corrupt block raises before a single byte reaches a caller's tensor, which is what lets
 ``load`` promise that a failed load leaves the state dict unchanged. The second pass reads
 bytes the first has just checked; checkpoint files are never modified after their commit.
+
+Both passes read in batches through :meth:`~shardwise.checkpoint.storage.Storage.read_ranges`
+(threads locally, concurrent ranged requests on object stores). On remote storage the first
+pass keeps what it verified (:class:`_KeptBytes`: up to 64 MiB in memory, the rest in an
+unlinked temporary local file), and the second pass copies from there: each byte is requested from
+the store once.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import bisect
+import logging
 import os
 import shlex
 import threading
@@ -41,33 +48,46 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.storage import (
+    FsspecStorage,
     LocalStorage,
+    RangeRequest,
     Reader,
     Storage,
+    TemporaryBytes,
     UnsafePathError,
+    batches,
     open_storage,
 )
 from shardwise.errors import (
     CheckpointDataError,
+    CheckpointError,
     CheckpointFormatError,
     CheckpointKeyError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     ChecksumError,
 )
 
 __all__ = ["CheckpointReader", "Job", "read_index_bytes"]
 
-# Reads are I/O bound (the GIL is released in preadv, hashing and copies); a few threads
-# overlap them.
-_THREADS = 4
-# Work smaller than this runs inline: on a thread pool it costs more in GIL hand-offs
-# (measured: 10,000 small reads took 2.1 s on 4 threads and 0.45 s on one).
-_INLINE = 1 << 20
+logger = logging.getLogger(__name__)
+
 # The verifying pass reads adjacent blocks together, up to this many bytes per read, and
 # reads through gaps between needed blocks smaller than _GAP rather than issue another read.
 _RUN = 8 << 20
 _GAP = 64 << 10
 _HEX = 16
+# Each pass reads in batches of at most this many bytes (one read_ranges call: concurrent
+# requests on an object store), which bounds the memory of buffers in flight: as much as 4
+# threads reading runs of _RUN bytes each.
+_BATCH = 32 << 20
+# Verified bytes kept for the second pass on remote storage stay in memory up to this much;
+# the rest go to an unlinked temporary file.
+_KEEP_IN_MEMORY = 64 << 20
+
+# A tensor with more chunks than this is planned through a planner.ChunkLookup (a sweep
+# order), not by comparing each box with every chunk.
+_LOOKUP_CHUNKS = 8
 
 
 def read_index_bytes(storage: Storage, path: str) -> bytes:
@@ -80,28 +100,33 @@ def read_index_bytes(storage: Storage, path: str) -> bytes:
         CheckpointFormatError: The index is not a regular file, or too large to be one.
     """
     name = storage.join(INDEX_NAME)
+    shown = storage.url(name)
     if not storage.exists(name):
-        raise CheckpointNotFoundError(_what_is_there(storage, path), file=name)
+        raise CheckpointNotFoundError(_what_is_there(storage, path), file=shown)
     try:
         reader = storage.open_reader(name)
     except UnsafePathError as err:
         raise CheckpointFormatError(
-            f"the checkpoint index is not a regular file ({err.strerror})", file=name
+            f"the checkpoint index is not a regular file ({err.strerror})", file=shown
         ) from err
     except FileNotFoundError as err:
-        raise CheckpointNotFoundError(f"no checkpoint at {path}", file=name) from err
+        raise CheckpointNotFoundError(f"no checkpoint at {path}", file=shown) from err
+    except CheckpointStorageError:
+        raise
     except OSError as err:
-        raise CheckpointDataError(f"cannot open the index: {err}", file=name) from err
+        raise CheckpointDataError(f"cannot open the index: {err}", file=shown) from err
     try:
         if reader.size > MAX_INDEX_BYTES:
             raise CheckpointFormatError(
                 f"the checkpoint index has {reader.size} bytes, more than a reader accepts",
-                file=name,
+                file=shown,
             )
         data = bytearray(reader.size)
         count = reader.read_into(0, memoryview(data))
+    except CheckpointStorageError:
+        raise
     except OSError as err:
-        raise CheckpointDataError(f"cannot read the index: {err}", file=name) from err
+        raise CheckpointDataError(f"cannot read the index: {err}", file=shown) from err
     finally:
         reader.close()
     return bytes(data[:count])
@@ -134,10 +159,12 @@ def _what_is_there(storage: Storage, path: str) -> str:
     storage = _resolve_root(storage)
     try:
         if not storage.exists(storage.root):
-            return f"no checkpoint at {path}"
+            return f"no checkpoint at {path}{_missing_bucket(storage)}"
         if _is_file(storage):
             return _a_file(path)
         entries = storage.listdir(storage.root)
+    except CheckpointStorageError:
+        raise
     except OSError as err:
         reason = err.strerror or str(err)
         return f"no checkpoint at {path}: it has no {INDEX_NAME} and cannot be listed ({reason})"
@@ -170,6 +197,13 @@ def _what_is_there(storage: Storage, path: str) -> str:
     return (
         f"{path} is not a shardwise checkpoint: it has no {INDEX_NAME}; it holds {_names(entries)}"
     )
+
+
+def _missing_bucket(storage: Storage) -> str:
+    """Why an object store has nothing at the path, when its bucket is missing (else "")."""
+    if isinstance(storage, FsspecStorage) and storage.bucket and not storage.exists(storage.bucket):
+        return f": there is no bucket {storage.bucket!r} (or these credentials cannot see it)"
+    return ""
 
 
 def _resolve_root(storage: Storage) -> Storage:
@@ -223,7 +257,7 @@ def decode(data: bytes, storage: Storage) -> Index:
         return decode_index(data)
     except CheckpointFormatError as err:
         raise CheckpointFormatError(
-            err.bare_message, key=err.key, file=storage.join(INDEX_NAME)
+            err.bare_message, key=err.key, file=storage.url(storage.join(INDEX_NAME))
         ) from err
 
 
@@ -279,6 +313,9 @@ class CheckpointReader:
         self._handles: dict[str, Reader] = {}
         self._lock = threading.Lock()
         self._extents: dict[str, int] | None = None
+        # Sweep orders of the tensors with many chunks, built on first use (see plan).
+        self._lookups: dict[str, planner.ChunkLookup] = {}
+        self._kept = _KeptBytes()
 
     @classmethod
     def open(
@@ -299,7 +336,8 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Close every data file this reader opened."""
+        """Close every data file this reader opened, and drop the verified bytes it kept."""
+        self.release()
         with self._lock:
             for handle in self._handles.values():
                 handle.close()
@@ -311,6 +349,11 @@ class CheckpointReader:
         """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
         assert name.startswith("data/") and is_data_file_name(name[5:]), name
         return self.storage.join("data", name[5:])
+
+    def shown(self, name: str) -> str:
+        """The path of data file ``name`` as errors show it (an object store's with its
+        protocol)."""
+        return self.storage.url(self.file_path(name))
 
     def _extent(self, name: str) -> int:
         """How far into file ``name`` the index's byte ranges reach."""
@@ -340,19 +383,21 @@ class CheckpointReader:
                 handle = self.storage.open_reader(path)
             except FileNotFoundError as err:
                 raise CheckpointDataError(
-                    "data file is missing", key=key, file=path, rank=self.rank
+                    "data file is missing", key=key, file=self.shown(name), rank=self.rank
                 ) from err
             except UnsafePathError as err:
                 raise CheckpointDataError(
                     f"data file is not a regular file inside the checkpoint: {err.strerror}; "
                     "refusing to read it",
                     key=key,
-                    file=path,
+                    file=self.shown(name),
                     rank=self.rank,
                 ) from err
+            except CheckpointStorageError:
+                raise
             except OSError as err:
                 raise CheckpointDataError(
-                    f"cannot open data file: {err}", key=key, file=path, rank=self.rank
+                    f"cannot open data file: {err}", key=key, file=self.shown(name), rank=self.rank
                 ) from err
             declared = self.index.files.get(name)
             problem = None
@@ -368,7 +413,7 @@ class CheckpointReader:
                 )
             if problem is not None:
                 handle.close()
-                raise CheckpointDataError(problem, key=key, file=path, rank=self.rank)
+                raise CheckpointDataError(problem, key=key, file=self.shown(name), rank=self.rank)
             self._handles[name] = handle
             return handle
 
@@ -392,8 +437,14 @@ class CheckpointReader:
         ``target``)."""
         record = self.tensor_record(fqn)
         dtype = record.dtype
+        lookup = None
+        if len(record.chunks) > _LOOKUP_CHUNKS:
+            lookup = self._lookups.get(fqn)
+            if lookup is None:
+                lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in record.chunks])
+                self._lookups[fqn] = lookup
         try:
-            reads = planner.plan_reads(box, record.chunks, dtype.itemsize)
+            reads = planner.plan_reads(box, record.chunks, dtype.itemsize, lookup=lookup)
         except ValueError as err:  # the chunks tile the tensor: only a box outside it fails
             raise CheckpointFormatError(str(err), key=fqn) from err
         return [Job(target, fqn, record.chunks[read.chunk], read, dtype) for read in reads]
@@ -429,18 +480,25 @@ class CheckpointReader:
         blocks: Iterable[_Block],
         problems: list[ChecksumError] | None = None,
         progress: Callable[[int], object] | None = None,
+        keep: bool | None = None,
     ) -> None:
         """Read and check every block of ``blocks`` (each once; adjacent ones in one read).
 
         Args:
             blocks: The blocks to check.
             problems: Collect mismatches here instead of raising the first.
-            progress: Called with the bytes of each finished read.
+            progress: Called with the bytes of the blocks checked, batch after batch.
+            keep: Keep the verified bytes for the reads that follow (:meth:`fill`,
+                :meth:`blob`), until :meth:`release` or :meth:`close`. Default: on remote
+                storage, where reading them again means requesting them again, unless
+                ``problems`` are collected (an audit, which reads nothing afterwards).
 
         Raises:
             ChecksumError: A block does not match its checksum (unless ``problems``).
             CheckpointDataError: A data file is missing, unsafe, or shorter than the index says.
         """
+        if keep is None:
+            keep = self.storage.remote and problems is None
         unique = {(block.file, block.begin): block for block in blocks}
         ordered = sorted(unique.values(), key=lambda block: (block.file, block.begin))
         runs: list[list[_Block]] = []
@@ -457,30 +515,57 @@ class CheckpointReader:
                 runs.append([block])
         for run in runs:  # open every file first: a missing one fails before any read
             self.handle(run[0].file, run[0].key)
-        lock = threading.Lock()
+        found: list[ChecksumError] = []
+        regular = [run for run in runs if _span(run) <= _RUN]
+        for batch in batches(regular, _span, _BATCH):
+            for mismatches in self._check_runs(batch, keep):
+                found.extend(mismatches)
+            blocks_bytes = sum(block.end - block.begin for run in batch for block in run)
+            self._verified(blocks_bytes, found, problems, progress)
+        # A block larger than a run (a version-1 chunk) is read and hashed in pieces.
+        for (block,) in (run for run in runs if _span(run) > _RUN):
+            found.extend(self._check_streamed(block, keep))
+            self._verified(block.end - block.begin, found, problems, progress)
+        if problems is not None:
+            problems.extend(found)
 
-        def check(run: list[_Block]) -> int:
-            found = self._check_run(run)
-            with lock:
-                self.bytes_verified += run[-1].end - run[0].begin
-                if found and problems is None:
-                    raise found[0]
-                if problems is not None:
-                    problems.extend(found)
-            if progress is not None:
-                progress(sum(block.end - block.begin for block in run))
-            return 0
+    def _check_runs(self, runs: list[list[_Block]], keep: bool) -> list[list[ChecksumError]]:
+        """Read ``runs`` and return the mismatches of each; keep the runs that match, with
+        ``keep``."""
+        checked: list[list[ChecksumError]] = [[] for _ in runs]
 
-        _run_all(runs, lambda run: run[-1].end - run[0].begin, check)
+        def check(number: int, data: memoryview) -> None:
+            # On the thread that read the run, while its bytes are in the cache.
+            run = runs[number]
+            checked[number] = self._check_run(run, data)
+            if keep and not checked[number]:
+                self._kept.keep(run[0].file, run[0].begin, data)
 
-    def _check_run(self, run: list[_Block]) -> list[ChecksumError]:
-        handle = self.handle(run[0].file, run[0].key)
-        begin, end = run[0].begin, run[-1].end
-        if end - begin > _RUN:  # one block larger than a run (a version-1 chunk): stream it
-            (block,) = run
-            return self._check_streamed(handle, block)
-        buffer = memoryview(bytearray(end - begin))
-        self._read_exact(handle, begin, buffer, run[0])
+        # No buffers given: each run is read into a new one by the thread that reads it.
+        self._read_all(
+            [_Read(run[0].file, run[0].begin, _span(run), run[0].key) for run in runs], check
+        )
+        return checked
+
+    def _verified(
+        self,
+        count: int,
+        found: list[ChecksumError],
+        problems: list[ChecksumError] | None,
+        progress: Callable[[int], object] | None,
+    ) -> None:
+        """Account ``count`` verified bytes (of blocks: gaps read through are not counted);
+        raise the first mismatch unless collecting."""
+        with self._lock:
+            self.bytes_verified += count
+        if found and problems is None:
+            raise found[0]
+        if progress is not None:
+            progress(count)
+
+    def _check_run(self, run: list[_Block], buffer: memoryview) -> list[ChecksumError]:
+        """The mismatches of the blocks of ``run``, whose bytes are ``buffer``."""
+        begin = run[0].begin
         found = []
         for block in run:
             digest = xxhash.xxh3_64_hexdigest(buffer[block.begin - begin : block.end - begin])
@@ -488,15 +573,35 @@ class CheckpointReader:
                 found.append(self._mismatch(block, digest))
         return found
 
-    def _check_streamed(self, handle: Reader, block: _Block) -> list[ChecksumError]:
+    def _check_streamed(self, block: _Block, keep: bool) -> list[ChecksumError]:
         hasher = xxhash.xxh3_64()
-        buffer = memoryview(bytearray(_RUN))
-        for start in range(block.begin, block.end, _RUN):
-            piece = buffer[: min(_RUN, block.end - start)]
-            self._read_exact(handle, start, piece, block)
-            hasher.update(piece)
+        starts = range(block.begin, block.end, _RUN)
+        kept: list[tuple[int, memoryview]] = []
+        for batch in batches(starts, lambda start: min(_RUN, block.end - start), _BATCH):
+            pieces = self._read_pieces(block, batch)
+            for piece in pieces:  # in order: one hash over the whole block
+                hasher.update(piece)
+            if keep:
+                kept.extend(zip(batch, pieces, strict=True))
         digest = hasher.hexdigest()
-        return [] if digest == block.checksum else [self._mismatch(block, digest)]
+        if digest != block.checksum:
+            return [self._mismatch(block, digest)]
+        for start, piece in kept:  # only once the whole block matched
+            self._kept.keep(block.file, start, piece)
+        return []
+
+    def _read_pieces(self, block: _Block, starts: Sequence[int]) -> list[memoryview]:
+        """The pieces of ``block`` (of at most :data:`_RUN` bytes) from ``starts``."""
+        pieces = [memoryview(b"")] * len(starts)
+
+        def got(number: int, data: memoryview) -> None:
+            pieces[number] = data
+
+        reads = [
+            _Read(block.file, start, min(_RUN, block.end - start), block.key) for start in starts
+        ]
+        self._read_all(reads, got)
+        return pieces
 
     def _mismatch(self, block: _Block, digest: str) -> ChecksumError:
         chunk = block.chunk
@@ -508,29 +613,78 @@ class CheckpointReader:
             f"checksum mismatch for {what}: expected {block.checksum}, got {digest} — the data "
             "file is corrupt",
             key=block.key,
-            file=self.file_path(block.file),
+            file=self.shown(block.file),
             rank=self.rank,
         )
 
-    def _read_exact(self, handle: Reader, offset: int, buffer: memoryview, where: Any) -> None:
+    def _read_all(
+        self, reads: Sequence[_Read], then: Callable[[int, memoryview], None] | None = None
+    ) -> None:
+        """Perform every read: from the kept verified bytes where they hold it, otherwise from
+        the storage, all in one batch.
+
+        Args:
+            reads: The reads.
+            then: Called as ``then(number, data)`` once read ``number`` is complete, with its
+                bytes (see :meth:`~shardwise.checkpoint.storage.Storage.read_ranges`).
+
+        Raises:
+            CheckpointDataError: A read failed, or came back short (a truncated file).
+            CheckpointStorageError: The storage failed.
+        """
+        pending = []
+        for number, read in enumerate(reads):
+            if self._kept.holds(read.file):
+                buffer = read.buffer
+                if buffer is None:
+                    buffer = memoryview(bytearray(read.length))
+                if self._kept.read(read.file, read.offset, buffer):
+                    if then is not None:
+                        then(number, buffer)
+                    continue
+            pending.append(number)
+        if not pending:
+            return
+        requests = []
+        for number in pending:
+            read = reads[number]
+            handle = self.handle(read.file, read.key)
+            requests.append(RangeRequest(handle, read.offset, read.length, read.buffer))
+
+        def complete(position: int, data: memoryview) -> None:
+            read = reads[pending[position]]
+            if len(data) != read.length:
+                raise CheckpointDataError(
+                    f"data file is truncated: read {len(data)} of {read.length} bytes at "
+                    f"offset {read.offset}",
+                    key=read.key,
+                    file=self.shown(read.file),
+                    rank=self.rank,
+                )
+            if then is not None:
+                then(pending[position], data)
+
         try:
-            count = handle.read_into(offset, buffer)
+            counts = self.storage.read_ranges(requests, complete)
+        except CheckpointError:  # a truncated file, the storage failing: said already
+            raise
         except OSError as err:
+            failed = next(
+                (reads[n] for n in pending if self.file_path(reads[n].file) == err.filename),
+                reads[pending[0]],
+            )
             raise CheckpointDataError(
                 f"cannot read data file: {err}",
-                key=where.key,
-                file=self.file_path(where.file),
+                key=failed.key,
+                file=self.shown(failed.file),
                 rank=self.rank,
             ) from err
         with self._lock:
-            self.bytes_read += count
-        if count != len(buffer):
-            raise CheckpointDataError(
-                f"data file is truncated: read {count} of {len(buffer)} bytes at offset {offset}",
-                key=where.key,
-                file=self.file_path(where.file),
-                rank=self.rank,
-            )
+            self.bytes_read += sum(counts)
+
+    def release(self) -> None:
+        """Drop the verified bytes kept so far (see :meth:`verify`)."""
+        self._kept.close()
 
     # -- pass 2: copy -----------------------------------------------------------------------
 
@@ -542,49 +696,15 @@ class CheckpointReader:
     ) -> None:
         """Perform ``jobs``: read their bytes into the destinations ``targets`` (no checksums:
         run :meth:`verify` on their blocks first)."""
-
-        def run(job: Job) -> int:
-            self._fill_one(job, targets[job.target])
-            if progress is not None:
-                progress(job.read.nbytes)
-            return 0
-
         ordered = sorted(jobs, key=lambda job: (job.chunk.file, job.read.file_offset))
-        _run_all(ordered, lambda job: job.read.nbytes, run)
+        for batch in batches(ordered, lambda job: job.read.nbytes, _BATCH):
+            self._fill_batch([_Fill.prepare(job, targets[job.target]) for job in batch])
+            if progress is not None:
+                progress(sum(job.read.nbytes for job in batch))
 
-    def _fill_one(self, job: Job, target: LocalBox) -> None:
-        read, chunk = job.read, job.chunk
-        overlap = read.overlap
-        destination = (
-            narrow_to(target.tensor, target.offsets, overlap) if overlap[0] else (target.tensor)
-        )
-        handle = self.handle(chunk.file, job.key)
-        where = _Where(job.key, chunk.file)
-        if (
-            read.strides is None
-            and destination.is_contiguous()
-            and destination.device.type == "cpu"
-            and destination.dtype == job.dtype
-        ):
-            self._read_exact(handle, read.file_offset, byte_view(destination), where)
-            return
-        buffer = torch.empty(read.nbytes // job.dtype.itemsize, dtype=job.dtype)
-        self._read_exact(handle, read.file_offset, byte_view(buffer), where)
-        # A strided read covers the overlap from its first to its last element; the overlap
-        # is the view of those bytes with the chunk's strides.
-        source = (
-            buffer.view(overlap[1])
-            if read.strides is None
-            else buffer.as_strided(overlap[1], read.strides)
-        )
-        with torch.no_grad():
-            if destination.dtype != job.dtype:  # load(allow_dtype_cast=True): cast values
-                destination.copy_(source)
-                return
-            # As bytes (the saved and destination dtypes are the same): torch copies no
-            # elements of some dtypes (int1 to int7, uint1 to uint7) and rewrites others (a
-            # bool byte 2 becomes 1), which a read straight into the destination does not.
-            _bytes_of(destination).copy_(_bytes_of(source))
+    def _fill_batch(self, fills: list[_Fill]) -> None:
+        # A staged read is copied out by the thread that read it, while it is in the cache.
+        self._read_all([fill.read for fill in fills], lambda number, _: fills[number].finish())
 
     # -- whole values -----------------------------------------------------------------------
 
@@ -624,10 +744,14 @@ class CheckpointReader:
             )
         jobs = self.plan(fqn, (box_offsets, box_sizes), 0)
         self.check_files((job.key, job.chunk) for job in jobs)
-        if verify:
-            self.verify(self.job_blocks(jobs))
-        result = torch.empty(box_sizes, dtype=record.dtype)
-        self.fill(jobs, [LocalBox(box_offsets, box_sizes, result)])
+        try:
+            if verify:
+                self.verify(self.job_blocks(jobs))
+            result = torch.empty(box_sizes, dtype=record.dtype)
+            self.fill(jobs, [LocalBox(box_offsets, box_sizes, result)])
+        finally:
+            if verify:  # what it kept was for this read only
+                self.release()
         return result
 
     def blob(self, fqn: str, verify: bool = True) -> bytes:
@@ -636,11 +760,15 @@ class CheckpointReader:
         if item is None or item.blob is None:
             raise CheckpointKeyError("not a stored object of the checkpoint", key=fqn)
         chunk = item.blob
-        handle = self.handle(chunk.file, fqn)
-        if verify:
-            self.verify(self.blocks(fqn, chunk, 0, chunk.nbytes))
+        self.handle(chunk.file, fqn)
         data = bytearray(chunk.nbytes)
-        self._read_exact(handle, chunk.begin, memoryview(data), _Where(fqn, chunk.file))
+        try:
+            if verify:
+                self.verify(self.blocks(fqn, chunk, 0, chunk.nbytes))
+            self._read_all([_Read.into(chunk.file, chunk.begin, memoryview(data), fqn)])
+        finally:
+            if verify:  # what it kept was for this read only
+                self.release()
         return bytes(data)
 
 
@@ -649,22 +777,182 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.unsqueeze(-1).view(torch.uint8)
 
 
+def _span(run: list[_Block]) -> int:
+    """The bytes of a run of blocks, gaps included."""
+    return run[-1].end - run[0].begin
+
+
 @dataclass(frozen=True, slots=True)
-class _Where:
-    key: str
+class _Read:
+    """Bytes ``[offset, offset + length)`` of data file ``file``, into ``buffer`` (None: a new
+    buffer); ``key`` names the entry in errors."""
+
     file: str
+    offset: int
+    length: int
+    key: str | None
+    buffer: memoryview | None = None
+
+    @classmethod
+    def into(cls, file: str, offset: int, buffer: memoryview, key: str | None) -> _Read:
+        """A read that fills ``buffer``."""
+        view = buffer.cast("B")
+        return cls(file, offset, len(view), key, view)
 
 
-def _run_all(items: Sequence[Any], size: Callable[[Any], int], work: Callable[[Any], int]) -> None:
-    """Run ``work`` on every item: small ones inline, large ones on a few threads."""
-    small = [item for item in items if size(item) < _INLINE]
-    large = [item for item in items if size(item) >= _INLINE]
-    for item in small:
-        work(item)
-    if len(large) <= 1:
-        for item in large:
-            work(item)
-        return
-    with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(large))) as pool:
-        for future in concurrent.futures.as_completed([pool.submit(work, i) for i in large]):
-            future.result()
+@dataclass(frozen=True, slots=True)
+class _Fill:
+    """One job of :meth:`CheckpointReader.fill`: its read, straight into the destination
+    where the bytes fit it as they are, otherwise into ``staging`` and then copied."""
+
+    job: Job
+    read: _Read
+    destination: torch.Tensor
+    staging: torch.Tensor | None
+
+    @classmethod
+    def prepare(cls, job: Job, target: LocalBox) -> _Fill:
+        read, chunk = job.read, job.chunk
+        overlap = read.overlap
+        destination = (
+            narrow_to(target.tensor, target.offsets, overlap) if overlap[0] else (target.tensor)
+        )
+        if (
+            read.strides is None
+            and destination.is_contiguous()
+            and destination.device.type == "cpu"
+            and destination.dtype == job.dtype
+        ):
+            where = _Read.into(chunk.file, read.file_offset, byte_view(destination), job.key)
+            return cls(job, where, destination, None)
+        staging = torch.empty(read.nbytes // job.dtype.itemsize, dtype=job.dtype)
+        where = _Read.into(chunk.file, read.file_offset, byte_view(staging), job.key)
+        return cls(job, where, destination, staging)
+
+    def finish(self) -> None:
+        """Copy the staged bytes into the destination (nothing to do for a direct read)."""
+        if self.staging is None:
+            return
+        overlap, strides = self.job.read.overlap, self.job.read.strides
+        # A strided read covers the overlap from its first to its last element; the overlap
+        # is the view of those bytes with the chunk's strides.
+        source = (
+            self.staging.view(overlap[1])
+            if strides is None
+            else self.staging.as_strided(overlap[1], strides)
+        )
+        with torch.no_grad():
+            if self.destination.dtype != self.job.dtype:  # allow_dtype_cast=True: cast values
+                self.destination.copy_(source)
+                return
+            # As bytes (the saved and destination dtypes are the same): torch copies no
+            # elements of some dtypes (int1 to int7, uint1 to uint7) and rewrites others (a
+            # bool byte 2 becomes 1), which a read straight into the destination does not.
+            _bytes_of(self.destination).copy_(_bytes_of(source))
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """Kept bytes ``[begin, end)`` of a file: in ``memory``, or at ``spilled`` in the
+    temporary file."""
+
+    begin: int
+    end: int
+    memory: memoryview | None
+    spilled: int
+
+
+class _KeptBytes:
+    """Bytes the first pass verified, kept for the second on remote storage, so that each byte
+    is requested from the store once.
+
+    Up to ``memory_limit`` bytes stay in memory; more go to a :class:`TemporaryBytes` file.
+    If that file cannot be written (a full disk), the bytes are dropped, and read from the
+    store again when they are needed: slower, never wrong.
+    """
+
+    def __init__(self, memory_limit: int | None = None) -> None:
+        self._memory_limit = _KEEP_IN_MEMORY if memory_limit is None else memory_limit
+        self._in_memory = 0
+        self._segments: dict[str, list[_Segment]] = {}
+        self._spill = TemporaryBytes()
+        self._spill_failed = False
+        self._lock = threading.Lock()
+
+    @property
+    def spilled(self) -> int:
+        """Bytes in the temporary file."""
+        return self._spill.size
+
+    def holds(self, file: str) -> bool:
+        """Whether any bytes of ``file`` are kept."""
+        return file in self._segments
+
+    def keep(self, file: str, begin: int, data: memoryview) -> None:
+        """Keep ``data``, the verified bytes of ``file`` from ``begin`` (unless they are kept
+        already)."""
+        with self._lock:
+            segments = self._segments.get(file, [])
+            index = bisect.bisect_right(segments, begin, key=_begin) - 1
+            if index >= 0 and segments[index].end >= begin + len(data):
+                return
+            if self._in_memory + len(data) <= self._memory_limit:
+                segment = _Segment(begin, begin + len(data), data, -1)
+                self._in_memory += len(data)
+            else:
+                offset = self._write_spill(data)
+                if offset is None:
+                    return
+                segment = _Segment(begin, begin + len(data), None, offset)
+            bisect.insort(self._segments.setdefault(file, []), segment, key=_begin)
+
+    def _write_spill(self, data: memoryview) -> int | None:
+        if self._spill_failed:
+            return None
+        try:
+            return self._spill.append(data)
+        except OSError as err:
+            self._spill_failed = True
+            logger.warning(
+                "cannot keep verified bytes in a temporary file (%s): they will be read from "
+                "the storage again",
+                err,
+            )
+            return None
+
+    def read(self, file: str, offset: int, buffer: memoryview) -> bool:
+        """Copy the kept bytes ``[offset, offset + len(buffer))`` of ``file`` into ``buffer``;
+        False if they are not all kept (then ``buffer`` must be read from the storage)."""
+        view = buffer.cast("B")
+        end = offset + len(view)
+        with self._lock:
+            segments = self._segments.get(file)
+            if not segments:
+                return not view
+            position = offset
+            while position < end:
+                # The last segment starting at or before ``position``: it must contain it.
+                index = bisect.bisect_right(segments, position, key=_begin) - 1
+                if index < 0 or segments[index].end <= position:
+                    return False
+                segment = segments[index]
+                stop = min(end, segment.end)
+                target = view[position - offset : stop - offset]
+                if segment.memory is not None:
+                    target[:] = segment.memory[position - segment.begin : stop - segment.begin]
+                else:
+                    self._spill.read_into(segment.spilled + position - segment.begin, target)
+                position = stop
+            return True
+
+    def close(self) -> None:
+        """Drop everything kept (the temporary file is deleted)."""
+        with self._lock:
+            self._segments.clear()
+            self._in_memory = 0
+            self._spill_failed = False
+            self._spill.close()
+
+
+def _begin(segment: _Segment) -> int:
+    return segment.begin

@@ -32,6 +32,7 @@ import torch
 
 from shardwise import __version__ as _version
 from shardwise import collectives
+from shardwise._progress import JobProgress
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import (
     LocalBox,
@@ -276,8 +277,12 @@ def _write_data_file(
         entries.append(FileEntry(bytes_key(fqn), None, (len(blob.payload),), len(blob.payload)))
     layout = layout_file(entries, {"format": "shardwise", "save_id": save_id, "rank": str(rank)})
     final = storage.join(*name.split("/"))
-    temporary = f"{final}.tmp"
-    writer = _open_fresh(storage, temporary, rank)
+    # Where renames are atomic (a local file system) the file is written under a temporary
+    # name and renamed once complete. Object stores have no rename (a copy, then a delete):
+    # the file goes under its final name, unique to this save, where it appears complete when
+    # closed. Either way no index names it before every rank has written its file.
+    staging = f"{final}.tmp" if storage.atomic_rename else final
+    writer = _open_fresh(storage, staging, rank)
     written: dict[str, list[Any]] = {}
     try:
         out = _ChecksummingWriter(writer)
@@ -293,13 +298,13 @@ def _write_data_file(
             written[entry.key] = [begin, end, out.blob(blob.payload)]
         out.flush()
     except BaseException:
-        writer.close(sync=False)
-        storage.remove(temporary)
+        writer.abort()
         raise
     writer.close(sync=sync_files)
-    storage.rename(temporary, final)
-    if sync_files:
-        storage.sync_dir(storage.join(DATA_DIR))
+    if staging != final:
+        storage.rename(staging, final)
+        if sync_files:
+            storage.sync_dir(storage.join(DATA_DIR))
     return {"file": [name, layout.size], "entries": written}
 
 
@@ -347,31 +352,67 @@ def _build_index(
     return data, decode_index(data)
 
 
+def _check_visible(storage: Storage, index: Index, path: str) -> None:
+    """Check that the coordinator sees every data file ``index`` names (one listing): a path
+    that is not shared by every node (a node-local disk) would otherwise commit an index
+    naming files that only their writers' nodes have.
+
+    Raises:
+        CheckpointDataError: A data file is not there.
+    """
+    present = set(storage.listdir(storage.join(DATA_DIR)))
+    missing = sorted(
+        name for name in index.files if name.removeprefix(f"{DATA_DIR}/") not in present
+    )
+    if missing:
+        writers = sorted(int(name.split("rank-")[1].split(".")[0]) for name in missing)
+        raise CheckpointDataError(
+            f"the coordinator does not see the data files of ranks {writers} ({missing[0]}"
+            f"{' and more' if len(missing) > 1 else ''}): is {path} on a file system every "
+            "node mounts? A node-local path cannot hold a checkpoint of several nodes; "
+            "nothing was committed",
+            file=storage.join(DATA_DIR),
+        )
+
+
 def _open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
-    """Create ``path`` (a temporary name unique to this save) for writing."""
+    """Create ``path`` (a name unique to this save: temporary where the storage renames,
+    final on object stores) for writing."""
     try:
         return storage.open_write(path)
     except (FileExistsError, UnsafePathError) as err:
         raise CheckpointDataError(
-            "refusing to save: this save's temporary file already exists (something else "
-            "created it, perhaps a link); nothing was written",
+            "refusing to save: this save's file already exists (something else created it, "
+            "perhaps a link); nothing was written",
             file=path,
             rank=rank,
         ) from err
 
 
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
+    """Write the index: the commit point. Every data file it names is complete and visible
+    (every rank acknowledged its own before the coordinator gets here)."""
     name = storage.join(INDEX_NAME)
+    if not storage.atomic_rename:
+        # Object stores: one PUT makes the whole index visible at once, replacing the
+        # previous one; a reader sees the old index or the new, never a part. A failure is
+        # a CheckpointStorageError already.
+        storage.replace_small(name, index)
+        return
     temporary = f"{name}.{save_id}.tmp"
     writer = _open_fresh(storage, temporary, None)
     try:
-        writer.write(index)
-    except BaseException:
-        writer.close(sync=False)
-        storage.remove(temporary)
-        raise
-    writer.close(sync=sync_files)
-    storage.rename(temporary, name)
+        try:
+            writer.write(index)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close(sync=sync_files)
+        storage.rename(temporary, name)
+    except OSError as err:  # a full disk, a lost mount: named, and shared with every rank
+        raise CheckpointDataError(
+            f"writing the index failed: {err}; the save did not commit", file=name
+        ) from err
     if sync_files:
         storage.sync_dir(storage.root)
 
@@ -402,14 +443,6 @@ def _remove_leftovers(storage: Storage, index: Index) -> None:
             logger.warning("could not remove %s: %s", path, err)
 
 
-def _progress_bar(enabled: bool, total: int, description: str) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc=description)
-
-
 def _save_snapshot(
     snapshot: _Snapshot,
     path: str,
@@ -428,7 +461,11 @@ def _save_snapshot(
         if local_error is not None:
             raise local_error
         storage = open_shared_storage(path, storage_options, comm.world_size)
-        plan: dict[str, Any] = {"tensors": _plan_entries(snapshot), "aliases": snapshot.aliases}
+        plan: dict[str, Any] = {
+            "tensors": _plan_entries(snapshot),
+            "aliases": snapshot.aliases,
+            "progress": progress,
+        }
         if comm.rank == coordinator_rank:
             # One save at a time per path, taken before anything is written (see lock.py).
             plan["save_id"] = secrets.token_hex(8)
@@ -486,9 +523,6 @@ def _save_snapshot(
                     file=data_dir,
                     rank=comm.rank,
                 ) from err
-            bar = _progress_bar(
-                progress and comm.rank == 0, sum(item.nbytes for item in mine), f"saving {path}"
-            )
             try:
                 return _write_data_file(
                     storage, comm.rank, save_id, mine, snapshot, blobs, sync_files, bar
@@ -503,22 +537,41 @@ def _save_snapshot(
                 ) from err
             finally:
                 if bar is not None:
-                    bar.close()
+                    bar.finish()
 
-        _, written = comm.exchange_or_raise(write)
+        # Rank 0 asked for a bar: it shows the whole job's bytes, which every rank counts.
+        bar: JobProgress | None = None
+        if plans[0]["progress"]:
+            total = sum(item.nbytes for items in assignments for item in items)
+            bar = JobProgress(
+                total,
+                f"saving {path}",
+                show=comm.rank == 0,
+                counter=comm.counter(f"save/{save_id}"),
+            )
+        try:
+            _, written = comm.exchange_or_raise(write)
+        except BaseException:
+            if bar is not None:
+                bar.close(succeeded=False)
+            raise
+        if bar is not None:
+            bar.close(succeeded=True)
         # Only the coordinator's objects are saved; every rank builds the same index from its plan.
         objects = {
             fqn: ObjectValue(encoding, text.encode())
             for fqn, (encoding, text) in coordinator_plan["objects"].items()
         }
+
         # Every rank builds the same index, and says so before the coordinator commits it:
         # a rank that fails or dies up to here leaves nothing committed.
-        data, index = comm.exchange_or_raise(
-            lambda: _build_index(
-                merged, aliases, objects, written, comm.world_size, save_id, path
-            ),
-            lambda _: None,
-        )[0]
+        def agree() -> tuple[bytes, Index]:
+            built = _build_index(merged, aliases, objects, written, comm.world_size, save_id, path)
+            if comm.rank == coordinator_rank:
+                _check_visible(storage, built[1], path)
+            return built
+
+        data, index = comm.exchange_or_raise(agree, lambda _: None)[0]
         committed = False
 
         def commit() -> None:
@@ -575,7 +628,7 @@ def save(
         sync_files: fsync data files, the index and their directories before committing.
         allow_pickle: Pickle values that are not otherwise storable.
         storage_options: fsspec options for URLs.
-        progress: Show a progress bar of bytes written on rank 0.
+        progress: Show a progress bar on rank 0 (stderr) of the bytes every rank writes.
 
     Returns:
         The checkpoint's :class:`Metadata` (the same on every rank).

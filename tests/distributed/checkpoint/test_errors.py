@@ -105,13 +105,13 @@ def test_unknown_format_version(tmp_path: Path) -> None:
     def bump() -> None:
         index = json.loads((path / "shardwise.json").read_text())
         del index["index_checksum"]
-        index["format_version"] = 3
+        index["format_version"] = 4
         (path / "shardwise.json").write_bytes(seal(index))
 
     _on_rank0_then_barrier(bump)
     message = (
-        "unsupported checkpoint format version 3; this shardwise reads versions 1 and 2 (a "
-        f"newer shardwise may read it) (file '{path / 'shardwise.json'}')"
+        "unsupported checkpoint format version 4; this shardwise reads versions 1, 2 and 3 "
+        f"(a newer shardwise may read it) (file '{path / 'shardwise.json'}')"
     )
     state = _target()
     with pytest.raises(ckpt.CheckpointFormatError, match=re.escape(message)):

@@ -17,6 +17,7 @@ from shardwise.errors import (
     CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     CheckpointTimeoutError,
     ChecksumError,
     DCPImportError,
@@ -35,6 +36,7 @@ HIERARCHY = [
     (DCPImportError, (CheckpointError,)),
     (CheckpointLockedError, (CheckpointError,)),
     (CheckpointTimeoutError, (CheckpointError, RuntimeError)),
+    (CheckpointStorageError, (CheckpointError, OSError)),
 ]
 
 

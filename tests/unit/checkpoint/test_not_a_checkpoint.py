@@ -41,7 +41,8 @@ def _refusal(path: str | Path, capsys: pytest.CaptureFixture[str]) -> str:
     ``CheckpointNotFoundError`` naming the index file, the same message, and ``shardwise
     inspect`` prints it on one line of stderr and exits with 2."""
     text = os.fspath(path)
-    index = open_storage(text).join(INDEX)
+    storage = open_storage(text)
+    index = storage.url(storage.join(INDEX))
     readers: list[Callable[[], object]] = [
         lambda: ckpt.load({"w": torch.zeros(2)}, text),
         lambda: ckpt.read_metadata(text),
