@@ -178,7 +178,7 @@ def test_inspect_json(
     assert (summary["world_size"], summary["checksum_algorithm"]) == (1, "xxh3_64")
     assert summary["save_id"] == ckpt.read_metadata(source[0]).storage_meta.save_id
     assert (summary["num_tensors"], summary["num_objects"], summary["num_files"]) == (7, 5, 1)
-    assert (summary["tensor_bytes"], summary["num_chunks"]) == (371, 8)
+    assert (summary["tensor_bytes"], summary["num_chunks"], summary["num_tied"]) == (371, 8, 0)
     entries = {entry["key"]: entry for entry in summary["entries"]}
     assert list(entries) == sorted([*source[1], *OBJECT_KEYS])
     assert entries["sharded"] == {
@@ -188,6 +188,7 @@ def test_inspect_json(
         "size": [6, 4],
         "num_chunks": 2,
         "bytes": 96,
+        "tied_to": None,
     }
     assert entries["cfg.name"] == {
         "key": "cfg.name",
@@ -196,6 +197,7 @@ def test_inspect_json(
         "size": None,
         "num_chunks": None,
         "bytes": len('"run"'),
+        "tied_to": None,
     }
 
 
@@ -238,7 +240,7 @@ def test_progress_bars_only_on_a_terminal(
     monkeypatch.setattr(sys, "stderr", terminal)
     assert cli.main(["verify", str(source[0])]) == 0
     assert f"verifying {source[0]}:" in terminal.getvalue()
-    assert "/391 [" in terminal.getvalue()  # the bar counts the bytes to check
+    assert "/391 B [" in terminal.getvalue()  # the bar counts the bytes to check
 
 
 def test_verify_reports_truncated_extended_and_missing_data_files(
@@ -765,7 +767,9 @@ def test_split_rule_is_hugging_faces() -> None:
     # The example of transformers' docs (limit 10: [6], [6+2], [6+2+2]) plus a tensor above the
     # limit, which gets a file of its own while the file being filled stays open.
     sizes = [6, 6, 2, 6, 2, 2, 12, 1]
-    tensors = [consolidate._OutTensor(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+    tensors = [
+        consolidate._OutTensor(f"t{i}", f"t{i}", torch.uint8, (n,), n) for i, n in enumerate(sizes)
+    ]
     shards = consolidate._shard(tensors, 10)
     assert [[t.nbytes for t in shard] for shard in shards] == [[6], [6, 2], [12], [6, 2, 2], [1]]
     assert consolidate._shard([], 10) == [[]]

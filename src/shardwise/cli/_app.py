@@ -1,17 +1,25 @@
-"""The ``shardwise`` argument parser, the dispatch to the commands and their exit codes."""
+"""The ``shardwise`` argument parser, the dispatch to the commands and their exit codes.
+
+Nothing here imports torch or the checkpoint code: a command's module is imported only when
+that command runs, so ``shardwise --help`` (and every ``shardwise COMMAND --help``) answers
+without the seconds torch takes to import.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from shardwise import __version__
-from shardwise.checkpoint import CheckpointError
-from shardwise.cli import consolidate, convert_dcp, diff, inspect, verify
-from shardwise.cli._common import EXIT_ERROR, EXIT_OK
+from shardwise.cli._common import EXIT_ERROR, EXIT_OK, parse_storage_options
+from shardwise.errors import CheckpointError
 
 # Hugging Face's default shard size for save_pretrained.
 _DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -29,6 +37,33 @@ _SIZE_UNITS = {
     "tib": 2**40,
 }
 _SIZE_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+# The module (in shardwise.cli) that runs each command, imported only when it runs.
+_HANDLERS = {
+    "inspect": "inspect",
+    "verify": "verify",
+    "diff": "diff",
+    "consolidate": "consolidate",
+    "convert-dcp": "convert_dcp",
+}
+# --dtype choices (names of torch dtypes; kept here as text so that --help needs no torch).
+_DTYPES = ("bfloat16", "float16", "float32")
+# The packages whose exceptions are failures of the storage, not bugs of shardwise: the user
+# sees one line for them (what failed, and the exception's type), never a traceback.
+_STORAGE_LIBRARIES = frozenset(
+    {
+        "adlfs",
+        "aiobotocore",
+        "aiohttp",
+        "boto3",
+        "botocore",
+        "fsspec",
+        "gcsfs",
+        "requests",
+        "s3fs",
+        "urllib3",
+    }
+)
 
 
 def parse_size(text: str) -> int:
@@ -70,6 +105,24 @@ def _tolerance_argument(text: str) -> float:
     return value
 
 
+def _storage_options_argument(text: str) -> dict[str, Any]:
+    try:
+        return parse_storage_options(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def _with_storage_options(parser: argparse.ArgumentParser, applies_to: str) -> None:
+    parser.add_argument(
+        "--storage-options",
+        type=_storage_options_argument,
+        default=None,
+        metavar="JSON",
+        help=f"fsspec storage options for {applies_to}, as a JSON object, e.g. "
+        """'{"endpoint_url": "http://127.0.0.1:9000", "anon": false}'""",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise",
@@ -83,11 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = commands.add_parser("inspect", help="list the entries of a checkpoint")
     sub.add_argument("path", help="checkpoint directory or fsspec URL")
     sub.add_argument("--json", action="store_true", help="print a JSON summary")
-    sub.set_defaults(handler=inspect.run)
+    _with_storage_options(sub, "PATH")
 
     sub = commands.add_parser("verify", help="read all data and check every checksum")
     sub.add_argument("path", help="checkpoint directory or fsspec URL")
-    sub.set_defaults(handler=verify.run)
+    _with_storage_options(sub, "PATH")
 
     sub = commands.add_parser("diff", help="compare two checkpoints")
     sub.add_argument("a", help="first checkpoint")
@@ -98,13 +151,28 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--rtol", type=_tolerance_argument, default=0.0, help="relative tolerance (default 0)"
     )
-    sub.set_defaults(handler=diff.run)
+    _with_storage_options(sub, "both checkpoints")
 
     sub = commands.add_parser(
-        "consolidate", help="write every tensor in full to Hugging Face style safetensors"
+        "consolidate",
+        help="write the tensors in full to Hugging Face style safetensors (from_pretrained)",
     )
     sub.add_argument("path", help="checkpoint directory or fsspec URL")
-    sub.add_argument("out", help="output directory")
+    sub.add_argument("out", help="output directory or fsspec URL")
+    sub.add_argument(
+        "--prefix",
+        metavar="P",
+        help="write only the keys under P, without it: --prefix model. turns a training "
+        "checkpoint's model.lm_head.weight into lm_head.weight",
+    )
+    sub.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="cast floating-point tensors to this dtype (others are written as saved)",
+    )
+    sub.add_argument(
+        "--config", metavar="FILE", help="a JSON model config to copy to OUT/config.json"
+    )
     sub.add_argument(
         "--max-shard-size",
         type=_size_argument,
@@ -113,15 +181,38 @@ def _parser() -> argparse.ArgumentParser:
         help="split into several files above this size: 500MB, 2GB, 1GiB or bytes "
         f"(default {_DEFAULT_MAX_SHARD_SIZE})",
     )
-    sub.set_defaults(handler=consolidate.run)
+    _with_storage_options(sub, "PATH and OUT")
 
     sub = commands.add_parser(
         "convert-dcp", help="convert a torch.distributed.checkpoint directory (no pickled code)"
     )
     sub.add_argument("dcp_dir", help="DCP checkpoint directory (.metadata + .distcp files)")
     sub.add_argument("out", help="output shardwise checkpoint directory or URL")
-    sub.set_defaults(handler=convert_dcp.run)
+    _with_storage_options(sub, "OUT")
     return parser
+
+
+def _from_storage_library(err: BaseException) -> bool:
+    """Whether ``err`` is a storage library's: its type (or a base of it) is defined by one,
+    or a built-in error raised inside one, e.g. the ``TypeError`` s3fs raises for an unknown
+    storage option."""
+    for cls in type(err).__mro__:
+        if cls.__module__.partition(".")[0] in _STORAGE_LIBRARIES:
+            return True
+    if not isinstance(err, (TypeError, ValueError, AttributeError, KeyError)):
+        return False
+    traceback = err.__traceback__
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    module = str(traceback.tb_frame.f_globals.get("__name__", ""))
+    return module.partition(".")[0] in _STORAGE_LIBRARIES
+
+
+def _error_line(command: str, message: str) -> None:
+    # One line, whatever a message quotes from the input.
+    print(f"shardwise {command}: error: {' '.join(message.splitlines())}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: 0 success, 1 verification or comparison failed, 2 bad usage or
-        unreadable input.
+        unreadable input (a storage failure included: one line on stderr, no traceback).
     """
     parser = _parser()
     try:
@@ -138,14 +229,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         # argparse exits on --help, --version and usage errors; report its code instead.
         code = exit_.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_ERROR)
-    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        module = importlib.import_module(f"shardwise.cli.{_HANDLERS[args.command]}")
+        handler: Callable[[argparse.Namespace], int] = module.run
         return handler(args)
-    except (CheckpointError, OSError) as err:
-        # One line, whatever a message quotes from the input.
-        message = " ".join(str(err).splitlines())
-        print(f"shardwise {args.command}: error: {message}", file=sys.stderr)
+    except CheckpointError as err:
+        _error_line(args.command, str(err))
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout left (`shardwise inspect CKPT | head`): stop quietly, and keep
+        # the interpreter's last flush of stdout from failing again.
+        with contextlib.suppress(OSError, ValueError):  # stdout without a descriptor
+            stdout = sys.stdout.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stdout)
+            os.close(devnull)
+        return 141  # as a shell reports a process ended by SIGPIPE
+    except Exception as err:  # sorted below: anything else is re-raised
+        if _from_storage_library(err):
+            _error_line(args.command, f"{str(err) or 'failed'} ({type(err).__name__})")
+        elif isinstance(err, OSError):
+            _error_line(args.command, str(err))
+        else:
+            raise  # a bug: its traceback is what helps
+        return EXIT_ERROR

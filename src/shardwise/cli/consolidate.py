@@ -1,4 +1,24 @@
-"""``shardwise consolidate``: every tensor in full, in Hugging Face style safetensors files."""
+"""``shardwise consolidate``: the tensors of a checkpoint in full, as the safetensors files of a
+Hugging Face model directory (what ``from_pretrained`` loads).
+
+What is written:
+
+* ``--prefix P`` keeps the keys under ``P`` and strips it: a training checkpoint
+  ``{"model": ..., "optim": ..., "step": ...}`` exports its model with ``--prefix model.``.
+* Tied tensors (the index's aliases: one tensor saved under several keys) are written once,
+  under the key that came first in the saved state dict, as ``save_pretrained`` does (it drops
+  the tied output head; ``from_pretrained`` ties it again). An alias whose tensor is not
+  selected by ``--prefix`` is written with that tensor's data.
+* ``--dtype`` casts floating-point tensors; ``--config`` copies a JSON config to
+  ``config.json``.
+
+How: one tensor at a time is read (every block verified) and streamed into its file through
+the storage layer, cast piece by piece, so memory stays near the largest tensor. Locally every
+file is written under a temporary name and renamed once all were written (a failure leaves
+``OUT`` as it was). Object stores have no rename (it is a copy): the weight files are written
+under their final names, the index and ``config.json`` last, and a failure removes what the
+run wrote.
+"""
 
 from __future__ import annotations
 
@@ -8,56 +28,61 @@ import json
 import math
 import os
 import re
-import struct
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from shardwise._progress import ByteBar, human_bytes
 from shardwise.checkpoint._items import byte_view
-from shardwise.checkpoint.index import TensorRecord
-from shardwise.cli._common import (
-    EXIT_OK,
-    _Checkpoint,
-    _count,
-    _human_bytes,
-    _keys_text,
-    _open_checkpoint,
-    _progress,
-)
+from shardwise.checkpoint.format import FileEntry, layout_file, safetensors_dtype
+from shardwise.checkpoint.index import ObjectRecord, TensorRecord
+from shardwise.checkpoint.state_dict import display_key
+from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
+from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint, check_url
+from shardwise.cli._common import EXIT_OK, _count, _keys_text
+from shardwise.errors import CheckpointError, CheckpointKeyError
 from shardwise.metadata import dtype_name
 
-_safetensors_codes: dict[torch.dtype, str | None] = {}
-
-
-def _safetensors_code(dtype: torch.dtype) -> str | None:
-    """The dtype code the installed safetensors library writes for ``dtype``, or None when it
-    cannot store it (or stores it in a shape other than torch's, e.g. packed sub-byte types)."""
-    if dtype not in _safetensors_codes:
-        import safetensors.torch
-
-        probe = torch.zeros(1, dtype=dtype)
-        code: str | None = None
-        try:
-            data = safetensors.torch.save({"x": probe})
-        except (KeyError, ValueError, TypeError, RuntimeError):
-            data = None  # the library has no code for this dtype
-        if data is not None:
-            (length,) = struct.unpack("<Q", data[:8])
-            entry = json.loads(data[8 : 8 + length])["x"]
-            if entry["shape"] == [1] and entry["data_offsets"] == [0, probe.element_size()]:
-                code = str(entry["dtype"])
-        _safetensors_codes[dtype] = code
-    return _safetensors_codes[dtype]
+# Output file names, as transformers' save_pretrained writes them.
+_SINGLE_NAME = "model.safetensors"
+_INDEX_NAME = "model.safetensors.index.json"
+_CONFIG_NAME = "config.json"
+_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+# The metadata transformers writes and requires ("pt": PyTorch tensors).
+_METADATA = {"format": "pt"}
+# Bytes read, cast and written at a time: the memory a tensor needs beyond itself.
+_PIECE = 8 << 20
+# The largest --config accepted (configs are a few KiB).
+_MAX_CONFIG_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class _OutTensor:
-    fqn: str
-    code: str
+    """One tensor to write.
+
+    Attributes:
+        name: Its key in the output (the checkpoint key, ``--prefix`` stripped).
+        source: The checkpoint key whose data it is.
+        dtype: The dtype written (``--dtype`` applied).
+        shape: Its shape.
+        nbytes: The bytes written.
+    """
+
+    name: str
+    source: str
+    dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a consolidation writes, and the notes to print once it is done."""
+
+    tensors: list[_OutTensor]
+    notes: list[str]
 
 
 def _shard(tensors: list[_OutTensor], max_bytes: int) -> list[list[_OutTensor]]:
@@ -81,121 +106,277 @@ def _shard(tensors: list[_OutTensor], max_bytes: int) -> list[list[_OutTensor]]:
     return shards or [[]]
 
 
-def _write_safetensors(
-    checkpoint: _Checkpoint, tensors: list[_OutTensor], path: str, progress: Any
-) -> None:
-    """Write a safetensors file at ``path``, streaming one assembled tensor at a time (memory
-    stays bounded by the largest tensor, not by the file)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    position = 0
-    for tensor in tensors:
-        header[tensor.fqn] = {
-            "dtype": tensor.code,
-            "shape": list(tensor.shape),
-            "data_offsets": [position, position + tensor.nbytes],
-        }
-        position += tensor.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the safetensors library aligns the data section to 8
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(text)) + text)
-        for tensor in tensors:
-            data = checkpoint.tensor(tensor.fqn)
-            file.write(byte_view(data.contiguous()))
-            progress.update(tensor.nbytes)
+def _top_level_parts(keys: list[str]) -> list[str]:
+    """The distinct first parts of ``keys``, as prefixes (``"model."``), or the whole key when
+    it has one part (``"step"``), in first-seen order."""
+    parts: dict[str, None] = {}
+    for key in keys:
+        head, dot, _ = key.partition(".")
+        parts[head + dot] = None
+    return list(parts)
 
 
-_INDEX_NAME = "model.safetensors.index.json"
-_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+def _normalized_prefix(prefix: str) -> str:
+    """``--prefix`` as whole key parts: ``model`` and ``model.`` both mean ``model.``."""
+    return prefix if prefix.endswith(".") else prefix + "."
 
 
-def _plan(checkpoint: _Checkpoint) -> tuple[list[_OutTensor], list[str]]:
-    """The tensors to write, in key order, and notes on what is skipped."""
+def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None) -> _Plan:
+    """The tensors to write, in key order, and notes on what is not written.
+
+    Raises:
+        CheckpointKeyError: No key is under ``prefix``, or two keys would get the same name.
+    """
+    shown = {key: display_key(key) for key in checkpoint.entries}
+    selected = list(checkpoint.entries)
+    if prefix is not None:
+        selected = [key for key in selected if shown[key].startswith(prefix)]
+        if not selected:
+            parts = _top_level_parts(sorted(shown.values()))
+            raise CheckpointKeyError(
+                f"no key of the checkpoint starts with {prefix!r}; its top-level parts are "
+                f"{_keys_text(parts)}: give one of them to --prefix"
+            )
+
+    def name_of(key: str) -> str:
+        return shown[key][len(prefix) :] if prefix is not None else shown[key]
+
+    chosen = set(selected)
     tensors: list[_OutTensor] = []
-    notes = []
-    skipped_objects = []
-    for fqn, entry in checkpoint.entries.items():
-        if not isinstance(entry, TensorRecord):
-            skipped_objects.append(fqn)
+    notes: list[str] = []
+    objects: list[str] = []
+    tied: list[str] = []
+    for key in selected:
+        entry = checkpoint.entries[key]
+        if isinstance(entry, ObjectRecord):
+            objects.append(name_of(key))
             continue
-        code = _safetensors_code(entry.dtype)
-        if code is None:
+        source = checkpoint.aliases.get(key, key)
+        if source != key and source in chosen:
+            tied.append(f"{name_of(key)!r}, tied to {name_of(source)!r}")
+            continue
+        dtype = cast if cast is not None and entry.dtype.is_floating_point else entry.dtype
+        if safetensors_dtype(dtype) is None:
             notes.append(
-                f"warning: skipping {fqn!r}: safetensors cannot store dtype "
-                f"{dtype_name(entry.dtype)}"
+                f"warning: skipping {name_of(key)!r}: safetensors cannot store dtype "
+                f"{dtype_name(dtype)}"
             )
             continue
-        nbytes = math.prod(entry.size) * entry.dtype.itemsize
-        tensors.append(_OutTensor(fqn, code, entry.size, nbytes))
-    if skipped_objects:
+        nbytes = math.prod(entry.size) * dtype.itemsize
+        tensors.append(_OutTensor(name_of(key), source, dtype, entry.size, nbytes))
+    _check_unique_names(tensors)
+    if tied:
+        one = len(tied) == 1
         notes.append(
-            f"note: {len(skipped_objects)} non-tensor entries are not written (safetensors "
-            f"holds tensors only): {_keys_text(skipped_objects)}"
+            f"note: {_count(len(tied), 'tied tensor')} not written ({'; '.join(tied)}): "
+            f"save_pretrained leaves {'it' if one else 'them'} out too, and from_pretrained "
+            f"ties {'it' if one else 'them'} again"
         )
-    return tensors, notes
+    if objects:
+        are = "is" if len(objects) == 1 else "are"
+        notes.append(
+            f"note: {_count(len(objects), 'non-tensor entry', 'non-tensor entries')} {are} not "
+            f"written (safetensors holds tensors only): {_keys_text(objects)}"
+        )
+    if prefix is None:
+        notes.extend(_prefix_hint(checkpoint, shown))
+    return _Plan(tensors, notes)
 
 
-def _write_all(
-    checkpoint: _Checkpoint, out: str, files: dict[str, list[_OutTensor]], total: int
+def _check_unique_names(tensors: list[_OutTensor]) -> None:
+    """Two keys of the checkpoint that differ only in the int-ness of a part (``{0: x}`` and
+    ``{"0": y}``) have the same dotted name: refuse, rather than write one over the other."""
+    names: set[str] = set()
+    for tensor in tensors:
+        if tensor.name in names:
+            raise CheckpointKeyError(
+                f"two tensors of the checkpoint would both be written as {tensor.name!r} "
+                "(keys that differ only in an int part and a str part, as {0: x} and "
+                '{"0": y}), and the names of a safetensors file are unique'
+            )
+        names.add(tensor.name)
+
+
+def _prefix_hint(checkpoint: _Checkpoint, shown: dict[str, str]) -> list[str]:
+    """A note suggesting ``--prefix`` when the checkpoint looks like a training checkpoint:
+    tensors under several top-level parts, next to non-tensor values (a step, an
+    optimizer's param_groups). A model's own state dict (``model.*`` and ``lm_head.*``) holds
+    tensors only, and gets no note."""
+    tensor_keys = [
+        shown[key] for key, e in checkpoint.entries.items() if isinstance(e, TensorRecord)
+    ]
+    parts = [part for part in _top_level_parts(tensor_keys) if part.endswith(".")]
+    if len(parts) < 2 or len(tensor_keys) == len(checkpoint.entries):
+        return []
+    example = "model." if "model." in parts else parts[0]
+    return [
+        f"note: the tensors come from {len(parts)} top-level parts ({_keys_text(parts)}), as "
+        "in a training checkpoint; all were written. To export one model for "
+        f"from_pretrained, select its keys with --prefix, e.g. --prefix {example}"
+    ]
+
+
+def _write_tensor(
+    checkpoint: _Checkpoint, writer: Writer, tensor: _OutTensor, bar: ByteBar
 ) -> None:
-    """Write ``files`` (name: tensors) into ``out``, all or nothing: every file is written
-    under a temporary name first and renamed only when all were written, so a corrupt
-    checkpoint leaves ``out`` as it was."""
-    temporaries = {name: os.path.join(out, f"{name}.tmp") for name in files}
+    """Stream ``tensor`` into ``writer``, read (every block verified first) and cast piece
+    by piece: memory holds about :data:`_PIECE` bytes of it at a time, never all of it."""
+    record = checkpoint.index.tensors[tensor.source]
+    ratio = max(1, tensor.dtype.itemsize // record.dtype.itemsize)
+    for piece in checkpoint.pieces(tensor.source, max(1, _PIECE // ratio)):
+        data = byte_view(piece if piece.dtype == tensor.dtype else piece.to(tensor.dtype))
+        writer.write(data)
+        bar.update(len(data))
+
+
+def _write_file(
+    checkpoint: _Checkpoint, writer: Writer, tensors: list[_OutTensor], bar: ByteBar
+) -> None:
+    """Stream a safetensors file of ``tensors`` into ``writer``: the header laid out by the
+    format module (as shardwise's own data files: metadata ``{"format": "pt"}``, the data
+    64-byte aligned, so 8-byte aligned as safetensors writes it), then one tensor at a
+    time."""
+    entries = [FileEntry(t.name, t.dtype, t.shape, t.nbytes) for t in tensors]
+    writer.write(layout_file(entries, _METADATA).header)
+    for tensor in tensors:
+        _write_tensor(checkpoint, writer, tensor, bar)
+
+
+def _weight_map_text(files: dict[str, list[_OutTensor]], total: int) -> bytes:
+    weight_map = {tensor.name: name for name, shard in files.items() for tensor in shard}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def _read_config(path: str) -> bytes:
+    """The ``--config`` file, checked to be a JSON object.
+
+    Raises:
+        CheckpointError: It cannot be read, or is not a JSON object.
+    """
     try:
-        with _progress(total, f"consolidating into {out}") as bar:
-            for name, tensors in files.items():
-                _write_safetensors(checkpoint, tensors, temporaries[name], bar)
-        if len(files) > 1:
-            weight_map = {tensor.fqn: name for name, shard in files.items() for tensor in shard}
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            temporaries[_INDEX_NAME] = os.path.join(out, f"{_INDEX_NAME}.tmp")
-            with open(temporaries[_INDEX_NAME], "w") as file:
-                file.write(json.dumps(index, indent=2) + "\n")
-        for name, temporary in temporaries.items():
-            os.replace(temporary, os.path.join(out, name))
-    finally:
-        for temporary in temporaries.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(temporary)
+        with open(path, "rb") as file:
+            data = file.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise CheckpointError(f"cannot read --config {path}: {err.strerror or err}") from err
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise CheckpointError(f"--config {path} is larger than {human_bytes(_MAX_CONFIG_BYTES)}")
+    try:
+        value = json.loads(data)
+    except ValueError as err:  # not UTF-8, or not JSON
+        raise CheckpointError(f"--config {path} is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(
+            f"--config {path} holds a JSON {type(value).__name__}; a model config is a JSON "
+            "object (as config.json of a Hugging Face model)"
+        )
+    return data
+
+
+class _Output:
+    """The files of one consolidation into ``storage``: written all or nothing locally, and
+    removed again after a failure on object stores.
+
+    Local files are written under temporary names and renamed by :meth:`commit`. Object
+    stores have no rename (fsspec copies), so files are written under their final names in
+    the order given (weights, then the index and the config), and :meth:`discard` removes
+    them.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.local = isinstance(storage, LocalStorage)
+        self.created = not storage.exists(storage.root)
+        storage.makedirs(storage.root)
+        self._written: dict[str, str] = {}  # final name: the path written
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[Writer]:
+        """A writer for the output file ``name``: closed (durable, locally) when the block
+        ends, given up (nothing of it stays) when it raises."""
+        if self.local:
+            path = self.storage.join(f".{name}.{os.getpid()}.tmp")
+            self.storage.remove(path)  # left by a killed run of the same pid
+        else:
+            path = self.storage.join(name)
+        writer = self.storage.open_write(path)
+        self._written[name] = path
+        try:
+            yield writer
+        except BaseException:
+            # Given up, not closed: closing would upload what an object store has so far.
+            writer.abort()
+            raise
+        writer.close(sync=self.local)
+
+    def write(self, name: str, data: bytes) -> None:
+        with self.open(name) as writer:
+            writer.write(data)
+
+    def commit(self) -> None:
+        """Put every file written in place (locally: rename them, in the order written)."""
+        if self.local:
+            for name, path in self._written.items():
+                self.storage.rename(path, self.storage.join(name))
+            self.storage.sync_dir(self.storage.root)
+
+    def discard(self) -> None:
+        """Remove every file this run wrote (and ``OUT`` itself, if it made it locally)."""
+        for path in self._written.values():
+            with contextlib.suppress(OSError):
+                self.storage.remove(path)
+        if self.local and self.created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.storage.root)
+
+    def remove_stale(self) -> None:
+        """Remove the weight files of an earlier consolidation that this one did not write:
+        they would mix with the new ones."""
+        for name in self.storage.listdir(self.storage.root):
+            if _OUTPUT_NAME.fullmatch(name) and name not in self._written:
+                self.storage.remove(self.storage.join(name))
+
+
+def _file_names(num_files: int) -> list[str]:
+    if num_files == 1:
+        return [_SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the tensors of checkpoint ``args.path`` as safetensors into ``args.out``."""
-    with _open_checkpoint(args.path) as checkpoint:
-        tensors, notes = _plan(checkpoint)
+    prefix = None if args.prefix is None else _normalized_prefix(args.prefix)
+    cast = None if args.dtype is None else getattr(torch, args.dtype)
+    config = None if args.config is None else _read_config(args.config)
+    check_url(args.out)
+    with _open_checkpoint(args.path, args.storage_options) as checkpoint:
+        plan = _plan(checkpoint, prefix, cast)
         # A missing, linked or wrongly sized data file fails here, before OUT is touched.
-        checkpoint.check_files(tensor.fqn for tensor in tensors)
-        total = sum(tensor.nbytes for tensor in tensors)
-        shards = _shard(tensors, args.max_shard_size)
-        if len(shards) == 1:
-            names = ["model.safetensors"]
-        else:
-            names = [
-                f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-            ]
-        created = not os.path.exists(args.out)
-        os.makedirs(args.out, exist_ok=True)
+        checkpoint.check_files(tensor.source for tensor in plan.tensors)
+        total = sum(tensor.nbytes for tensor in plan.tensors)
+        shards = _shard(plan.tensors, args.max_shard_size)
+        files = dict(zip(_file_names(len(shards)), shards, strict=True))
+        output = _Output(open_storage(args.out, args.storage_options))
         try:
-            _write_all(checkpoint, args.out, dict(zip(names, shards, strict=True)), total)
+            with ByteBar(total, f"consolidating into {args.out}") as bar:
+                for name, tensors in files.items():
+                    with output.open(name) as writer:
+                        _write_file(checkpoint, writer, tensors, bar)
+            if len(files) > 1:
+                output.write(_INDEX_NAME, _weight_map_text(files, total))
+            if config is not None:
+                output.write(_CONFIG_NAME, config)
+            output.commit()
         except BaseException:
-            if created:  # leave nothing behind
-                with contextlib.suppress(OSError):
-                    os.rmdir(args.out)
+            output.discard()
             raise
+    output.remove_stale()
     # Printed once all is written, so that a failure is reported in exactly one line.
-    for note in notes:
+    for note in plan.notes:
         print(note, file=sys.stderr)
-    written = {*names, _INDEX_NAME} if len(shards) > 1 else set(names)
-    # Files of an earlier consolidation into the same directory would mix with these.
-    for name in os.listdir(args.out):
-        if _OUTPUT_NAME.fullmatch(name) and name not in written:
-            os.remove(os.path.join(args.out, name))
+    config_text = f" and {_CONFIG_NAME}" if config is not None else ""
     print(
-        f"wrote {_count(len(tensors), 'tensor')} ({_human_bytes(total)}) to "
-        f"{_count(len(names), 'file')} in {args.out}"
+        f"wrote {_count(len(plan.tensors), 'tensor')} ({human_bytes(total)}) to "
+        f"{_count(len(files), 'file')}{config_text} in {args.out}"
     )
     return EXIT_OK

@@ -7,9 +7,11 @@ import argparse
 import sys
 from typing import Any
 
+from shardwise._progress import count_bar
 from shardwise.checkpoint import save
 from shardwise.checkpoint.dcp_import import DCPImportError, DCPReader
-from shardwise.cli._common import EXIT_OK, _count, _progress
+from shardwise.cli._checkpoint import check_url
+from shardwise.cli._common import EXIT_OK, _count
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,17 +22,23 @@ def run(args: argparse.Namespace) -> int:
             code, or holds a state dict shardwise cannot save.
     """
     directory = args.dcp_dir
+    check_url(args.out)
     reader = DCPReader(directory)
     state_dict: dict[str, Any] = {}
     num_tensors = 0
-    with _progress(len(reader.keys), f"converting {directory}", unit="key") as bar:
+    with count_bar(len(reader.keys), f"reading {directory}", unit="key") as bar:
         for fqn in reader.keys:
             state_dict[fqn] = reader.read(fqn)
             if reader.is_tensor(fqn):
                 num_tensors += 1
             bar.update(1)
     try:
-        save(state_dict, args.out, progress=sys.stderr.isatty())
+        save(
+            state_dict,
+            args.out,
+            storage_options=args.storage_options,
+            progress=sys.stderr.isatty(),
+        )
     except (TypeError, ValueError) as err:
         # save's user errors here come from the DCP input, e.g. keys that DCP kept apart and
         # that collide once the dict values are flattened into dotted keys.

@@ -8,16 +8,10 @@ import math
 
 import torch
 
+from shardwise._progress import count_bar
 from shardwise.checkpoint.index import TensorRecord
-from shardwise.cli._common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    _Checkpoint,
-    _count,
-    _open_checkpoint,
-    _printable,
-    _progress,
-)
+from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
+from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _printable
 from shardwise.metadata import dtype_name
 
 
@@ -104,7 +98,7 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
     for fqn in keys_second:
         if fqn not in keys_first:
             differences.append(f"+ {fqn!r}: only in B ({second.kind(fqn)})")
-    with _progress(len(common), "comparing", unit="key") as bar:
+    with count_bar(len(common), "comparing", unit="key") as bar:
         for fqn in common:
             bar.update(1)
             entry_first, entry_second = keys_first[fqn], keys_second[fqn]
@@ -139,7 +133,10 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
 
 def run(args: argparse.Namespace) -> int:
     """Compare checkpoints ``args.a`` and ``args.b``; exit code 1 when they differ."""
-    with _open_checkpoint(args.a) as first, _open_checkpoint(args.b) as second:
+    with (
+        _open_checkpoint(args.a, args.storage_options) as first,
+        _open_checkpoint(args.b, args.storage_options) as second,
+    ):
         differences = _diff(first, second, args.atol, args.rtol)
         num_keys = len(first.entries)
     for line in differences:

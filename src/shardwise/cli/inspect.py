@@ -7,16 +7,14 @@ import json
 import math
 from typing import Any
 
+from shardwise._progress import human_bytes
 from shardwise.checkpoint.index import TensorRecord
-from shardwise.cli._common import (
-    EXIT_OK,
-    _Checkpoint,
-    _count,
-    _human_bytes,
-    _open_checkpoint,
-    _printable,
-)
+from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
+from shardwise.cli._common import EXIT_OK, _count, _printable
 from shardwise.metadata import dtype_name
+
+# How many ties the text summary names before it says "and N more".
+_MAX_TIES = 5
 
 
 def _entry_rows(checkpoint: _Checkpoint) -> list[dict[str, Any]]:
@@ -32,13 +30,14 @@ def _entry_rows(checkpoint: _Checkpoint) -> list[dict[str, Any]]:
                     "size": list(entry.size),
                     "num_chunks": len(entry.chunks),
                     "bytes": math.prod(entry.size) * entry.dtype.itemsize,
+                    "tied_to": checkpoint.aliases.get(fqn),
                 }
             )
             continue
         nbytes = len((entry.text or "").encode()) if entry.blob is None else entry.blob.nbytes
         rows.append(
             {"key": fqn, "kind": kind, "dtype": None, "size": None, "num_chunks": None,
-             "bytes": nbytes}
+             "bytes": nbytes, "tied_to": None}
         )  # fmt: skip
     return rows
 
@@ -48,6 +47,8 @@ def _inspect_summary(checkpoint: _Checkpoint) -> dict[str, Any]:
     facts = checkpoint.save_facts()
     tensors = [row for row in rows if row["kind"] == "tensor"]
     objects = [row for row in rows if row["kind"] != "tensor"]
+    # A tied tensor's bytes and chunks are its target's: counted once, under the target.
+    stored = [row for row in tensors if row["tied_to"] is None]
     return {
         "path": checkpoint.path,
         "format_version": checkpoint.index.format_version,
@@ -58,10 +59,11 @@ def _inspect_summary(checkpoint: _Checkpoint) -> dict[str, Any]:
         "block_size": facts["block_size"],
         "save_id": facts["save_id"],
         "num_tensors": len(tensors),
+        "num_tied": len(tensors) - len(stored),
         "num_objects": len(objects),
-        "tensor_bytes": sum(row["bytes"] for row in tensors),
+        "tensor_bytes": sum(row["bytes"] for row in stored),
         "object_bytes": sum(row["bytes"] for row in objects),
-        "num_chunks": sum(row["num_chunks"] for row in tensors),
+        "num_chunks": sum(row["num_chunks"] for row in stored),
         "num_files": len(checkpoint.index.files),
         "entries": rows,
     }
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     Only the index is read; every data file is opened (not read) to check that it is a
     regular file inside the checkpoint with the size the index declares.
     """
-    with _open_checkpoint(args.path) as checkpoint:
+    with _open_checkpoint(args.path, args.storage_options) as checkpoint:
         checkpoint.check_files(checkpoint.entries)
         summary = _inspect_summary(checkpoint)
     if args.json:
@@ -99,17 +101,26 @@ def run(args: argparse.Namespace) -> int:
                 row["dtype"] or "-",
                 "-" if row["size"] is None else str(row["size"]),
                 "-" if row["num_chunks"] is None else str(row["num_chunks"]),
-                _human_bytes(row["bytes"]),
+                human_bytes(row["bytes"]),
             ]
         )
     _print_table(table, right_aligned={4, 5})
     print()
+    tied = f"; {summary['num_tied']} tied to another" if summary["num_tied"] else ""
     print(
         f"{_count(summary['num_tensors'], 'tensor')} "
-        f"({_human_bytes(summary['tensor_bytes'])} in {_count(summary['num_chunks'], 'chunk')}), "
-        f"{_count(summary['num_objects'], 'object')} ({_human_bytes(summary['object_bytes'])}), "
+        f"({human_bytes(summary['tensor_bytes'])} in {_count(summary['num_chunks'], 'chunk')}"
+        f"{tied}), "
+        f"{_count(summary['num_objects'], 'object')} ({human_bytes(summary['object_bytes'])}), "
         f"{_count(summary['num_files'], 'data file')}"
     )
+    ties = [(row["key"], row["tied_to"]) for row in summary["entries"] if row["tied_to"]]
+    if ties:
+        shown_ties = ", ".join(
+            f"{_printable(alias)} = {_printable(target)}" for alias, target in ties[:_MAX_TIES]
+        )
+        more = f" and {len(ties) - _MAX_TIES} more" if len(ties) > _MAX_TIES else ""
+        print(f"tied (saved once): {shown_ties}{more}")
 
     def shown(name: str) -> str:
         return _printable(str(summary[name]))

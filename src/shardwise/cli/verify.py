@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise._progress import ByteBar, human_bytes
 from shardwise.checkpoint.format import (
     FileEntry,
     bytes_key,
@@ -22,16 +23,8 @@ from shardwise.checkpoint.index import ObjectRecord, TensorRecord, block_checksu
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.storage import UnsafePathError
-from shardwise.cli._common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    _Checkpoint,
-    _count,
-    _human_bytes,
-    _keys_text,
-    _open_checkpoint,
-    _progress,
-)
+from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
+from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _keys_text
 from shardwise.errors import CheckpointDataError, CheckpointFormatError, ChecksumError
 
 # A BAD HEADER line names this many disagreements before it says "and N more".
@@ -55,9 +48,12 @@ class _Item:
 
 
 def _items_by_file(checkpoint: _Checkpoint) -> dict[str, list[_Item]]:
-    """Every data file of the index (sorted), with its items in file order."""
+    """Every data file of the index (sorted), with its items in file order. A tied tensor's
+    alias has no items: its bytes are its target's, checked under the target's key."""
     by_file: dict[str, list[_Item]] = {name: [] for name in sorted(checkpoint.index.files)}
     for fqn, entry in checkpoint.entries.items():
+        if fqn in checkpoint.aliases:
+            continue
         if isinstance(entry, TensorRecord):
             for chunk in entry.chunks:
                 key = chunk_key(fqn, chunk.offsets)
@@ -222,7 +218,7 @@ def _verify(checkpoint: _Checkpoint) -> tuple[list[str], int, int]:
     by_file = _items_by_file(checkpoint)
     total = sum(item.chunk.nbytes for items in by_file.values() for item in items)
     checked = 0
-    with _progress(total, f"verifying {checkpoint.path}") as bar:
+    with ByteBar(total, f"verifying {checkpoint.path}") as bar:
         for name, items in by_file.items():
             checked += _verify_file(checkpoint.reader, name, items, problems, bar)
     return problems, sum(len(items) for items in by_file.values()), checked
@@ -230,7 +226,7 @@ def _verify(checkpoint: _Checkpoint) -> tuple[list[str], int, int]:
 
 def run(args: argparse.Namespace) -> int:
     """Check every byte of checkpoint ``args.path``; exit code 1 when a problem is found."""
-    with _open_checkpoint(args.path) as checkpoint:
+    with _open_checkpoint(args.path, args.storage_options) as checkpoint:
         problems, count, bytes_read = _verify(checkpoint)
         entries = len(checkpoint.entries)
     for problem in problems:
@@ -241,6 +237,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(
         f"{args.path}: OK, {_count(entries, 'entry', 'entries')}, {count} chunks and blobs, "
-        f"{_human_bytes(bytes_read)} checked"
+        f"{human_bytes(bytes_read)} checked"
     )
     return EXIT_OK

@@ -1,0 +1,195 @@
+"""The commands' view of a checkpoint, :class:`_Checkpoint`, opened through the one validated
+reader (:class:`~shardwise.checkpoint.reader.CheckpointReader`): the whole index is checked
+before anything is shown or read, data files are opened only as regular files inside the
+checkpoint with the size the index declares, and every byte returned is checked against its
+block checksums."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint._items import LocalBox
+from shardwise.checkpoint.index import (
+    CHECKSUM_ALGORITHM,
+    ObjectRecord,
+    TensorRecord,
+    decode_text,
+)
+from shardwise.checkpoint.planner import Box, SavedChunk
+from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.errors import CheckpointStorageError
+
+
+class _Checkpoint:
+    """A committed checkpoint as the commands see it: entries by key (sorted), their kinds,
+    whole tensors and stored payloads, all through ``reader``.
+
+    Args:
+        reader: The checkpoint, its index validated.
+    """
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.index = reader.index
+        self.path = reader.path
+        #: Tied tensors: alias key -> the key whose tensor it is (saved once, under that key).
+        self.aliases: dict[str, str] = reader.index.aliases
+        merged: dict[str, TensorRecord | ObjectRecord] = {**self.index.tensors}
+        merged.update(self.index.objects)  # the index holds each key once
+        self.entries = dict(sorted(merged.items()))
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+    def kind(self, fqn: str) -> str:
+        """``"tensor"``, or the encoding of an object (``json``, ``bytes``, ...)."""
+        entry = self.entries[fqn]
+        return "tensor" if isinstance(entry, TensorRecord) else entry.encoding
+
+    def stored(self, fqns: Iterable[str] | None = None) -> list[tuple[str, SavedChunk]]:
+        """Every tensor chunk and object blob of ``fqns`` (default: all), with its key."""
+        items: list[tuple[str, SavedChunk]] = []
+        for fqn in self.entries if fqns is None else fqns:
+            entry = self.entries[fqn]
+            if isinstance(entry, TensorRecord):
+                items.extend((fqn, chunk) for chunk in entry.chunks)
+            elif entry.blob is not None:
+                items.append((fqn, entry.blob))
+        return items
+
+    def check_files(self, fqns: Iterable[str]) -> None:
+        """Open (so check, reading nothing) every data file holding bytes of ``fqns``: a
+        missing, linked or wrongly sized file fails before any data is read."""
+        self.reader.check_files(self.stored(fqns))
+
+    def pieces(self, fqn: str, limit: int) -> Iterator[torch.Tensor]:
+        """Tensor ``fqn`` as consecutive pieces, in C order, of at most ``limit`` bytes each:
+        the whole tensor streamed in memory of a piece, however large it is.
+
+        Every block a piece needs is verified before any of its bytes is copied, and each
+        block once (a block a piece shares with the one before was verified for that one).
+        """
+        reader = self.reader
+        record = reader.tensor_record(fqn)
+        verified: set[tuple[str, int]] = set()
+        for box in contiguous_boxes(record.size, record.dtype.itemsize, limit):
+            jobs = reader.plan(fqn, box, 0)
+            reader.check_files((job.key, job.chunk) for job in jobs)
+            blocks = [b for b in reader.job_blocks(jobs) if (b.file, b.begin) not in verified]
+            reader.verify(blocks)
+            verified.update((block.file, block.begin) for block in blocks)
+            piece = torch.empty(box[1], dtype=record.dtype)
+            reader.fill(jobs, [LocalBox(box[0], box[1], piece)])
+            yield piece
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        """The whole tensor ``fqn`` as one CPU tensor, every block verified (allocated only
+        after its data files were checked)."""
+        return self.reader.read_box(fqn)
+
+    def json_value(self, fqn: str) -> Any:
+        """The value of a JSON object entry (kept in the index)."""
+        entry = self.entries[fqn]
+        assert isinstance(entry, ObjectRecord) and entry.text is not None
+        return decode_text(entry)
+
+    def payload(self, fqn: str) -> bytes:
+        """The stored bytes of object ``fqn`` (the JSON text for a JSON value); never decoded,
+        so a pickled entry is compared, not run."""
+        entry = self.entries[fqn]
+        assert isinstance(entry, ObjectRecord)
+        if entry.text is not None:
+            return entry.text.encode()
+        return self.reader.blob(fqn)
+
+    def save_facts(self) -> dict[str, Any]:
+        """Who saved the checkpoint: writer, torch version, world size, checksum algorithm,
+        block size (``None``: one checksum per chunk) and save id."""
+        facts: dict[str, Any] = {
+            "writer": None,
+            "torch": None,
+            "world_size": None,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,  # the index refuses any other
+            "block_size": self.index.block_size,
+            "save_id": None,
+        }
+        save, legacy = self.index.save, self.index.legacy
+        if save is not None:
+            facts.update(
+                writer=save.writer, torch=save.torch, world_size=save.world_size,
+                save_id=save.save_id,
+            )  # fmt: skip
+        elif legacy is not None:
+            # Version 1 kept these as free JSON values; shown as they are.
+            planner_data = legacy.planner_data if isinstance(legacy.planner_data, dict) else {}
+            facts.update(
+                writer=planner_data.get("writer"),
+                torch=planner_data.get("torch"),
+                world_size=planner_data.get("world_size"),
+                save_id=None if legacy.storage_meta is None else legacy.storage_meta.save_id,
+            )
+        return facts
+
+
+def contiguous_boxes(size: Sequence[int], itemsize: int, limit: int) -> Iterator[Box]:
+    """Boxes that tile a tensor of ``size`` in C order, each a contiguous run of its elements
+    of at most ``limit`` bytes (at least one element): whole blocks of rows of the first dim
+    whose rows fit, with single indices in the dims before it.
+
+    >>> list(contiguous_boxes((4, 3), 4, 24))
+    [((0, 0), (2, 3)), ((2, 0), (2, 3))]
+    """
+    if not size:
+        yield (), ()
+        return
+    dims = len(size)
+    row_bytes = [math.prod(size[dim + 1 :]) * itemsize for dim in range(dims)]
+    split = next(dim for dim in range(dims) if row_bytes[dim] <= limit)
+    step = max(1, limit // row_bytes[split])
+    rest = tuple(size[split + 1 :])
+    for index in itertools.product(*(range(n) for n in size[:split])):
+        for start in range(0, size[split], step):
+            count = min(step, size[split] - start)
+            yield (*index, start, *(0,) * len(rest)), (*(1,) * split, count, *rest)
+
+
+def check_url(path: str) -> None:
+    """Refuse, before anything is opened, a URL that no installed fsspec backend serves.
+
+    Raises:
+        CheckpointStorageError: fsspec, or the package of the URL's protocol (e.g. s3fs for
+            ``s3://``), is not installed, or the protocol is unknown.
+    """
+    if "://" not in path or path.startswith("file://"):  # as open_storage tells them apart
+        return
+    protocol = path.split("://", 1)[0]
+    try:
+        import fsspec  # type: ignore[import-untyped]
+
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as err:  # fsspec or the protocol's package is missing
+        raise CheckpointStorageError(
+            f"cannot open {path}: {err} (pip install 'shardwise[remote]' for fsspec)"
+        ) from err
+    except ValueError as err:  # "Protocol not known: ..."
+        raise CheckpointStorageError(f"cannot open {path}: {err}") from err
+
+
+def _open_checkpoint(path: str, storage_options: dict[str, Any] | None = None) -> _Checkpoint:
+    """The checkpoint at ``path`` (a directory or fsspec URL, opened with
+    ``storage_options``), its whole index read and validated (no data is read).
+
+    Raises:
+        CheckpointError: No committed checkpoint there, its index is invalid, or the storage
+            failed.
+    """
+    check_url(path)
+    return _Checkpoint(CheckpointReader.open(path, storage_options))
