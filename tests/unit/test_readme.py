@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shlex
 import shutil
 import warnings
 from collections.abc import Iterable, Iterator
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 import shardwise.checkpoint as ckpt
+from shardwise import cli
 from tests.harness import distributed, run_on_ranks
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -46,12 +48,17 @@ SHARDED_TENSORS = "Sharded tensors"
 CHECKPOINTS = "Checkpoints"
 OWN_CODE = "Use it from your own code"
 FSDP2 = "FSDP2 and DTensor"
+TRAINING = "Training with sharded parameters"
+COMMAND_LINE = "Command line"
+EXPORT_HF = "Export to Hugging Face"
 #: The heading of every section with Python blocks, and the test that runs them.
 RUN = {
     SHARDED_TENSORS: "test_sharded_tensor_tour_on_4_ranks",
     CHECKPOINTS: "test_checkpoint_tour_in_one_process",
     OWN_CODE: "test_train_py_saves_and_resumes_on_2_ranks",
     FSDP2: "test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4",
+    TRAINING: "test_training_tour_on_4_ranks",
+    EXPORT_HF: "test_export_to_hugging_face_in_one_process",
 }
 
 
@@ -300,3 +307,111 @@ def test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4(tmp_path: Path) -> None:
             assert got[what].keys() == expected[what].keys(), f"rank {rank}: {what} keys"
             for key, tensor in expected[what].items():
                 assert torch.equal(got[what][key], tensor), f"rank {rank}: {key} differs"
+
+
+# -- Training with sharded parameters ----------------------------------------------------------
+
+
+def _training_tour(cwd: str) -> dict[str, Any]:
+    namespace = run_script(section_blocks(TRAINING), cwd)
+    state = namespace["optim"].state_dict()
+    return {
+        "step": namespace["step"],
+        "grad type": type(namespace["model"][0].weight.grad).__name__,
+        "sharded state": type(state["state"]["0.weight"]["exp_avg"]).__name__,
+        "bias": namespace["model"][1].bias.detach().clone(),
+    }
+
+
+@pytest.mark.distributed(world_size=4, fresh=False, rpc=False)
+def test_training_tour_on_4_ranks(tmp_path: Path) -> None:
+    results = run_on_ranks(_training_tour, 4, args=(str(tmp_path),))
+    assert (tmp_path / "checkpoints" / "sharded" / "shardwise.json").exists()
+    for result in results:
+        assert result["step"] == 10
+        assert result["grad type"] == "ShardedTensor"  # what the block prints
+        assert result["sharded state"] == "ShardedTensor"
+        # sync_replicated_grads kept the replicated Linear identical on every rank.
+        assert torch.equal(result["bias"], results[0]["bias"])
+
+
+# -- Command line and Export to Hugging Face ---------------------------------------------------
+
+
+def shardwise_commands(section: str) -> list[str]:
+    """The ``shardwise ...`` command lines of the ``bash`` blocks under ``section``
+    (backslash continuations joined)."""
+    commands: list[str] = []
+    current, language, pending = "", None, ""
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if language is None and line.startswith("```"):
+            language = line[3:].strip()
+        elif language is None:
+            if line.startswith("#"):
+                current = line.lstrip("#").strip()
+        elif line.startswith("```"):
+            language = None
+        elif language == "bash" and current == section:
+            pending += line.rstrip("\\").strip() + " "
+            if not line.endswith("\\"):
+                if pending.startswith("shardwise "):
+                    commands.append(pending.strip())
+                pending = ""
+    assert commands, f"README.md has no shardwise command under the heading {section!r}"
+    return commands
+
+
+def _run_command(command: str) -> int:
+    """``command`` (a README line, comment included) run as the shell would run it."""
+    argv = shlex.split(command, comments=True)
+    assert argv[0] == "shardwise", command
+    return cli.main(argv[1:])
+
+
+@pytest.mark.usefixtures("rng_states")
+def test_command_line_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.chdir(tmp_path)
+    run_blocks(section_blocks(CHECKPOINTS))  # makes checkpoints/step-1000 and step-1001
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming a single process"
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id="dcp_checkpoint", no_dist=True)
+    local, remote = [], []
+    for command in shardwise_commands(COMMAND_LINE):
+        (remote if "s3://" in command else local).append(command)
+    commands = {"inspect", "verify", "diff", "consolidate", "convert-dcp"}
+    assert {shlex.split(c)[1] for c in local} == commands, "an example of every command"
+    for command in local:
+        assert _run_command(command) == 0, command
+    assert (tmp_path / "hf_out" / "model.safetensors").is_file()
+    assert (tmp_path / "converted" / "shardwise.json").is_file()
+    # The s3:// examples need a bucket; their arguments at least parse.
+    for command in remote:
+        args = cli._app._parser().parse_args(shlex.split(command)[1:])
+        assert isinstance(args.storage_options, dict), command
+
+
+@pytest.mark.usefixtures("rng_states")
+def test_export_to_hugging_face_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    train, load = section_blocks(EXPORT_HF)
+    (command,) = shardwise_commands(EXPORT_HF)
+    namespace = run_blocks([train])
+    assert _run_command(command) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(load.compile(), namespace)
+    assert capsys.readouterr().out.splitlines()[-1] == "True"
+    assert sorted(path.name for path in (tmp_path / "hf_out").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    model, hf_model = namespace["model"], namespace["hf_model"]
+    loaded = hf_model.state_dict()
+    assert sorted(loaded) == sorted(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert loaded[key].dtype == torch.bfloat16, key
+        assert torch.equal(loaded[key], value.to(torch.bfloat16)), key

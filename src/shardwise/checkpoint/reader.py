@@ -47,6 +47,7 @@ from shardwise.checkpoint.index import (
     is_temporary_name,
 )
 from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.state_dict import display_key
 from shardwise.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,
@@ -426,8 +427,21 @@ class CheckpointReader:
     # -- planning ---------------------------------------------------------------------------
 
     def tensor_record(self, fqn: str) -> TensorRecord:
-        """The tensor entry ``fqn``; :class:`CheckpointKeyError` if there is none."""
+        """The tensor entry ``fqn``; :class:`CheckpointKeyError` if there is none.
+
+        ``fqn`` may also be the dotted key as ``inspect`` shows it (``optim.state.0.exp_avg``)
+        of an entry whose path has int parts (stored with their positions, see
+        ``docs/format.md``, *Keys*), when exactly one entry has that dotted key."""
         record = self.index.tensors.get(fqn)
+        if record is None and display_key(fqn) == fqn:
+            dotted = [key for key in self.index.tensors if key != fqn and display_key(key) == fqn]
+            if len(dotted) > 1:
+                raise CheckpointKeyError(
+                    f"{len(dotted)} tensors of the checkpoint have this dotted key (their "
+                    "paths differ in int and str parts, e.g. {0: ...} and {'0': ...})",
+                    key=fqn,
+                )
+            record = self.index.tensors[dotted[0]] if dotted else None
         if record is None:
             raise CheckpointKeyError("not a tensor of the checkpoint", key=fqn)
         return record

@@ -288,3 +288,19 @@ def test_a_converted_dcp_checkpoint_into_a_fresh_optimizer_is_refused_not_mispla
     assert target["optim"]["state"] == {}
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, before[name])
+
+
+def test_load_tensor_takes_the_dotted_key_inspect_shows(tmp_path) -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    ckpt.save({"optim": optimizer.state_dict()}, tmp_path / "c")
+    expected = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "optim.state.0.exp_avg"), expected)
+    # An exact key wins; two entries with one dotted key are refused, not guessed.
+    ckpt.save({"a": {0: torch.ones(1), "0": torch.zeros(1)}}, tmp_path / "d")
+    assert torch.equal(ckpt.load_tensor(tmp_path / "d", "a.0"), torch.zeros(1))
+    ckpt.save({"c": {0: {"1": torch.ones(1)}, "0": {1: torch.zeros(1)}}}, tmp_path / "e")
+    with pytest.raises(ckpt.CheckpointKeyError, match="2 tensors"):
+        ckpt.load_tensor(tmp_path / "e", "c.0.1")
