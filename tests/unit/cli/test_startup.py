@@ -114,20 +114,37 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
     assert not hasattr(shardwise, "nonexistent")
 
 
-def test_first_use_registers_sharded_ops_and_safe_globals() -> None:
-    # The import-time registrations that code relies on happen with the first name that
-    # needs them, whichever name that is.
-    probe = (
-        "import torch, shardwise\n"
-        "safe = {getattr(g, '__name__', '') for g in torch.serialization.get_safe_globals()}\n"
-        "assert 'ShardedTensor' not in safe\n"
-        "shardwise.shard_tensor\n"
-        "from shardwise.ops import registry\n"
-        "safe = {getattr(g, '__name__', '') for g in torch.serialization.get_safe_globals()}\n"
-        "print('ShardedTensor' in safe, torch.add in registry._SHARDED_OPS)\n"
-    )
+def _probe(code: str) -> list[str]:
     result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "True"]
+    return result.stdout.split()
+
+
+_SAFE = "{getattr(g, '__name__', '') for g in torch.serialization.get_safe_globals()}"
+
+
+def test_import_after_torch_registers_sharded_ops_and_safe_globals_at_once() -> None:
+    # A training script imports torch first: import shardwise then does what the eager
+    # package did (torch.load(weights_only=True) knows ShardedTensor, the ops are registered).
+    probe = (
+        "import torch, shardwise\n"
+        "from shardwise.ops import registry\n"
+        f"print('ShardedTensor' in {_SAFE}, torch.add in registry._SHARDED_OPS)\n"
+    )
+    assert _probe(probe) == ["True", "True"]
+
+
+def test_first_use_registers_sharded_ops_and_safe_globals() -> None:
+    # Without torch loaded first (the command line), the registrations happen with the first
+    # name that needs them, whichever name that is.
+    probe = (
+        "import sys, shardwise\n"
+        "assert 'torch' not in sys.modules\n"
+        "shardwise.shard_tensor\n"
+        "import torch\n"
+        "from shardwise.ops import registry\n"
+        f"print('ShardedTensor' in {_SAFE}, torch.add in registry._SHARDED_OPS)\n"
+    )
+    assert _probe(probe) == ["True", "True"]
