@@ -41,7 +41,7 @@ from shardwise.checkpoint._items import (
     describe_tensor,
     is_tensor_value,
 )
-from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text
+from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.reader import CheckpointReader, Job, decode, read_index_bytes
 from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
@@ -419,7 +419,8 @@ def load(
     reader = CheckpointReader(storage, decode(data, storage), path_text, comm.rank)
     options = _Options(strict, verify, allow_pickle, allow_dtype_cast, progress)
     try:
-        result = _load(reader, comm, state_dict, options)
+        with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
+            result = _load(reader, comm, state_dict, options)
     finally:
         reader.close()
     if not strict and (result.missing_keys or result.unexpected_keys):

@@ -55,11 +55,13 @@ from shardwise.checkpoint.index import (
     SaveFacts,
     TensorRecord,
     block_checksums,
+    build_index,
     data_file_name,
     decode_index,
     encode_index,
     is_data_file_name,
     is_temporary_name,
+    paused_gc,
 )
 from shardwise.checkpoint.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.metadata import Metadata
@@ -330,14 +332,17 @@ def _build_index(
         return SavedChunk(offsets, sizes, file, begin, end, sums)
 
     tensors = []
+    properties: dict[tuple[Any, ...], TensorProperties] = {}  # few distinct ones
     for fqn, plan in plans.items():
         chunks = tuple(
             stored(chunk_key(fqn, offsets), offsets, sizes)
             for offsets, sizes in sorted(plan.holders)
         )
-        tensors.append(
-            TensorRecord(fqn, TensorProperties.from_dict(plan.properties), plan.size, chunks)
-        )
+        known = tuple(plan.properties.items())
+        props = properties.get(known)
+        if props is None:
+            props = properties[known] = TensorProperties.from_dict(plan.properties)
+        tensors.append(TensorRecord(fqn, props, plan.size, chunks))
     records = []
     for fqn, value in objects.items():
         if value.encoding in TEXT_ENCODINGS:
@@ -346,10 +351,9 @@ def _build_index(
             records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
     facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, path)
     ordered = sorted(tensors, key=lambda record: record.fqn)
-    data = encode_index(
-        facts, files, ordered, sorted(records, key=lambda r: r.fqn), aliases=aliases
-    )
-    return data, decode_index(data)
+    records.sort(key=lambda record: record.fqn)
+    data = encode_index(facts, files, ordered, records, aliases=aliases)
+    return data, build_index(facts, files, ordered, records, aliases)
 
 
 def _check_visible(storage: Storage, index: Index, path: str) -> None:
@@ -568,6 +572,10 @@ def _save_snapshot(
         def agree() -> tuple[bytes, Index]:
             built = _build_index(merged, aliases, objects, written, comm.world_size, save_id, path)
             if comm.rank == coordinator_rank:
+                # What is committed must read back as what every rank built (the decoder
+                # validates everything a reader checks).
+                if decode_index(built[0]) != built[1]:
+                    raise CheckpointError("the index of this save does not read back as built")
                 _check_visible(storage, built[1], path)
             return built
 
@@ -642,17 +650,18 @@ def save(
     """
     comm = collectives.Comm(process_group, operation="save")
     _check_coordinator(coordinator_rank, comm)
-    snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
-    return _save_snapshot(
-        snapshot,
-        os.path.expanduser(os.fspath(path)),
-        comm,
-        coordinator_rank,
-        sync_files,
-        storage_options,
-        progress,
-        error,
-    )
+    with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
+        snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
+        return _save_snapshot(
+            snapshot,
+            os.path.expanduser(os.fspath(path)),
+            comm,
+            coordinator_rank,
+            sync_files,
+            storage_options,
+            progress,
+            error,
+        )
 
 
 def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
