@@ -132,6 +132,8 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
         TypeError: A quantized tensor (its scale and zero point have no place in a
             checkpoint).
     """
+    if type(value) in _PLAIN_TENSOR_TYPES:  # the common case, without the checks below
+        return _describe_plain(fqn, value)
     from shardwise.local_shards import LocalShardsWrapper
     from shardwise.sharded_tensor.api import ShardedTensor
 
@@ -154,7 +156,15 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
         dtype = boxes[0].tensor.dtype if boxes else torch.get_default_dtype()
         properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
         return TensorValue(None, dtype, properties, boxes)
-    if value.is_quantized:  # (a plain tensor: ShardedTensor has no such attribute)
+    return _describe_plain(fqn, value)
+
+
+# Exactly these types are plain local tensors (a subclass may be a wrapper of another kind).
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
+    if value.is_quantized:
         raise TypeError(
             f"cannot checkpoint {fqn!r}: it is a quantized tensor ({value.dtype}), whose scale "
             "and zero point a checkpoint does not store; save value.dequantize() or its "

@@ -459,6 +459,10 @@ def plan_reads(
     Raises:
         ValueError: The chunks do not cover ``target``.
     """
+    if len(chunks) == 1:  # one chunk that is the whole target (the common case): one read
+        only = chunks[0]
+        if only.offsets == target[0] and only.sizes == target[1]:
+            return [ChunkRead(0, only.begin, only.end - only.begin, target, True, None)]
     reads = []
     covered = 0
     indices = range(len(chunks)) if lookup is None else lookup.candidates(target)

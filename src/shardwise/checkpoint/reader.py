@@ -828,9 +828,9 @@ class _Fill:
     def prepare(cls, job: Job, target: LocalBox) -> _Fill:
         read, chunk = job.read, job.chunk
         overlap = read.overlap
-        destination = (
-            narrow_to(target.tensor, target.offsets, overlap) if overlap[0] else (target.tensor)
-        )
+        # Narrowed only to a part of the target (a whole target, the common case, is not).
+        whole = overlap[0] == target.offsets and overlap[1] == target.sizes
+        destination = target.tensor if whole else narrow_to(target.tensor, target.offsets, overlap)
         if (
             read.strides is None
             and destination.is_contiguous()
