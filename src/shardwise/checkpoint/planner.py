@@ -127,7 +127,7 @@ def merge_tensor_plans(local_plans: Sequence[Sequence[dict[str, Any]]]) -> dict[
             for offsets, sizes in entry["chunks"]:
                 box = (tuple(offsets), tuple(sizes))
                 holders = plan.holders.setdefault(box, [])
-                if rank not in holders:
+                if not holders or holders[-1] != rank:  # ranks come in order
                     holders.append(rank)
     for plan in merged.values():
         _validate_tiling(plan)

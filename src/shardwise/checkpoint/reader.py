@@ -402,7 +402,8 @@ class CheckpointReader:
                 ) from err
             declared = self.index.files.get(name)
             problem = None
-            if handle.size < self._extent(name):
+            # The extent (a pass over every chunk) only when the size alone does not settle it.
+            if (declared is None or handle.size != declared) and handle.size < self._extent(name):
                 problem = (
                     f"data file is truncated: it has {handle.size} bytes, the index says it "
                     f"holds bytes up to {self._extent(name)}"
