@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -49,6 +48,7 @@ import torch
 import xxhash
 
 from _ckpt import worker
+from _launch import run_world
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -97,28 +97,7 @@ def _source_state() -> str:
 
 
 def _run_world(config: worker.Config) -> dict[str, Any]:
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=worker.main, args=(rank, config), name=f"bench-rank{rank}")
-        for rank in range(worker.WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        while any(p.is_alive() for p in processes):
-            if any(p.exitcode not in (None, 0) for p in processes):
-                raise SystemExit("a rank failed (traceback above)")
-            time.sleep(0.2)
-        if any(p.exitcode != 0 for p in processes):
-            raise SystemExit("a rank failed (traceback above)")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
-    with open(config.results) as file:
-        result: dict[str, Any] = json.load(file)
-    return result
+    return run_world(worker.main, config, worker.WORLD_SIZE)
 
 
 # -- checksums ----------------------------------------------------------------------------------

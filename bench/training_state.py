@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -52,6 +51,7 @@ from typing import Any
 
 import torch
 
+from _launch import run_world
 from _training import worker
 from _training.model import BIG, MANY_SMALL, QUICK_BIG, QUICK_SMALL
 from checkpoint import _fs_type, _source_state
@@ -71,28 +71,7 @@ def _free_port() -> int:
 
 
 def _run_world(config: worker.Config) -> dict[str, Any]:
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=worker.main, args=(rank, config), name=f"bench-rank{rank}")
-        for rank in range(config.world_size)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        while any(p.is_alive() for p in processes):
-            if any(p.exitcode not in (None, 0) for p in processes):
-                raise SystemExit("a rank failed (traceback above)")
-            time.sleep(0.2)
-        if any(p.exitcode != 0 for p in processes):
-            raise SystemExit("a rank failed (traceback above)")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
-    with open(config.results) as file:
-        result: dict[str, Any] = json.load(file)
-    return result
+    return run_world(worker.main, config, config.world_size)
 
 
 # -- report -------------------------------------------------------------------------------------
