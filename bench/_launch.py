@@ -34,3 +34,23 @@ def run_world(target: Callable[..., Any], config: Any, world_size: int) -> dict[
     with open(config.results) as file:
         result: dict[str, Any] = json.load(file)
     return result
+
+
+def fresh_dir(path: str, rank: int) -> str:
+    """``path`` emptied by rank 0 (collective: every rank waits for it)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def remove_dir(path: str, rank: int) -> None:
+    """``path`` removed by rank 0 once every rank is done with it (collective)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    fresh_dir(path, rank)

@@ -13,7 +13,6 @@ import gc
 import json
 import os
 import re
-import shutil
 import sys
 import time
 import traceback
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardwise as sw
 import shardwise.checkpoint as swckpt
+from _launch import fresh_dir, remove_dir
 
 WORLD_SIZE = 2
 RAW = "raw"
@@ -392,17 +392,10 @@ class Runner:
         self.loading_dcp = dcp_name(config.dcp_threads[0])
 
     def _fresh_dir(self, root: str, name: str) -> str:
-        path = os.path.join(root, name)
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
-        return path
+        return fresh_dir(os.path.join(root, name), self.rank)
 
     def _remove(self, path: str) -> None:
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+        remove_dir(path, self.rank)
 
     def _run_steps(self, storage: str, method: str, rep: int, steps: list[Step]) -> None:
         for step in steps:

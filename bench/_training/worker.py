@@ -24,7 +24,6 @@ import json
 import os
 import pstats
 import re
-import shutil
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise.checkpoint as swckpt
 from _ckpt.worker import measure, measure_async
+from _launch import fresh_dir, remove_dir
 from _training import state as training
 from _training.model import ModelShape
 
@@ -443,17 +443,10 @@ class Runner:
         self.dcps = [DCP, DCP_CONTROL] if config.dcp_control else [DCP]
 
     def _fresh_dir(self, name: str) -> str:
-        path = os.path.join(self.config.root, name)
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
-        return path
+        return fresh_dir(os.path.join(self.config.root, name), self.rank)
 
     def _remove(self, path: str) -> None:
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+        remove_dir(path, self.rank)
 
     def _run(self, method: str, rep: int, step: Step, state: training.TrainingState) -> None:
         checking = rep == 0 and self.config.verify and step.loads
