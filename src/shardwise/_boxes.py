@@ -1,0 +1,70 @@
+"""Box arithmetic shared by the sharding and checkpoint layers — the one home of each rule.
+
+A *box* is a rectangular region of a tensor's global index space, written ``(offsets, sizes)``
+with one entry per dimension. Shards, saved chunks, load targets and reshard transfers are
+all boxes; these helpers intersect them and turn them into views of the local tensors that
+hold them. Pure, and below every other module of the package (it imports only torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Box", "byte_view", "intersect", "narrow_to", "region"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""``(offsets, sizes)`` of a region of a tensor's global index space."""
+
+
+def intersect(
+    a_offsets: Sequence[int],
+    a_sizes: Sequence[int],
+    b_offsets: Sequence[int],
+    b_sizes: Sequence[int],
+) -> Box | None:
+    """The box two boxes share, or ``None`` when it is empty (including when either box is)."""
+    offsets = []
+    sizes = []
+    for a_off, a_size, b_off, b_size in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True):
+        start = max(a_off, b_off)
+        stop = min(a_off + a_size, b_off + b_size)
+        if stop <= start:
+            return None
+        offsets.append(start)
+        sizes.append(stop - start)
+    return tuple(offsets), tuple(sizes)
+
+
+def narrow_to(
+    tensor: torch.Tensor, origin: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    """The view of ``tensor`` holding the global box ``(offsets, sizes)``, where ``tensor``
+    holds the global box that starts at ``origin`` (the box must lie inside it)."""
+    view = tensor
+    for dim, (start, offset, size) in enumerate(zip(origin, offsets, sizes, strict=True)):
+        if offset != start or size != view.size(dim):
+            view = view.narrow(dim, offset - start, size)
+    return view
+
+
+def region(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The view of a whole (global) ``tensor`` that a shard at ``(offsets, sizes)`` covers.
+
+    An empty trailing shard may start past the end (13 rows in 8 chunks of 2: the last one
+    starts at row 14); its view is an empty one at the end rather than an error.
+    """
+    view = tensor
+    for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+        if size != view.size(dim):
+            view = view.narrow(dim, min(offset, view.size(dim)), size)
+    return view
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
