@@ -1,19 +1,38 @@
 """Shard and tensor metadata: :class:`ShardMetadata`, :class:`TensorProperties`,
 :class:`ShardedTensorMetadata`, their pickling and their versioned JSON form.
+
+The JSON spelling of torch's enums and the strict readers live in :mod:`shardwise._codec`,
+shared with the checkpoint index.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from shardwise._codec import (
+    DTYPES,
+    JSON_VERSION,
+    LAYOUTS,
+    MEMORY_FORMAT_NAMES,
+    MEMORY_FORMATS,
+    check_bool,
+    check_keys,
+    dtype_from_name,
+    dtype_name,
+    int_list,
+    lookup,
+    unwrap,
+    wrap,
+)
 from shardwise.errors import MetadataFormatError
 from shardwise.placement import RemoteDevice
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 __all__ = [
     "JSON_VERSION",
@@ -23,10 +42,19 @@ __all__ = [
     "TensorProperties",
     "dtype_from_name",
     "dtype_name",
+    "keeps_requires_grad",
 ]
 
-#: Version of the JSON form written by ``to_json``; readers reject any other.
-JSON_VERSION = 1
+# The former private names of the codec, kept for the checkpoint modules that still import
+# them from here; new code imports the public names from shardwise._codec.
+_DTYPES = DTYPES
+_LAYOUTS = LAYOUTS
+_MEMORY_FORMATS = MEMORY_FORMATS
+_MEMORY_FORMAT_NAMES = MEMORY_FORMAT_NAMES
+_check_keys = check_keys
+_int_list = int_list
+_wrap = wrap
+_unwrap = unwrap
 
 
 class MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - upstream spelling, part of the pickle form
@@ -44,96 +72,46 @@ _FORMAT_TO_ENCODING = {
 }
 _ENCODING_TO_FORMAT = {enc: fmt for fmt, enc in _FORMAT_TO_ENCODING.items()}
 
-# Name tables for the JSON form. Every dtype torch exposes is listed under its canonical
-# name (``str(dtype)`` without ``torch.``), so aliases such as ``torch.float`` map to one name.
-_DTYPES: dict[str, torch.dtype] = {
-    str(value).removeprefix("torch."): value
-    for value in vars(torch).values()
-    if isinstance(value, torch.dtype)
-}
-_LAYOUTS: dict[str, torch.layout] = {
-    str(value).removeprefix("torch."): value
-    for value in vars(torch).values()
-    if isinstance(value, torch.layout)
-}
-_MEMORY_FORMATS: dict[str, torch.memory_format] = {
-    name: value
-    for name, value in vars(torch).items()
-    if isinstance(value, torch.memory_format) and name != "legacy_contiguous_format"
-}
-_MEMORY_FORMAT_NAMES = {value: name for name, value in _MEMORY_FORMATS.items()}
+
+def keeps_requires_grad(requires_grad: bool, dtype: torch.dtype, *, new_leaf: bool = False) -> bool:
+    """Whether a tensor made in ``dtype`` from one with ``requires_grad`` requires grad too.
+
+    Only floating and complex tensors can require grad. A copy (``clone``, ``to``,
+    ``type_as``) is recorded by autograd only in grad mode; a new leaf (``new_leaf=True``:
+    ``zeros_like(..., requires_grad=True)``, a stand-in the op under test then runs on) keeps
+    the flag in any mode. The answer depends only on values every rank knows, so every rank
+    agrees on it, shards or not.
+    """
+    differentiable = dtype.is_floating_point or dtype.is_complex
+    return requires_grad and differentiable and (new_leaf or torch.is_grad_enabled())
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The canonical JSON name of ``dtype`` (``torch.float`` → ``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
+class _VersionedJson:
+    """``to_json``/``from_json`` over a class's ``to_dict``/``from_dict``: the versioned
+    document of :func:`shardwise._codec.wrap`, whose kind is the class's name."""
 
+    __slots__ = ()
+    _JSON_KIND: ClassVar[str]
 
-def dtype_from_name(name: object) -> torch.dtype:
-    """The dtype called ``name`` in the JSON form; :class:`MetadataFormatError` if unknown."""
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise MetadataFormatError(f"unknown dtype name {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    def to_dict(self) -> dict[str, Any]:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
 
+    @classmethod
+    def from_dict(cls, data: object) -> Self:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
 
-def _lookup(table: Mapping[str, Any], name: object, what: str) -> Any:
-    if not isinstance(name, str) or name not in table:
-        raise MetadataFormatError(f"unknown {what} {name!r}; expected one of {sorted(table)}")
-    return table[name]
+    def to_json(self) -> str:
+        """The versioned JSON form."""
+        return wrap(self._JSON_KIND, self.to_dict())
 
-
-def _check_keys(data: object, required: Sequence[str], what: str) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise MetadataFormatError(f"{what} must be a JSON object, got {type(data).__name__}")
-    keys = set(data)
-    unknown = keys - set(required)
-    if unknown:
-        raise MetadataFormatError(f"unknown keys {sorted(unknown)} in {what}")
-    missing = [key for key in required if key not in keys]
-    if missing:
-        raise MetadataFormatError(f"missing keys {missing} in {what}")
-    return data
-
-
-def _int_list(value: object, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise MetadataFormatError(f"{what} must be a list of integers, got {value!r}")
-    return list(value)
-
-
-def _check_bool(value: object, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise MetadataFormatError(f"{what} must be true or false, got {value!r}")
-    return value
-
-
-def _wrap(kind: str, body: dict[str, Any]) -> str:
-    return json.dumps({"kind": kind, "version": JSON_VERSION, "value": body}, sort_keys=True)
-
-
-def _unwrap(text: str | bytes, kind: str) -> Any:
-    try:
-        document = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        # Bytes that are not UTF-8 fail before the JSON parser sees them.
-        raise MetadataFormatError(f"{kind} JSON is not valid JSON: {err}") from err
-    document = _check_keys(document, ("kind", "version", "value"), f"{kind} JSON document")
-    if document["kind"] != kind:
-        raise MetadataFormatError(f"expected a {kind} JSON document, got kind {document['kind']!r}")
-    version = document["version"]
-    # ``true == 1`` and ``1.0 == 1`` in Python: only the integer itself is version 1.
-    if type(version) is not int or version != JSON_VERSION:
-        raise MetadataFormatError(
-            f"unsupported {kind} JSON version {version!r}; "
-            f"this shardwise reads version {JSON_VERSION}"
-        )
-    return document["value"]
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Self:
+        """Read the versioned JSON form written by :meth:`to_json`."""
+        return cls.from_dict(unwrap(text, cls._JSON_KIND))
 
 
 @dataclass(slots=True)
-class ShardMetadata:
+class ShardMetadata(_VersionedJson):
     """Offsets, sizes and placement of one shard of a sharded tensor.
 
     Args:
@@ -144,6 +122,8 @@ class ShardMetadata:
     Raises:
         ValueError: The lengths differ, or an offset or a size is negative.
     """
+
+    _JSON_KIND: ClassVar[str] = "ShardMetadata"
 
     shard_offsets: list[int]
     shard_sizes: list[int]
@@ -179,36 +159,29 @@ class ShardMetadata:
     @classmethod
     def from_dict(cls, data: object) -> ShardMetadata:
         """Inverse of :meth:`to_dict`; :class:`MetadataFormatError` on a malformed dict."""
-        body = _check_keys(data, ("offsets", "sizes", "placement"), "ShardMetadata")
+        body = check_keys(data, ("offsets", "sizes", "placement"), "ShardMetadata")
         placement = body["placement"]
         if placement is not None and not isinstance(placement, str):
             raise MetadataFormatError(
                 f"ShardMetadata placement must be a string, got {placement!r}"
             )
-        offsets = _int_list(body["offsets"], "ShardMetadata offsets")
-        sizes = _int_list(body["sizes"], "ShardMetadata sizes")
+        offsets = int_list(body["offsets"], "ShardMetadata offsets")
+        sizes = int_list(body["sizes"], "ShardMetadata sizes")
         try:
             # RemoteDevice lets torch.device's RuntimeError through for a bad device part.
             return cls(offsets, sizes, None if placement is None else RemoteDevice(placement))
         except (ValueError, RuntimeError) as err:
             raise MetadataFormatError(f"invalid ShardMetadata {dict(body)!r}: {err}") from err
 
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("ShardMetadata", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ShardMetadata:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return cls.from_dict(_unwrap(text, "ShardMetadata"))
-
 
 @dataclass
-class TensorProperties:
+class TensorProperties(_VersionedJson):
     """Properties of a whole tensor that its shards share.
 
     ``dtype`` defaults to the default dtype at construction time (not at import time).
     """
+
+    _JSON_KIND: ClassVar[str] = "TensorProperties"
 
     dtype: torch.dtype = field(default_factory=torch.get_default_dtype)
     layout: torch.layout = field(default=torch.strided)
@@ -257,7 +230,7 @@ class TensorProperties:
         """These properties as a plain JSON-able dict."""
         memory_format = None
         if isinstance(self.memory_format, torch.memory_format):
-            memory_format = _MEMORY_FORMAT_NAMES.get(self.memory_format)
+            memory_format = MEMORY_FORMAT_NAMES.get(self.memory_format)
         if memory_format is None:
             raise RuntimeError(f"Invalid torch.memory_format: {self.memory_format}")
         # Refuse to write what from_dict would refuse to read.
@@ -276,32 +249,25 @@ class TensorProperties:
     @classmethod
     def from_dict(cls, data: object) -> TensorProperties:
         """Inverse of :meth:`to_dict`; :class:`MetadataFormatError` on a malformed dict."""
-        body = _check_keys(
+        body = check_keys(
             data,
             ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
             "TensorProperties",
         )
         return cls(
             dtype=dtype_from_name(body["dtype"]),
-            layout=_lookup(_LAYOUTS, body["layout"], "layout"),
-            requires_grad=_check_bool(body["requires_grad"], "TensorProperties requires_grad"),
-            memory_format=_lookup(_MEMORY_FORMATS, body["memory_format"], "memory format"),
-            pin_memory=_check_bool(body["pin_memory"], "TensorProperties pin_memory"),
+            layout=lookup(LAYOUTS, body["layout"], "layout"),
+            requires_grad=check_bool(body["requires_grad"], "TensorProperties requires_grad"),
+            memory_format=lookup(MEMORY_FORMATS, body["memory_format"], "memory format"),
+            pin_memory=check_bool(body["pin_memory"], "TensorProperties pin_memory"),
         )
-
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("TensorProperties", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> TensorProperties:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return cls.from_dict(_unwrap(text, "TensorProperties"))
 
 
 @dataclass
-class ShardedTensorMetadata:
+class ShardedTensorMetadata(_VersionedJson):
     """The global view of a sharded tensor: every shard, the global size and its properties."""
+
+    _JSON_KIND: ClassVar[str] = "ShardedTensorMetadata"
 
     shards_metadata: list[ShardMetadata] = field(default_factory=list)
     size: torch.Size = field(default_factory=torch.Size)
@@ -318,7 +284,7 @@ class ShardedTensorMetadata:
     @classmethod
     def from_dict(cls, data: object) -> ShardedTensorMetadata:
         """Inverse of :meth:`to_dict`; :class:`MetadataFormatError` on a malformed dict."""
-        body = _check_keys(data, ("shards", "size", "tensor_properties"), "ShardedTensorMetadata")
+        body = check_keys(data, ("shards", "size", "tensor_properties"), "ShardedTensorMetadata")
         shards = body["shards"]
         if not isinstance(shards, list):
             raise MetadataFormatError(
@@ -326,15 +292,6 @@ class ShardedTensorMetadata:
             )
         return cls(
             shards_metadata=[ShardMetadata.from_dict(shard) for shard in shards],
-            size=torch.Size(_int_list(body["size"], "ShardedTensorMetadata size")),
+            size=torch.Size(int_list(body["size"], "ShardedTensorMetadata size")),
             tensor_properties=TensorProperties.from_dict(body["tensor_properties"]),
         )
-
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("ShardedTensorMetadata", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ShardedTensorMetadata:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return cls.from_dict(_unwrap(text, "ShardedTensorMetadata"))

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+import shardwise._codec as codec
+import shardwise.metadata as metadata_module
 from shardwise import (
     MetadataFormatError,
     RemoteDevice,
@@ -30,6 +32,7 @@ from shardwise.metadata import (
     MEM_FORMAT_ENCODING,
     dtype_from_name,
     dtype_name,
+    keeps_requires_grad,
 )
 
 PARSE_ERROR_TAIL = (
@@ -790,3 +793,45 @@ def test_negative_values_are_reported_dim_by_dim():
         ShardMetadata([0, -1], [-1, 0])
     with pytest.raises(ValueError, match=re.escape("shard_offsets should be >=0")):
         ShardMetadata([-1, 0], [0, -1])
+
+
+# -- keeps_requires_grad: the one rule of "does a copy keep requires_grad" --------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+def test_a_differentiable_copy_keeps_requires_grad_in_grad_mode_only(dtype: torch.dtype) -> None:
+    source = torch.zeros(2, dtype=dtype, requires_grad=True)
+    assert keeps_requires_grad(True, dtype) is source.clone().requires_grad is True
+    assert keeps_requires_grad(False, dtype) is False
+    with torch.no_grad():
+        assert keeps_requires_grad(True, dtype) is source.clone().requires_grad is False
+        # A new leaf keeps the flag whatever the mode, as torch.zeros_like(..., requires_grad=)
+        assert keeps_requires_grad(True, dtype, new_leaf=True) is True
+        assert torch.zeros_like(source, requires_grad=True).requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8])
+def test_an_integer_copy_never_requires_grad(dtype: torch.dtype) -> None:
+    source = torch.zeros(2, requires_grad=True)
+    assert source.to(dtype).requires_grad is False
+    assert keeps_requires_grad(True, dtype) is False
+    assert keeps_requires_grad(True, dtype, new_leaf=True) is False
+
+
+def test_the_former_private_codec_names_are_the_public_ones() -> None:
+    # The checkpoint modules imported these private names; they stay aliases of the codec's
+    # public names until every importer has switched.
+    pairs = {
+        "_DTYPES": codec.DTYPES,
+        "_LAYOUTS": codec.LAYOUTS,
+        "_MEMORY_FORMATS": codec.MEMORY_FORMATS,
+        "_MEMORY_FORMAT_NAMES": codec.MEMORY_FORMAT_NAMES,
+        "_check_keys": codec.check_keys,
+        "_int_list": codec.int_list,
+        "_wrap": codec.wrap,
+        "_unwrap": codec.unwrap,
+    }
+    for name, public in pairs.items():
+        assert getattr(metadata_module, name) is public, name
+    assert metadata_module.dtype_name is codec.dtype_name
+    assert metadata_module.JSON_VERSION == codec.JSON_VERSION == 1

@@ -1,8 +1,13 @@
 """Operations on sharded tensors: the dispatch registry and the built-in implementations.
 
-Importing this package registers the built-in ops.
+Importing this package registers the built-in ops. The ops are built on
+:mod:`shardwise.sharded_tensor`, which in turn imports this package when it is imported (so
+that a ShardedTensor never exists without its ops) and installs the registry as its
+``__torch_function__``; the sharded-tensor package is therefore loaded first, whichever of
+the two a program imports first.
 """
 
+import shardwise.sharded_tensor  # noqa: F401 - first: the tensors these ops run on
 from shardwise.ops import autograd as _autograd  # noqa: F401 - each import registers its ops
 from shardwise.ops import compare as _compare  # noqa: F401
 from shardwise.ops import embedding as _embedding  # noqa: F401

@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from shardwise.metadata import ShardedTensorMetadata
+from shardwise.sharded_tensor.api import ShardedTensor
 
-if TYPE_CHECKING:
-    from shardwise.sharded_tensor.api import ShardedTensor
-    from shardwise.sharded_tensor.shard import Shard
+__all__ = ["is_sharded", "sharded_input", "unsupported"]
+
+
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is a ShardedTensor."""
+    return isinstance(value, ShardedTensor)
 
 
 def sharded_input(args: Any) -> ShardedTensor:
     """The op's first argument, which must be a ShardedTensor."""
-    from shardwise.sharded_tensor.api import ShardedTensor
-
     if not args or not isinstance(args[0], ShardedTensor):
         raise TypeError("input needs to be a ShardedTensor")
     return args[0]
 
 
-def rebuild(
-    st: ShardedTensor, shards: list[Shard], metadata: ShardedTensorMetadata | None = None
-) -> ShardedTensor:
-    """A new ShardedTensor like ``st`` (group, RRefs, spec) over ``shards`` and ``metadata``."""
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards,
-        st.metadata() if metadata is None else metadata,
-        process_group=st._process_group,
-        init_rrefs=st._init_rrefs,
-        sharding_spec=st.sharding_spec(),
+def unsupported(func: Callable[..., Any], args: Any, kwargs: Any) -> RuntimeError:
+    """Upstream's error for a torch function that has no sharded implementation."""
+    name = getattr(func, "__name__", str(func))
+    return RuntimeError(
+        f"torch function '{name}', with args: {args} and kwargs: {kwargs} not supported for "
+        "ShardedTensor!"
     )

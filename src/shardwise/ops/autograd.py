@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
-from shardwise.ops._common import rebuild, sharded_input
+from shardwise.ops._common import sharded_input
 from shardwise.ops.registry import builtin_op, disabled_torch_function
+from shardwise.sharded_tensor.api import ShardedTensor
+from shardwise.sharded_tensor.like import rebuild, with_local_tensors
+from shardwise.sharded_tensor.shard import Shard
 
 
 @builtin_op(torch.Tensor.detach)
 def _detach(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    from shardwise.sharded_tensor.shard import Shard
-
     st = sharded_input(args)
     shards = [Shard(shard.tensor.detach(), shard.metadata) for shard in st.local_shards()]
     metadata = copy.deepcopy(st.metadata())
@@ -49,8 +50,6 @@ def _holds_grad(tensor: torch.Tensor) -> bool:
 
 @builtin_op(torch.Tensor.grad.__get__)  # type: ignore[attr-defined,union-attr]
 def _grad(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    from shardwise.sharded_tensor.utils import with_local_tensors
-
     st = sharded_input(args)
     shards = [shard.tensor for shard in st.local_shards()]
     grads = [tensor.grad if _holds_grad(tensor) else None for tensor in shards]
@@ -68,8 +67,6 @@ def _grad(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
 
 @builtin_op(torch.Tensor.grad.__set__)  # type: ignore[attr-defined,union-attr]
 def _set_grad(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
     st, value = sharded_input(args), args[1]
     local = st.local_shards()
     if value is None:

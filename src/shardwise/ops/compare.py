@@ -14,13 +14,12 @@ import torch
 
 from shardwise import collectives
 from shardwise.ops.registry import builtin_op
+from shardwise.sharded_tensor.api import ShardedTensor
 
 
 def _register_compare(op: Callable[..., Any], name: str) -> None:
     @builtin_op(op)
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        from shardwise.sharded_tensor.api import ShardedTensor
-
         if len(args) != 2:
             raise ValueError(f"Expected two arguments for torch.{name}")
         first, second = args

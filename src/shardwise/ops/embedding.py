@@ -26,10 +26,8 @@ Autograd: the local result is differentiable with respect to the local shard and
 ``per_sample_weights`` (the all-to-all is an autograd function whose backward is the reverse
 all-to-all), so every rank must run the backward pass.
 
-Validation happens before any data moves and every rank reaches the same verdict: the
-upstream checks (with their exact messages), the unsharded op's own checks (run on a stand-in
-weight, see :func:`_stand_in`), and an agreement check that every rank passed the same input
-shape and options.
+Validation happens before any data moves and every rank reaches the same verdict (see
+:mod:`shardwise.ops._embedding_validation`).
 
 Zero-width tables: torch's CPU pooling kernel has a fast path (float32, half and bfloat16
 tables with unit column stride, no ``padding_idx``) that hands each thread's bags to fbgemm;
@@ -42,9 +40,8 @@ and a shard with no columns (e.g. 3 columns over 4 ranks) pools to an empty resu
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,157 +50,21 @@ import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch.distributed import ProcessGroup
 
 from shardwise import collectives
+from shardwise.ops._embedding_validation import (
+    agree,
+    bind,
+    jsonable,
+    mode_of,
+    norm_type_of,
+    validate_embedding,
+    validate_embedding_bag,
+)
 from shardwise.ops.registry import custom_sharding_spec_op
 from shardwise.sharding_spec import ChunkShardingSpec
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
-
-_MODES = ("sum", "mean", "max")
-
 #: The unsharded op's guard against dividing by a zero norm in ``embedding_renorm_``.
 _RENORM_EPS = 1e-7
-
-
-# -- arguments and validation --------------------------------------------------------------
-
-
-def _bind(op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
-    # F.embedding forwards everything after (input, weight) as keywords, but a direct call of
-    # the registered function (or a future torch) may pass them positionally.
-    bound = inspect.signature(op).bind(*args, **(kwargs or {}))
-    bound.apply_defaults()
-    return bound.arguments
-
-
-def _check_ids_in_range(ids: torch.Tensor, weight_size: torch.Size) -> None:
-    if ids.numel() == 0:
-        return
-    # Upstream passes the values as extra exception arguments (not %-formatted) and reports
-    # the number of columns; both kept so that messages match.
-    lowest = int(torch.min(ids).item())
-    if lowest < 0:
-        raise ValueError("Index out of range in Input %d %d", lowest, weight_size[1])
-    highest = int(torch.max(ids).item())
-    if highest >= weight_size[0]:
-        raise ValueError("Index out of range in Input %d %d", highest, weight_size[1])
-
-
-def _check_unsupported_flags(params: Any) -> None:
-    if params["scale_grad_by_freq"]:
-        raise RuntimeError(
-            'nn.Embedding weight sharded with flag on "scale_grad_by_freq" not supported!'
-        )
-    if params["sparse"]:
-        raise RuntimeError('nn.Embedding weight sharded with flag on "sparse" not supported!')
-
-
-def _check_max_norm(max_norm: float | None) -> None:
-    if max_norm and max_norm <= 0.0:
-        raise ValueError('"max_norm" must be larger than zero!')
-
-
-def _check_weight_layout(weight: Any) -> None:
-    if not isinstance(weight.sharding_spec(), ChunkShardingSpec):
-        raise ValueError("Only ChunkShardingSpec supported for ShardedTensor ops!")
-    if len(weight.local_shards()) != 1:
-        raise ValueError("Only one local shard supported!")
-
-
-def _sharding_dim(weight: Any, module_name: str) -> int:
-    spec_dim = weight.sharding_spec().dim
-    # A 2-D weight: -2/-1 name the same dims as 0/1 (upstream only accepted 0 and 1).
-    dim = spec_dim + 2 if isinstance(spec_dim, int) and -2 <= spec_dim < 0 else spec_dim
-    if dim not in (0, 1):
-        raise RuntimeError(f"nn.{module_name} weight sharded on dim {spec_dim} not supported!")
-    return int(dim)
-
-
-def _validate_embedding(params: Any) -> int:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    ids, weight = params["input"], params["weight"]
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError("input need to be torch.Tensor")
-    if not isinstance(weight, ShardedTensor):
-        raise TypeError("weight needs to be ShardedTensor")
-    weight_size = weight.size()
-    if len(weight_size) != 2:
-        raise ValueError("Weight needs to have exactly 2 dims")
-    _check_ids_in_range(ids, weight_size)
-    _check_unsupported_flags(params)
-    _check_max_norm(params["max_norm"])
-    _check_weight_layout(weight)
-    dim = _sharding_dim(weight, "Embedding")
-    # The unsharded op's own checks (ids dtype, padding_idx range), with torch's messages.
-    F.embedding(ids, _stand_in(weight), padding_idx=params["padding_idx"])
-    return dim
-
-
-def _validate_embedding_bag(params: Any) -> int:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    ids, weight = params["input"], params["weight"]
-    offsets, per_sample_weights = params["offsets"], params["per_sample_weights"]
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError("input need to be torch.Tensor")
-    if offsets is not None and not isinstance(offsets, torch.Tensor):
-        raise TypeError("offsets need to be torch.Tensor")
-    if per_sample_weights is not None and not isinstance(per_sample_weights, torch.Tensor):
-        raise TypeError("per_sample_weights need to be torch.Tensor")
-    if not isinstance(weight, ShardedTensor):
-        raise TypeError("weight needs to be ShardedTensor")
-    if ids.dim() > 2:
-        raise ValueError("Input more than 2 dims not supported")
-    weight_size = weight.size()
-    if len(weight_size) != 2:
-        raise ValueError("Weight needs to have exactly 2 dims")
-    _check_ids_in_range(ids, weight_size)
-    if offsets is not None and ids.dim() != 1:
-        raise ValueError("Input dimension needs to be exactly 1 dim")
-    if ids.dim() == 1 and offsets is None:
-        raise ValueError("offsets is required for 1D input")
-    if per_sample_weights is not None and per_sample_weights.size() != ids.size():
-        raise ValueError(
-            f"per_sample_weights size {per_sample_weights.size()} not equal to input size "
-            f"{ids.size()}"
-        )
-    mode = _mode(params)
-    if mode not in _MODES:
-        raise ValueError(f"mode '{mode}' is not supported")
-    _check_unsupported_flags(params)
-    if params["include_last_offset"]:
-        if offsets is None:
-            raise ValueError('offsets is required for flag "include_last_offset"!')
-        if offsets.numel() == 0 or int(offsets[-1].item()) != ids.size(0):
-            raise ValueError(
-                "offsets need to have the input size in the end when the flag "
-                '"include_last_offset" is on!'
-            )
-    _check_max_norm(params["max_norm"])
-    _check_weight_layout(weight)
-    dim = _sharding_dim(weight, "EmbeddingBag")
-    # The unsharded op's own checks (dtypes, offsets, per_sample_weights with the mode,
-    # padding_idx range), with torch's messages.
-    F.embedding_bag(
-        ids,
-        _stand_in(weight),
-        offsets,
-        mode=mode,
-        per_sample_weights=per_sample_weights,
-        include_last_offset=params["include_last_offset"],
-        padding_idx=params["padding_idx"],
-    )
-    return dim
-
-
-def _stand_in(weight: Any) -> torch.Tensor:
-    """A weight with the sharded weight's rows, dtype and device, for the unsharded op's checks.
-
-    One column broadcast from a single element (strides 0, 0): no memory per row, and a
-    shape the kernels handle like any real table. Not zero columns: see the module docstring.
-    """
-    local = weight.local_tensor()
-    return torch.zeros((), dtype=local.dtype, device=local.device).expand(weight.size(0), 1)
 
 
 def _pool(
@@ -239,51 +100,6 @@ def _pool(
     return empty
 
 
-def _mode(params: Any) -> Any:
-    return "mean" if params["mode"] is None else params["mode"]
-
-
-def _norm_type(params: Any) -> float:
-    return 2.0 if params["norm_type"] is None else float(params["norm_type"])
-
-
-def _jsonable(value: object) -> object:
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return repr(value)
-
-
-def _agree(
-    op_name: str,
-    group: ProcessGroup,
-    validate: Callable[[], int],
-    describe: Callable[[], dict[str, object]],
-) -> int:
-    """Validate on every rank and check that the ranks called the op alike.
-
-    Returns the sharding dim. Every rank raises (the same error) if any rank fails.
-    """
-    if not collectives.is_member(group):
-        validate()  # raises: a rank outside the group holds no shard
-        raise ValueError("Only one local shard supported!")
-    dims: list[int] = []
-
-    def local() -> dict[str, object]:
-        dims.append(validate())
-        return {"sharding dim": dims[0], **describe()}
-
-    _, everyone = collectives.exchange_or_raise(group, local)
-    ranks = collectives.global_ranks(group)
-    for key, value in everyone[0].items():
-        for rank, entry in zip(ranks[1:], everyone[1:], strict=True):
-            if entry[key] != value:
-                raise ValueError(
-                    f"{op_name} with a sharded weight needs the same {key} on every rank, "
-                    f"found {value} on rank {ranks[0]} and {entry[key]} on rank {rank}"
-                )
-    return dims[0]
-
-
 # -- layout ---------------------------------------------------------------------------------
 
 
@@ -308,6 +124,63 @@ class _Layout:
     def column_order(self) -> list[int]:
         """Group ranks sorted by where their columns start."""
         return sorted(range(len(self.starts)), key=lambda rank: self.starts[rank])
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """This rank's shard of the weight, its layout, and the options every algorithm reads."""
+
+    shard: torch.Tensor
+    layout: _Layout
+    padding_idx: int | None
+    """Counted from the start of the weight (a negative ``padding_idx`` made positive)."""
+    max_norm: float | None
+    norm_type: float
+    group: ProcessGroup
+
+    @classmethod
+    def of(cls, params: Any, dim: int, group: ProcessGroup) -> _Table:
+        weight = params["weight"]
+        padding_idx = params["padding_idx"]
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += weight.size(0)
+        return cls(
+            shard=weight.local_tensor(),
+            layout=_Layout.of(weight, dim, group),
+            padding_idx=padding_idx,
+            max_norm=params["max_norm"],
+            norm_type=norm_type_of(params),
+            group=group,
+        )
+
+    def own_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids`` as rows of this rank's shard, and which of them it owns (row-wise).
+
+        With ``max_norm``, the owned rows are renormalised first, as the unsharded op does.
+        """
+        start, length = self.layout.starts[self.layout.me], self.layout.lengths[self.layout.me]
+        local = ids - start
+        owned = (local >= 0) & (local < length)
+        if self.max_norm is not None:
+            with torch.no_grad():
+                torch.embedding_renorm_(
+                    self.shard, torch.unique(local[owned]), self.max_norm, self.norm_type
+                )
+        return local, owned
+
+    def local_padding(self) -> int | None:
+        """``padding_idx`` as a row of this rank's shard, or ``None`` if another rank owns it."""
+        start, length = self.layout.starts[self.layout.me], self.layout.lengths[self.layout.me]
+        if self.padding_idx is None or not start <= self.padding_idx < start + length:
+            return None
+        return self.padding_idx - start
+
+    def renorm_split_rows(self, ids: torch.Tensor) -> None:
+        """With ``max_norm``, renormalise the rows ``ids`` names (column-wise sharding)."""
+        if self.max_norm is not None:
+            _renorm_split_rows(
+                self.shard, torch.unique(ids), self.max_norm, self.norm_type, self.group
+            )
 
 
 # -- autograd-aware exchange ----------------------------------------------------------------
@@ -385,11 +258,6 @@ def _gather_columns(
 # -- max_norm -------------------------------------------------------------------------------
 
 
-def _renorm_owned_rows(shard: torch.Tensor, rows: torch.Tensor, max_norm: float, p: float) -> None:
-    with torch.no_grad():
-        torch.embedding_renorm_(shard, rows, max_norm, p)
-
-
 def _renorm_split_rows(
     shard: torch.Tensor, rows: torch.Tensor, max_norm: float, p: float, group: ProcessGroup
 ) -> None:
@@ -443,61 +311,35 @@ def sharded_embedding(
         >>> F.embedding(torch.tensor([[1, 7]]), weight).shape
         torch.Size([1, 2, 4])
     """
-    params = _bind(F.embedding, args, kwargs)
+    params = bind(F.embedding, args, kwargs)
     group = collectives.resolve_group(pg)
-    ids, weight = params["input"], params["weight"]
+    ids = params["input"]
 
     def describe() -> dict[str, object]:
         return {
             "input shape": list(ids.shape),
             "input dtype": str(ids.dtype),
-            **{name: _jsonable(params[name]) for name in ("padding_idx", "max_norm", "norm_type")},
+            **{name: jsonable(params[name]) for name in ("padding_idx", "max_norm", "norm_type")},
         }
 
-    dim = _agree("F.embedding", group, lambda: _validate_embedding(params), describe)
-    layout = _Layout.of(weight, dim, group)
-    shard = weight.local_tensor()
+    dim = agree("F.embedding", group, lambda: validate_embedding(params), describe)
+    table = _Table.of(params, dim, group)
     gathered = torch.stack(collectives.all_gather_tensor(ids, group)).to(torch.int64)
-    padding_idx = params["padding_idx"]
-    if padding_idx is not None and padding_idx < 0:
-        padding_idx += weight.size(0)
-    max_norm = params["max_norm"]
     if dim == 0:
-        return _embedding_row_wise(
-            gathered, shard, layout, padding_idx, max_norm, _norm_type(params), group
-        )
-    if max_norm is not None:
-        _renorm_split_rows(shard, torch.unique(gathered), max_norm, _norm_type(params), group)
-    looked_up = F.embedding(gathered, shard, padding_idx=padding_idx)
-    return _gather_columns(list(looked_up.unbind(0)), layout, group)
+        return _embedding_row_wise(gathered, table)
+    table.renorm_split_rows(gathered)
+    looked_up = F.embedding(gathered, table.shard, padding_idx=table.padding_idx)
+    return _gather_columns(list(looked_up.unbind(0)), table.layout, group)
 
 
-def _embedding_row_wise(
-    gathered: torch.Tensor,
-    shard: torch.Tensor,
-    layout: _Layout,
-    padding_idx: int | None,
-    max_norm: float | None,
-    norm_type: float,
-    group: ProcessGroup,
-) -> torch.Tensor:
-    start, length = layout.starts[layout.me], layout.lengths[layout.me]
-    local = gathered.reshape(-1) - start
-    owned = (local >= 0) & (local < length)
-    if max_norm is not None:
-        _renorm_owned_rows(shard, torch.unique(local[owned]), max_norm, norm_type)
+def _embedding_row_wise(gathered: torch.Tensor, table: _Table) -> torch.Tensor:
+    shard = table.shard
+    local, owned = table.own_rows(gathered.reshape(-1))
     positions = owned.nonzero().squeeze(1)
-    rows = F.embedding(local[positions], shard, padding_idx=_local_padding(padding_idx, layout))
+    rows = F.embedding(local[positions], shard, padding_idx=table.local_padding())
     partial = shard.new_zeros((local.numel(), shard.size(1))).index_copy(0, positions, rows)
-    mine = _reduce_scatter(_per_rank(partial, len(layout.starts)), group, "sum")
+    mine = _reduce_scatter(_per_rank(partial, len(table.layout.starts)), table.group, "sum")
     return mine.reshape(*gathered.shape[1:], shard.size(1))
-
-
-def _local_padding(padding_idx: int | None, layout: _Layout) -> int | None:
-    start, length = layout.starts[layout.me], layout.lengths[layout.me]
-    if padding_idx is None or not start <= padding_idx < start + length:
-        return None
-    return padding_idx - start
 
 
 # -- F.embedding_bag --------------------------------------------------------------------------
@@ -518,9 +360,9 @@ def sharded_embedding_bag(
         TypeError, ValueError, RuntimeError, NotImplementedError: The upstream validation
             errors, the unsharded op's own errors, or ranks disagreeing on shapes or options.
     """
-    params = _bind(F.embedding_bag, args, kwargs)
+    params = bind(F.embedding_bag, args, kwargs)
     group = collectives.resolve_group(pg)
-    ids, weight = params["input"], params["weight"]
+    ids = params["input"]
     offsets, per_sample_weights = params["offsets"], params["per_sample_weights"]
 
     def describe() -> dict[str, object]:
@@ -529,36 +371,29 @@ def sharded_embedding_bag(
             "input dtype": str(ids.dtype),
             "offsets length": None if offsets is None else offsets.numel(),
             "per_sample_weights": per_sample_weights is not None,
-            "mode": _jsonable(_mode(params)),
+            "mode": jsonable(mode_of(params)),
             **{
-                name: _jsonable(params[name])
+                name: jsonable(params[name])
                 for name in ("include_last_offset", "padding_idx", "max_norm", "norm_type")
             },
         }
 
-    dim = _agree("F.embedding_bag", group, lambda: _validate_embedding_bag(params), describe)
-    layout = _Layout.of(weight, dim, group)
+    dim = agree("F.embedding_bag", group, lambda: validate_embedding_bag(params), describe)
+    table = _Table.of(params, dim, group)
     bags = _Bags.gather(params, group)
-    padding_idx = params["padding_idx"]
-    if padding_idx is not None and padding_idx < 0:
-        padding_idx += weight.size(0)
-    shard = weight.local_tensor()
-    mode, max_norm, norm_type = _mode(params), params["max_norm"], _norm_type(params)
+    mode = mode_of(params)
     if dim == 0:
-        return _embedding_bag_row_wise(
-            bags, shard, layout, mode, padding_idx, max_norm, norm_type, group
-        )
-    if max_norm is not None:
-        _renorm_split_rows(shard, torch.unique(bags.ids), max_norm, norm_type, group)
+        return _embedding_bag_row_wise(bags, table, mode)
+    table.renorm_split_rows(bags.ids)
     pooled = _pool(
         bags.ids,
-        shard,
+        table.shard,
         bags.starts,
         mode=mode,
         per_sample_weights=bags.per_sample_weights,
-        padding_idx=padding_idx,
+        padding_idx=table.padding_idx,
     )
-    return _gather_columns(_per_rank(pooled, len(layout.starts)), layout, group)
+    return _gather_columns(_per_rank(pooled, len(table.layout.starts)), table.layout, group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,32 +449,20 @@ def _bag_of(starts: torch.Tensor, count: int) -> torch.Tensor:
     return torch.searchsorted(starts, positions, right=True) - 1
 
 
-def _embedding_bag_row_wise(
-    bags: _Bags,
-    shard: torch.Tensor,
-    layout: _Layout,
-    mode: str,
-    padding_idx: int | None,
-    max_norm: float | None,
-    norm_type: float,
-    group: ProcessGroup,
-) -> torch.Tensor:
-    start, length = layout.starts[layout.me], layout.lengths[layout.me]
-    local = bags.ids - start
-    owned = (local >= 0) & (local < length)
-    if max_norm is not None:
-        _renorm_owned_rows(shard, torch.unique(local[owned]), max_norm, norm_type)
+def _embedding_bag_row_wise(bags: _Bags, table: _Table, mode: str) -> torch.Tensor:
+    local, owned = table.own_rows(bags.ids)
+    padding_idx = table.padding_idx
     # Drop the ids other ranks own; each bag now starts after the kept ids before it.
     kept_before = torch.cat([owned.new_zeros(1, dtype=torch.int64), owned.cumsum(0)])
     positions = owned.nonzero().squeeze(1)
     weights = bags.per_sample_weights
     partial = _pool(
         local[positions],
-        shard,
+        table.shard,
         kept_before[bags.starts],
         mode="sum" if mode == "mean" else mode,
         per_sample_weights=None if weights is None else weights[positions],
-        padding_idx=_local_padding(padding_idx, layout),
+        padding_idx=table.local_padding(),
     )
     if mode == "max":
         # A bag with none of its ids here must not win the max with the op's empty-bag zero.
@@ -647,7 +470,7 @@ def _embedding_bag_row_wise(
         bag_of = _bag_of(bags.starts, bags.ids.numel())
         here = torch.bincount(bag_of[counted], minlength=bags.starts.numel()) > 0
         partial = torch.where(here.unsqueeze(1), partial, -math.inf)
-    mine = _reduce_scatter(_per_rank(partial, len(layout.starts)), group, mode)
+    mine = _reduce_scatter(_per_rank(partial, len(table.layout.starts)), table.group, mode)
     if mode == "sum":
         return mine
     sizes = bags.own_sizes(padding_idx).unsqueeze(1)

@@ -20,8 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
 
-from shardwise.ops._common import rebuild
+from shardwise.metadata import keeps_requires_grad
+from shardwise.ops._common import is_sharded, unsupported
 from shardwise.ops.registry import builtin_op, disabled_torch_function
+from shardwise.sharded_tensor.like import rebuild
+from shardwise.sharded_tensor.shard import Shard
 
 _UNARY_NAMES = [
     "abs",
@@ -158,29 +161,14 @@ _INPLACE_DUNDERS = [
 ]
 
 
-def _is_sharded(value: object) -> bool:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    return isinstance(value, ShardedTensor)
-
-
-def _unsupported(func: Callable[..., Any], args: Any, kwargs: Any) -> RuntimeError:
-    name = getattr(func, "__name__", str(func))
-    return RuntimeError(
-        f"torch function '{name}', with args: {args} and kwargs: {kwargs} not supported for "
-        "ShardedTensor!"
-    )
-
-
 def _empty_like_wrapper(st: Any, *, in_place: bool = False) -> torch.Tensor:
     """A 0-element stand-in for ``st``: same dtype and requires_grad, no data.
 
     For an in-place op the stand-in is not a leaf: whether the real shards are leaves is known
     only where they are, so torch's "leaf Variable ... in-place" check is left to them.
     """
-    dtype = st.dtype
-    differentiable = dtype.is_floating_point or dtype.is_complex
-    stand_in = torch.empty(0, dtype=dtype, requires_grad=bool(st.requires_grad and differentiable))
+    requires_grad = keeps_requires_grad(bool(st.requires_grad), st.dtype, new_leaf=True)
+    stand_in = torch.empty(0, dtype=st.dtype, requires_grad=requires_grad)
     return stand_in.clone() if in_place and stand_in.requires_grad else stand_in
 
 
@@ -203,19 +191,19 @@ def _check_scalar_or_sharded(
     func: Callable[..., Any], args: Any, kwargs: dict[str, Any], given: Any
 ) -> None:
     for value in (*args[1:], *kwargs.values()):
-        if isinstance(value, torch.Tensor) and not _is_sharded(value):
-            raise _unsupported(func, args, given)
+        if isinstance(value, torch.Tensor) and not is_sharded(value):
+            raise unsupported(func, args, given)
 
 
 def _unary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
         given, kwargs = kwargs, dict(kwargs or {})  # errors show the kwargs as received
-        if not args or not _is_sharded(args[0]):
-            raise _unsupported(func, args, given)
+        if not args or not is_sharded(args[0]):
+            raise unsupported(func, args, given)
         st, rest = args[0], tuple(args[1:])
         _check_scalar_or_sharded(func, args, kwargs, given)
-        if any(_is_sharded(value) for value in (*rest, *kwargs.values())):
-            raise _unsupported(func, args, given)
+        if any(is_sharded(value) for value in (*rest, *kwargs.values())):
+            raise unsupported(func, args, given)
         in_place = inplace or bool(kwargs.get("inplace", False))
         probe = _probe(func, _empty_like_wrapper(st, in_place=in_place), rest, kwargs)
         results = [func(shard.tensor, *rest, **kwargs) for shard in st.local_shards()]
@@ -228,8 +216,6 @@ def _unary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
 
 def _wrap(st: Any, results: list[torch.Tensor], probe: torch.Tensor) -> Any:
     """A ShardedTensor over ``results`` with ``st``'s layout and the probe's dtype/grad."""
-    from shardwise.sharded_tensor.shard import Shard
-
     shards = [
         Shard(result, copy.deepcopy(shard.metadata))
         for shard, result in zip(st.local_shards(), results, strict=True)
@@ -244,16 +230,16 @@ def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
         given, kwargs = kwargs, dict(kwargs or {})  # errors show the kwargs as received
         if len(args) < 2:
-            raise _unsupported(func, args, given)
+            raise unsupported(func, args, given)
         first, second, rest = args[0], args[1], tuple(args[2:])
         _check_scalar_or_sharded(func, args, kwargs, given)
         for value in (first, second):
-            if not _is_sharded(value) and not isinstance(value, numbers.Number):
-                raise _unsupported(func, args, given)
-        st = first if _is_sharded(first) else second
-        if inplace and not _is_sharded(first):
-            raise _unsupported(func, args, given)
-        if _is_sharded(first) and _is_sharded(second):
+            if not is_sharded(value) and not isinstance(value, numbers.Number):
+                raise unsupported(func, args, given)
+        st = first if is_sharded(first) else second
+        if inplace and not is_sharded(first):
+            raise unsupported(func, args, given)
+        if is_sharded(first) and is_sharded(second):
             if (
                 first.metadata().shards_metadata != second.metadata().shards_metadata
                 or first.size() != second.size()
@@ -276,7 +262,7 @@ def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
                     "are not in the same order"
                 )
             results = [func(a.tensor, b.tensor, *rest, **kwargs) for a, b in pairs]
-        elif _is_sharded(first):
+        elif is_sharded(first):
             probe = _probe(
                 func, _empty_like_wrapper(first, in_place=inplace), (second, *rest), kwargs
             )
@@ -290,7 +276,7 @@ def _binary(func: Callable[..., Any], inplace: bool) -> Callable[..., Any]:
             )
             results = [func(first, s.tensor, *rest, **kwargs) for s in second.local_shards()]
         if results and isinstance(results[0], type(NotImplemented)):
-            raise _unsupported(func, args, given)
+            raise unsupported(func, args, given)
         if inplace:
             return _in_place_result(st, probe)
         return _wrap(st, results, probe)

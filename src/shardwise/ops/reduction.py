@@ -15,15 +15,8 @@ from typing import Any
 import torch
 
 from shardwise import collectives
-from shardwise.ops._common import sharded_input
+from shardwise.ops._common import sharded_input, unsupported
 from shardwise.ops.registry import builtin_op
-
-
-def _unsupported(func: Callable[..., Any], args: Any, kwargs: Any) -> RuntimeError:
-    return RuntimeError(
-        f"torch function '{func.__name__}', with args: {args} and kwargs: {kwargs} not "
-        "supported for ShardedTensor!"
-    )
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -101,80 +94,101 @@ def _global_extreme(
     return torch.tensor(value, dtype=torch.float64)
 
 
-def _only_tensor_args(func: Callable[..., Any], args: Any, kwargs: Any, allowed: set[str]) -> None:
-    # Defaults that torch fills in (dim=None, keepdim=False) still mean a full reduction.
-    extra = {k for k, v in (kwargs or {}).items() if v is not None and v is not False} - allowed
-    if len(args) > 1 or extra:
-        raise _unsupported(func, args, kwargs)
+def _only_tensor_args(allowed: set[str]) -> Callable[[Callable[..., Any], Any, Any], None]:
+    """The argument check of a full reduction that takes no options but ``allowed``."""
+
+    def check(func: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        # Defaults that torch fills in (dim=None, keepdim=False) still mean a full reduction.
+        given = {k for k, v in (kwargs or {}).items() if v is not None and v is not False}
+        if len(args) > 1 or given - allowed:
+            raise unsupported(func, args, kwargs)
+
+    return check
 
 
-def _register_sum(func: Callable[..., Any]) -> None:
+def _check_norm_args(func: Callable[..., Any], args: Any, given: Any) -> None:
+    kwargs = given or {}
+    order_name = _norm_order_name(func)
+    p = args[1] if len(args) > 1 else kwargs.get(order_name, "fro")
+    if (
+        len(args) > 2
+        or kwargs.get("dim") is not None
+        or kwargs.get("keepdim")
+        or kwargs.get("out") is not None
+        or set(kwargs) - {order_name, "dim", "dtype", "keepdim", "out"}
+        or not (p in ("fro", None) or isinstance(p, (int, float)))
+    ):
+        raise unsupported(func, args, given)
+
+
+def _norm_order_name(func: Callable[..., Any]) -> str:
+    # torch.norm and Tensor.norm call the order "p", torch.linalg.vector_norm "ord".
+    return "ord" if func is torch.linalg.vector_norm else "p"
+
+
+#: ``reduce(st, func, args, kwargs, dtype)``: the reduction of a non-empty ShardedTensor,
+#: as a 0-d tensor of ``dtype`` (the result dtype of ``func`` on a plain tensor).
+_Reduce = Callable[[Any, Callable[..., Any], Any, dict[str, Any], torch.dtype], torch.Tensor]
+
+
+def _register(
+    func: Callable[..., Any],
+    check: Callable[[Callable[..., Any], Any, Any], None],
+    reduce: _Reduce,
+) -> None:
+    """Register the full reduction ``func``: ``check`` its arguments, answer like torch for
+    an empty tensor (and for the dtypes torch refuses), else ``reduce``."""
+
     @builtin_op(func)
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
         given, kwargs = kwargs, dict(kwargs or {})
-        _only_tensor_args(func, args, given, {"dtype"})
+        check(func, args, given)
         st = sharded_input(args)
         answer = _torch_answer(func, args, kwargs)
         if st.numel() == 0:
             return answer
-        return _sum(st, answer.dtype)
+        return reduce(st, func, args, kwargs, answer.dtype)
 
 
-def _register_mean(func: Callable[..., Any]) -> None:
-    @builtin_op(func)
-    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        given, kwargs = kwargs, dict(kwargs or {})
-        _only_tensor_args(func, args, given, {"dtype"})
-        st = sharded_input(args)
-        answer = _torch_answer(func, args, kwargs)
-        if st.numel() == 0:
-            return answer
-        total = _sum(st, _accumulation_dtype(answer.dtype))
-        return (total / st.numel()).to(answer.dtype)
+def _reduce_sum(
+    st: Any, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype
+) -> torch.Tensor:
+    return _sum(st, dtype)
 
 
-def _register_extreme(func: Callable[..., Any], name: str) -> None:
-    @builtin_op(func)
-    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        given, kwargs = kwargs, dict(kwargs or {})
-        _only_tensor_args(func, args, given, set())
-        st = sharded_input(args)
-        answer = _torch_answer(func, args, kwargs)
-        if st.numel() == 0:
-            return answer
-        return _global_extreme(st, name, lambda tensor: tensor).to(answer.dtype)
+def _reduce_mean(
+    st: Any, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype
+) -> torch.Tensor:
+    total = _sum(st, _accumulation_dtype(dtype))
+    count: int = st.numel()
+    return (total / count).to(dtype)
 
 
-def _register_norm(func: Callable[..., Any], order_name: str) -> None:
-    @builtin_op(func)
-    def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        given, kwargs = kwargs, dict(kwargs or {})
-        p = args[1] if len(args) > 1 else kwargs.get(order_name, "fro")
-        if (
-            len(args) > 2
-            or kwargs.get("dim") is not None
-            or kwargs.get("keepdim")
-            or kwargs.get("out") is not None
-            or set(kwargs) - {order_name, "dim", "dtype", "keepdim", "out"}
-            or not (p in ("fro", None) or isinstance(p, (int, float)))
-        ):
-            raise _unsupported(func, args, given)
-        st = sharded_input(args)
-        answer = _torch_answer(func, args, kwargs)
-        if st.numel() == 0:
-            return answer
-        p = 2 if p in ("fro", None) else p
-        if math.isinf(p):
-            name = "max" if p > 0 else "min"
-            magnitude = _global_extreme(st, name, lambda tensor: tensor.abs().to(torch.float64))
-            return magnitude.to(answer.dtype)
-        partial = torch.zeros((), dtype=torch.float64)
-        for shard in st.local_shards():
-            values = shard.tensor.detach().abs().to(torch.float64)
-            partial += (values != 0).sum() if p == 0 else values.pow(p).sum()
-        total = _all_reduce(partial, "sum", st)
-        result = total if p == 0 else total.pow(1.0 / p)
-        return result.to(answer.dtype)
+def _reduce_extreme(name: str) -> _Reduce:
+    def reduce(
+        st: Any, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype
+    ) -> torch.Tensor:
+        return _global_extreme(st, name, lambda tensor: tensor).to(dtype)
+
+    return reduce
+
+
+def _reduce_norm(
+    st: Any, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype
+) -> torch.Tensor:
+    p = args[1] if len(args) > 1 else kwargs.get(_norm_order_name(func), "fro")
+    p = 2 if p in ("fro", None) else p
+    if math.isinf(p):
+        name = "max" if p > 0 else "min"
+        magnitude = _global_extreme(st, name, lambda tensor: tensor.abs().to(torch.float64))
+        return magnitude.to(dtype)
+    partial = torch.zeros((), dtype=torch.float64)
+    for shard in st.local_shards():
+        values = shard.tensor.detach().abs().to(torch.float64)
+        partial += (values != 0).sum() if p == 0 else values.pow(p).sum()
+    total = _all_reduce(partial, "sum", st)
+    result = total if p == 0 else total.pow(1.0 / p)
+    return result.to(dtype)
 
 
 _SUM_OPS: tuple[Callable[..., Any], ...] = (torch.sum, torch.Tensor.sum)
@@ -198,13 +212,12 @@ _NORM_OPS: tuple[Callable[..., Any], ...] = (
 )
 
 for _func in _SUM_OPS:
-    _register_sum(_func)
+    _register(_func, _only_tensor_args({"dtype"}), _reduce_sum)
 for _func in _MEAN_OPS:
-    _register_mean(_func)
+    _register(_func, _only_tensor_args({"dtype"}), _reduce_mean)
 for _func in _MAX_OPS:
-    _register_extreme(_func, "max")
+    _register(_func, _only_tensor_args(set()), _reduce_extreme("max"))
 for _func in _MIN_OPS:
-    _register_extreme(_func, "min")
+    _register(_func, _only_tensor_args(set()), _reduce_extreme("min"))
 for _func in _NORM_OPS:
-    # torch.norm and Tensor.norm call the order "p", torch.linalg.vector_norm "ord".
-    _register_norm(_func, "ord" if _func is torch.linalg.vector_norm else "p")
+    _register(_func, _check_norm_args, _reduce_norm)

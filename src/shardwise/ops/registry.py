@@ -2,7 +2,8 @@
 
 Priority at dispatch (upstream's): ops registered by users with :func:`custom_sharded_op_impl`,
 then ops registered for the tensor's sharding-spec class with :func:`custom_sharding_spec_op`,
-then the built-in table.
+then the built-in table. :func:`dispatch` is ShardedTensor's ``__torch_function__``:
+:mod:`shardwise.sharded_tensor` installs it when it is imported.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from shardwise.ops._common import is_sharded, unsupported
 
 __all__ = [
     "OpImpl",
@@ -32,12 +35,6 @@ _CUSTOM_SHARDED_OPS: dict[Callable[..., Any], OpImpl] = {}
 _CUSTOM_SHARDING_SPEC_OPS: dict[str, dict[Callable[..., Any], OpImpl]] = {}
 
 
-def _is_sharded_tensor(value: object) -> bool:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    return isinstance(value, ShardedTensor)
-
-
 def _group_of(st: Any) -> Any:
     # A tensor built by ShardedTensorBase without a process group has none.
     return getattr(st, "_process_group", None)
@@ -46,7 +43,7 @@ def _group_of(st: Any) -> Any:
 def first_sharded_tensor(args: Any, kwargs: Any) -> Any:
     """The first ShardedTensor among the leaves of ``args`` then ``kwargs``, or ``None``."""
     for leaf in pytree.tree_leaves((args, kwargs or {})):
-        if _is_sharded_tensor(leaf):
+        if is_sharded(leaf):
             return leaf
     return None
 
@@ -57,7 +54,7 @@ def _basic_validation(op: Callable[..., Any], args: Any, kwargs: Any) -> None:
     group = None
     found = False
     for leaf in pytree.tree_leaves((args, kwargs or {})):
-        if _is_sharded_tensor(leaf):
+        if is_sharded(leaf):
             if found and _group_of(leaf) is not group:
                 raise RuntimeError(
                     "All distributed tensors should use the same ProcessGroup if used together "
@@ -160,11 +157,7 @@ def dispatch(
         return _dispatch_custom_op(st._sharding_spec, func, types, args, kwargs, _group_of(st))
     if st is not None and func in _SHARDED_OPS:
         return _SHARDED_OPS[func](types, args, kwargs, _group_of(st))
-    name = getattr(func, "__name__", str(func))
-    raise RuntimeError(
-        f"torch function '{name}', with args: {args} and kwargs: {kwargs} not supported for "
-        "ShardedTensor!"
-    )
+    raise unsupported(func, args, kwargs)
 
 
 def disabled_torch_function(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:

@@ -10,27 +10,17 @@ from typing import Any
 
 import torch
 
-from shardwise.ops._common import rebuild, sharded_input
+from shardwise.metadata import keeps_requires_grad
+from shardwise.ops._common import sharded_input
 from shardwise.ops.registry import builtin_op
-
-
-def _tracked(requires_grad: bool, dtype: torch.dtype) -> bool:
-    """Whether autograd records a copy of a tensor: what the shards' own ``clone``/``type_as``
-    give (False under ``no_grad`` or for an integer result), known on every rank."""
-    differentiable = dtype.is_floating_point or dtype.is_complex
-    return requires_grad and differentiable and torch.is_grad_enabled()
-
-
-def _shard_cls() -> Any:
-    from shardwise.sharded_tensor.shard import Shard
-
-    return Shard
+from shardwise.sharded_tensor import factories
+from shardwise.sharded_tensor.api import ShardedTensor
+from shardwise.sharded_tensor.like import rebuild
+from shardwise.sharded_tensor.shard import Shard
 
 
 @builtin_op(torch.Tensor.type_as)
 def _type_as(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
     st = sharded_input(args)
     if len(args) < 2:
         raise ValueError("Needs to give a tensor to cast type as!")
@@ -40,13 +30,10 @@ def _type_as(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
     if st.dtype == other.dtype:
         return st
     target = other.local_tensor() if isinstance(other, ShardedTensor) else other
-    shard_cls = _shard_cls()
-    shards = [
-        shard_cls(shard.tensor.type_as(target), shard.metadata) for shard in st.local_shards()
-    ]
+    shards = [Shard(shard.tensor.type_as(target), shard.metadata) for shard in st.local_shards()]
     metadata = copy.deepcopy(st.metadata())
     metadata.tensor_properties.dtype = other.dtype
-    metadata.tensor_properties.requires_grad = _tracked(st.requires_grad, other.dtype)
+    metadata.tensor_properties.requires_grad = keeps_requires_grad(st.requires_grad, other.dtype)
     return rebuild(st, shards, metadata)
 
 
@@ -65,13 +52,11 @@ def _clone(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
     memory_format = (kwargs or {}).get("memory_format")
     if memory_format and memory_format != torch.preserve_format:
         raise RuntimeError("Only support torch.preserve_format for ShardedTensor!")
-    shard_cls = _shard_cls()
     shards = [
-        shard_cls(shard.tensor.clone(), copy.deepcopy(shard.metadata))
-        for shard in st.local_shards()
+        Shard(shard.tensor.clone(), copy.deepcopy(shard.metadata)) for shard in st.local_shards()
     ]
     metadata = copy.deepcopy(st.metadata())
-    metadata.tensor_properties.requires_grad = _tracked(st.requires_grad, st.dtype)
+    metadata.tensor_properties.requires_grad = keeps_requires_grad(st.requires_grad, st.dtype)
     return rebuild(st, shards, metadata)
 
 
@@ -102,16 +87,15 @@ def _has_compatible_shallow_copy_type(
 def _register_like(op: Callable[..., Any], factory_name: str, takes_fill: bool) -> None:
     @builtin_op(op)
     def impl(types: Any, args: Any, kwargs: Any, process_group: Any) -> Any:
-        from shardwise.sharded_tensor import factories
-
         st = sharded_input(args)
         # A None keyword means "not given" (torch's *_like keep the source dtype for dtype=None).
         options = {key: value for key, value in (kwargs or {}).items() if value is not None}
         options.pop("memory_format", None)
         dtype = options.setdefault("dtype", st.dtype)
         # Kept only where it can hold: an integer tensor cannot require grad.
-        differentiable = dtype.is_floating_point or dtype.is_complex
-        options.setdefault("requires_grad", st.requires_grad and differentiable)
+        options.setdefault(
+            "requires_grad", keeps_requires_grad(st.requires_grad, dtype, new_leaf=True)
+        )
         options.setdefault("process_group", st._process_group)
         factory = getattr(factories, factory_name)
         if takes_fill:

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from shardwise import collectives
 from shardwise.metadata import ShardMetadata
 from shardwise.sharded_tensor.api import ShardedTensor
-from shardwise.sharded_tensor.utils import with_local_tensors
+from shardwise.sharded_tensor.like import with_local_tensors
 
 __all__ = ["ShardedOptimizer"]
 

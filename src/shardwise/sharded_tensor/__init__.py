@@ -1,4 +1,12 @@
-"""Sharded tensors: :class:`ShardedTensor`, :class:`Shard`, factories and constructors."""
+"""Sharded tensors: :class:`ShardedTensor`, :class:`Shard`, factories and constructors.
+
+Importing this package also connects the layers around the sharded tensor, once: the op
+registry of :mod:`shardwise.ops` (built on ShardedTensor) becomes its ``__torch_function__``,
+the spec layer below gets its scatter engine and upstream's ``custom_sharding_spec_op``, the
+classes ``torch.load(..., weights_only=True)`` needs are registered as safe, and a
+``torch.optim`` optimizer given a ShardedTensor parameter raises instead of silently leaving it
+unchanged.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,14 @@ from typing import Any
 from torch.distributed import ProcessGroup
 
 from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardwise.ops import registry
 from shardwise.ops.registry import custom_sharded_op_impl
+from shardwise.sharded_tensor import api, guards, scatter, serialization
 from shardwise.sharded_tensor.api import ShardedTensor, ShardedTensorBase
 from shardwise.sharded_tensor.factories import empty, full, ones, rand, randn, zeros
 from shardwise.sharded_tensor.shard import Shard
 from shardwise.sharding_spec import ShardingSpec
+from shardwise.sharding_spec import api as sharding_spec_api
 
 __all__ = [
     "Shard",
@@ -96,16 +107,15 @@ def init_from_local_tensor(
     )
 
 
-def _register() -> None:
-    from shardwise.sharded_tensor.guards import install_optimizer_guard
-    from shardwise.sharded_tensor.serialization import ProcessGroupState, register_safe_globals
+def _connect_layers() -> None:
+    api.install_torch_function_handler(registry.dispatch)
+    sharding_spec_api.install_tensor_layer(
+        sharding_spec_api.TensorLayer(
+            scatter=scatter.scatter, custom_sharding_spec_op=registry.custom_sharding_spec_op
+        )
+    )
+    serialization.register_safe_globals(ShardedTensor)
+    guards.install_optimizer_guard(ShardedTensor)
 
-    # Upstream spells it ShardedTensor.ProcessGroupState.
-    ShardedTensor.ProcessGroupState = ProcessGroupState  # type: ignore[attr-defined]
-    register_safe_globals()
-    # A torch.optim optimizer given a ShardedTensor parameter raises instead of silently
-    # leaving it unchanged.
-    install_optimizer_guard()
 
-
-_register()
+_connect_layers()

@@ -2,32 +2,41 @@
 
 Both are wrapper subclasses of ``torch.Tensor``: the wrapper carries the global size, dtype,
 layout and requires_grad but no storage; the data lives in this rank's :class:`Shard` list.
+
+The work behind the methods lives in the modules beside this one (``gather``, ``reshard``,
+``moves``, ``serialization``, ``remote``, ``dcp_protocol``, ``guards``), which take the tensor
+as an argument and so never import this module at run time. The torch functions called on a
+ShardedTensor go to the op registry of :mod:`shardwise.ops`, a layer above this one: it is
+installed here (:func:`install_torch_function_handler`) when :mod:`shardwise.sharded_tensor`
+is imported.
 """
 
 from __future__ import annotations
 
-import copy
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from shardwise import collectives
-from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardwise.ops import registry
+from shardwise.metadata import ShardedTensorMetadata, TensorProperties, keeps_requires_grad
+from shardwise.sharded_tensor import dcp_protocol, gather, guards, moves, remote, reshard
 from shardwise.sharded_tensor.remote import (  # noqa: F401 - upstream's names live here
     _sharded_tensor_lock,
     _sharded_tensor_map,
 )
+from shardwise.sharded_tensor.serialization import ProcessGroupState, get_state, set_state
 from shardwise.sharded_tensor.shard import Shard
 from shardwise.sharded_tensor.utils import (
     build_global_metadata,
     build_metadata_from_local_shards,
+    check_local_shard,
     flatten_tensor_size,
     parse_and_validate_remote_device,
     recalc_global_sharded_tensor_metadata,
+    recalculated_entry,
+    size_dims,
 )
 from shardwise.sharding_spec import ShardingSpec
 from shardwise.sharding_spec._internals import (
@@ -36,7 +45,24 @@ from shardwise.sharding_spec._internals import (
 )
 from shardwise.sharding_spec.inference import _infer_sharding_spec_from_shards_metadata
 
-__all__ = ["ShardedTensor", "ShardedTensorBase"]
+__all__ = ["ShardedTensor", "ShardedTensorBase", "install_torch_function_handler"]
+
+#: ``handler(func, types, args, kwargs)``: what ``ShardedTensor.__torch_function__`` runs.
+TorchFunctionHandler = Callable[
+    [Callable[..., Any], tuple[type, ...], tuple[Any, ...], dict[str, Any] | None], Any
+]
+
+_torch_function_handler: TorchFunctionHandler | None = None
+
+
+def install_torch_function_handler(handler: TorchFunctionHandler) -> None:
+    """Route every torch function called on a ShardedTensor to ``handler``.
+
+    :mod:`shardwise.sharded_tensor` installs ``shardwise.ops.registry.dispatch`` when it is
+    imported (dependency inversion: the ops are built on this module).
+    """
+    global _torch_function_handler
+    _torch_function_handler = handler
 
 
 def _require_pinnable(pin_memory: bool) -> None:
@@ -97,9 +123,7 @@ class ShardedTensorBase(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        from shardwise.sharded_tensor.guards import dispatch_error
-
-        raise dispatch_error(cls.__name__, func)
+        raise guards.dispatch_error(cls.__name__, func, ShardedTensor)
 
     # -- accessors -------------------------------------------------------------------------
 
@@ -142,8 +166,6 @@ class ShardedTensorBase(torch.Tensor):
         if sharded_tensor_metadata.tensor_properties.layout != torch.strided:
             raise ValueError("Only torch.strided layout is currently supported")
         spec = sharding_spec or _infer_sharding_spec_from_shards_metadata(shards_metadata)
-        from shardwise.sharded_tensor.api import ShardedTensor
-
         result = ShardedTensor._new_wrapper(spec, sharded_tensor_metadata)
         validate_non_overlapping_shards_metadata(shards_metadata)
         check_tensor(shards_metadata, list(sharded_tensor_metadata.size))
@@ -172,6 +194,9 @@ class ShardedTensor(ShardedTensorBase):
         >>> spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
         >>> st = ShardedTensor(spec, 10, 4)  # rank 0 owns rows 0-4, rank 1 rows 5-9
     """
+
+    #: Where a pickled tensor was saved (upstream spells it ``ShardedTensor.ProcessGroupState``).
+    ProcessGroupState = ProcessGroupState
 
     _process_group: ProcessGroup
     _init_rrefs: bool
@@ -227,28 +252,20 @@ class ShardedTensor(ShardedTensorBase):
 
     def _post_init(self) -> None:
         if self._init_rrefs:
-            from shardwise.sharded_tensor import remote
-
             remote.init_rrefs(self)
 
     # -- torch.distributed.checkpoint (DCP) object protocol ---------------------------------
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
         """DCP protocol: one write item per local shard (DCP's own classes)."""
-        from shardwise.sharded_tensor import dcp_protocol
-
         return dcp_protocol.write_items(fqn, self)
 
     def __create_chunk_list__(self) -> list[Any]:
         """DCP protocol: the boxes of this rank's shards (DCP ``ChunkStorageMetadata``)."""
-        from shardwise.sharded_tensor import dcp_protocol
-
         return dcp_protocol.chunk_list(self)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         """DCP protocol: the local shard tensor at ``index.offset``."""
-        from shardwise.sharded_tensor import dcp_protocol
-
         return dcp_protocol.tensor_shard(self, index)
 
     # -- resharding and pickling ------------------------------------------------------------
@@ -261,18 +278,12 @@ class ShardedTensor(ShardedTensorBase):
         chunk spec with the same dim and placements is a no-op; a chunk target keeps its shard
         metadata ordered by placement rank.
         """
-        from shardwise.sharded_tensor.reshard import reshard
-
-        return reshard(self, resharding_spec)
+        return reshard.reshard(self, resharding_spec)
 
     def __getstate__(self) -> tuple[Any, ...]:
-        from shardwise.sharded_tensor.serialization import get_state
-
         return get_state(self)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        from shardwise.sharded_tensor.serialization import set_state
-
         set_state(self, state)
 
     # -- torch function dispatch -----------------------------------------------------------
@@ -285,7 +296,9 @@ class ShardedTensor(ShardedTensorBase):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return registry.dispatch(func, types, args, kwargs)
+        handler = _torch_function_handler
+        assert handler is not None, "importing shardwise.sharded_tensor installs the op dispatch"
+        return handler(func, types, args, kwargs)
 
     # -- accessors -------------------------------------------------------------------------
 
@@ -333,7 +346,7 @@ class ShardedTensor(ShardedTensorBase):
     ) -> ShardedTensor:
         """See :func:`shardwise.init_from_local_shards`."""
         group = collectives.resolve_group(process_group)
-        sizes = list(global_size[0]) if _is_single_sequence(global_size) else list(global_size)
+        sizes = size_dims(global_size)
         recalc = any(dim is None for dim in sizes)
         current_rank = collectives.global_rank()
 
@@ -360,10 +373,10 @@ class ShardedTensor(ShardedTensorBase):
         if recalc:
             # This rank's own verdict first (its own numbers in the message), then every other
             # member's, computed from the gathered views, so that all ranks raise together.
-            mine = _recalculated_entry(global_metadata, len(local_shards), current_rank)
+            mine = recalculated_entry(global_metadata, len(local_shards), current_rank)
             for view, rank in zip(views, collectives.global_ranks(group), strict=True):
                 num_shards = 0 if view is None else len(view["shards"])
-                _recalculated_entry(global_metadata, num_shards, rank)
+                recalculated_entry(global_metadata, num_shards, rank)
             local_shards[0].metadata = mine
         spec = _infer_sharding_spec_from_shards_metadata(shards_metadata)
         result: ShardedTensor = cls._new_wrapper(spec, global_metadata)
@@ -409,7 +422,7 @@ class ShardedTensor(ShardedTensorBase):
         result: ShardedTensor = cls._new_wrapper(spec, sharded_tensor_metadata)
         result._prepare_init(process_group=group, init_rrefs=init_rrefs)
         for shard in local_shards:
-            _check_local_shard(shard, properties)
+            check_local_shard(shard, properties)
         validate_non_overlapping_shards_metadata(shards_metadata)
         check_tensor(shards_metadata, list(sharded_tensor_metadata.size))
         result._local_shards = local_shards
@@ -430,14 +443,9 @@ class ShardedTensor(ShardedTensorBase):
             raise ValueError("local_tensor is not a contiguous Tensor.")
         group = collectives.resolve_group(process_group)
         size = flatten_tensor_size(global_size)
-        properties = TensorProperties(
-            dtype=local_tensor.dtype,
-            layout=local_tensor.layout,
-            requires_grad=local_tensor.requires_grad,
-            memory_format=torch.contiguous_format,
-            pin_memory=local_tensor.is_pinned(),
+        metadata = sharding_spec.build_metadata(
+            size, TensorProperties.create_from_tensor(local_tensor)
         )
-        metadata = sharding_spec.build_metadata(size, properties)
         current_rank = collectives.global_rank()
         local_shards = [
             Shard(local_tensor, md)
@@ -474,9 +482,7 @@ class ShardedTensor(ShardedTensorBase):
             ValueError: ``out`` is missing on ``dst``, has the wrong size, or is given on
                 another rank. Every rank raises, so nobody is left waiting.
         """
-        from shardwise.sharded_tensor.gather import gather
-
-        gather(self, dst=dst, out=out, enforce_dtype=enforce_dtype, dtype=dtype)
+        gather.gather(self, dst=dst, out=out, enforce_dtype=enforce_dtype, dtype=dtype)
 
     # -- device and dtype moves --------------------------------------------------------------
 
@@ -486,25 +492,21 @@ class ShardedTensor(ShardedTensorBase):
         process_group: ProcessGroup | None = None,
     ) -> ShardedTensor:
         """A copy with every shard on the CPU (``self`` when all placements already are)."""
-        _check_move_memory_format(memory_format)
+        moves.check_memory_format(memory_format)
         if all(
             md.placement is not None and md.placement.device().type == "cpu"
             for md in self._metadata.shards_metadata
         ):
             return self
         cpu = torch.device("cpu")
-        shards = [
-            Shard(shard.tensor.cpu(memory_format=memory_format), _on_device(shard.metadata, cpu))
-            for shard in self._local_shards
-        ]
-        metadata = _metadata_on_device(self._metadata, lambda device: cpu)
-        metadata.tensor_properties.requires_grad = _grad_after_copy(self.requires_grad, self.dtype)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards,
-            metadata,
-            process_group=process_group or self._process_group,
-            init_rrefs=self._init_rrefs,
+        shards = moves.moved_shards(
+            self._local_shards, lambda tensor: tensor.cpu(memory_format=memory_format), cpu
         )
+        metadata = moves.metadata_on_device(self._metadata, lambda device: cpu)
+        metadata.tensor_properties.requires_grad = keeps_requires_grad(
+            self.requires_grad, self.dtype
+        )
+        return self._moved(shards, metadata, process_group)
 
     def cuda(  # type: ignore[override]  # pragma: no cover - needs a GPU
         self,
@@ -514,7 +516,7 @@ class ShardedTensor(ShardedTensorBase):
         process_group: ProcessGroup | None = None,
     ) -> ShardedTensor:
         """A copy with every local shard on the current CUDA device."""
-        _check_move_memory_format(memory_format)
+        moves.check_memory_format(memory_format)
         current = torch.device("cuda", torch.cuda.current_device())
         if device is not None:
             requested = torch.device("cuda", device) if isinstance(device, int) else device
@@ -523,24 +525,17 @@ class ShardedTensor(ShardedTensorBase):
                     'Only device without device id (e.g. "cpu" or "cuda") is expected for '
                     "ShardedTensor!"
                 )
-        shards = [
-            Shard(
-                shard.tensor.cuda(
-                    device=current, non_blocking=non_blocking, memory_format=memory_format
-                ),
-                _on_device(shard.metadata, current),
-            )
-            for shard in self._local_shards
-        ]
-        metadata = _metadata_on_device(
+        shards = moves.moved_shards(
+            self._local_shards,
+            lambda tensor: tensor.cuda(
+                device=current, non_blocking=non_blocking, memory_format=memory_format
+            ),
+            current,
+        )
+        metadata = moves.metadata_on_device(
             self._metadata, lambda old: old if old.type == "cuda" else current
         )
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards,
-            metadata,
-            process_group=process_group or self._process_group,
-            init_rrefs=self._init_rrefs,
-        )
+        return self._moved(shards, metadata, process_group)
 
     def to(self, *args: Any, **kwargs: Any) -> ShardedTensor:  # type: ignore[override]
         """Move or convert the shards, like ``Tensor.to``.
@@ -551,156 +546,37 @@ class ShardedTensor(ShardedTensorBase):
         Returns ``self`` when nothing changes and ``copy`` is false.
         """
         current_device = self._current_device()
-        device: torch.device = current_device
-        dtype: torch.dtype = self.dtype
-        non_blocking = kwargs.get("non_blocking", False)
-        if len(args) == 1:
-            arg = args[0]
-            if isinstance(arg, torch.dtype):
-                dtype = arg
-            elif isinstance(arg, torch.device):
-                device = arg
-            elif isinstance(arg, (str, int)):
-                device = torch.device(arg)
-            elif isinstance(arg, torch.Tensor):
-                dtype, device = arg.dtype, arg.device
-            else:
-                raise RuntimeError(f"ShardedTensor.to() have wrong arguments: {args}")
-        elif len(args) in (2, 3):
-            # (device, dtype) and nn.Module.to's (device, dtype, non_blocking).
-            if args[0] is not None:
-                device = torch.device(args[0])
-            if args[1] is not None:
-                dtype = args[1]
-            if len(args) == 3:
-                non_blocking = bool(args[2])
-        if kwargs.get("dtype") is not None:
-            dtype = kwargs["dtype"]
-        if kwargs.get("device") is not None:
-            device = torch.device(kwargs["device"])
-        copy_ = kwargs.get("copy", False)
-        memory_format = kwargs.get("memory_format", torch.preserve_format)
-        process_group = kwargs.get("process_group")
-
+        to = moves.parse_to_args(current_device, self.dtype, args, kwargs)
+        device, dtype = to.device, to.dtype
         if device.type != "cpu":
-            device = _force_current_accelerator_index(device)  # pragma: no cover - needs a GPU
-        if not copy_ and dtype == self.dtype and device == current_device:
+            device = moves.force_current_accelerator_index(device)  # pragma: no cover - GPU
+        if not to.copy and dtype == self.dtype and device == current_device:
             return self
-
-        shards = [
-            Shard(
-                shard.tensor.to(
-                    device=device,
-                    dtype=dtype,
-                    non_blocking=non_blocking,
-                    copy=copy_,
-                    memory_format=memory_format,
-                ),
-                _on_device(shard.metadata, device),
-            )
-            for shard in self._local_shards
-        ]
-        metadata = _metadata_on_device(self._metadata, lambda old: device)
+        shards = moves.moved_shards(
+            self._local_shards,
+            lambda tensor: tensor.to(
+                device=device,
+                dtype=dtype,
+                non_blocking=to.non_blocking,
+                copy=to.copy,
+                memory_format=to.memory_format,
+            ),
+            device,
+        )
+        metadata = moves.metadata_on_device(self._metadata, lambda old: device)
         metadata.tensor_properties.dtype = dtype
-        metadata.tensor_properties.requires_grad = _grad_after_copy(self.requires_grad, dtype)
+        metadata.tensor_properties.requires_grad = keeps_requires_grad(self.requires_grad, dtype)
+        return self._moved(shards, metadata, to.process_group)
+
+    def _moved(
+        self,
+        shards: list[Shard],
+        metadata: ShardedTensorMetadata,
+        process_group: ProcessGroup | None,
+    ) -> ShardedTensor:
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards,
             metadata,
             process_group=process_group or self._process_group,
             init_rrefs=self._init_rrefs,
         )
-
-
-def _is_single_sequence(size: Sequence[Any]) -> bool:
-    return len(size) == 1 and isinstance(size[0], Sequence)
-
-
-def _recalculated_entry(
-    metadata: ShardedTensorMetadata, num_local_shards: int, rank: int
-) -> ShardMetadata:
-    """The one recalculated entry of global ``rank``, which must own ``num_local_shards`` > 0."""
-    num_entries = len(metadata.shards_metadata)
-    if not num_local_shards or num_entries <= rank:
-        raise AssertionError(
-            "# for metadata recalculation, local_shards must be larger than 0 "
-            f"actual:{num_local_shards}, # glb metadata must be greater than any rank id, "
-            f"# metadata:{num_entries}, rank id:{rank}"
-        )
-    entries = [
-        md
-        for md in metadata.shards_metadata
-        if md.placement is not None and md.placement.rank() == rank
-    ]
-    if len(entries) != 1:
-        raise AssertionError(
-            f"should has and only has one metadata for local rank, actual:{entries}"
-        )
-    return entries[0]
-
-
-def _check_local_shard(shard: Shard, properties: TensorProperties) -> None:
-    tensor = shard.tensor
-    metadata = shard.metadata
-    if metadata.placement is None:
-        raise AssertionError("Must specify placement for `Shard`!")
-    # Messages name the rank of the shard's own placement (upstream's choice).
-    rank = metadata.placement.rank()
-
-    def mismatch(prop: str, source: str, expected: Any, actual: Any) -> None:
-        if expected != actual:
-            raise ValueError(
-                f"Local shards' tensor {prop} property is incompatible with {source} on rank "
-                f"{rank}: {source} {prop}={expected}, local shard tensor {prop}={actual}."
-            )
-
-    mismatch("layout", "tensor property", properties.layout, tensor.layout)
-    if not tensor.is_contiguous():
-        raise ValueError("Only torch.contiguous_format memory_format is currently supported")
-    mismatch("size", "local ShardMetadata", metadata.shard_sizes, list(tensor.size()))
-    mismatch("pin_memory", "tensor property", properties.pin_memory, tensor.is_pinned())
-    mismatch("device", "local ShardMetadata", metadata.placement.device(), tensor.device)
-    mismatch("dtype", "tensor property", properties.dtype, tensor.dtype)
-    mismatch("requires_grad", "tensor property", properties.requires_grad, tensor.requires_grad)
-
-
-def _grad_after_copy(requires_grad: bool, dtype: torch.dtype) -> bool:
-    """Whether a copy of a tensor is tracked by autograd (what ``Tensor.to`` would give)."""
-    differentiable = dtype.is_floating_point or dtype.is_complex
-    return requires_grad and differentiable and torch.is_grad_enabled()
-
-
-def _check_move_memory_format(memory_format: torch.memory_format) -> None:
-    if memory_format not in (torch.preserve_format, torch.contiguous_format):
-        raise RuntimeError(
-            "Only `torch.contiguous_format` or `torch.preserve_format` is supported!"
-        )
-
-
-def _on_device(metadata: ShardMetadata, device: torch.device) -> ShardMetadata:
-    moved = copy.deepcopy(metadata)
-    if moved.placement is not None:
-        moved.placement._device = device
-    return moved
-
-
-def _metadata_on_device(
-    metadata: ShardedTensorMetadata, new_device: Callable[[torch.device], torch.device]
-) -> ShardedTensorMetadata:
-    moved = copy.deepcopy(metadata)
-    for shard in moved.shards_metadata:
-        if shard.placement is not None:
-            shard.placement._device = new_device(shard.placement.device())
-    return moved
-
-
-def _force_current_accelerator_index(device: torch.device) -> torch.device:  # pragma: no cover
-    index = torch.accelerator.current_device_index()
-    current = torch.device(device.type, index)
-    if device != current:
-        warnings.warn(
-            "ShardedTensor.to only move tensor to its current device"
-            "If you want to put to different device, use `reshard` instead.",
-            UserWarning,
-            stacklevel=3,
-        )
-    return current

@@ -13,22 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardwise import collectives
+from shardwise._boxes import region
 from shardwise.metadata import ShardMetadata, dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
 
 __all__ = ["gather"]
-
-
-def _region(out: torch.Tensor, metadata: ShardMetadata) -> torch.Tensor:
-    view = out
-    for dim, (offset, size) in enumerate(
-        zip(metadata.shard_offsets, metadata.shard_sizes, strict=True)
-    ):
-        # An empty trailing chunk may start past the end (13 rows over 8 chunks: offset 14).
-        view = view.narrow(dim, min(offset, out.size(dim)), size)
-    return view
 
 
 def _validate(
@@ -99,7 +90,8 @@ def gather(
     with torch.no_grad():
         for shard in st.local_shards():
             # Through the wire dtype like every other shard, so dtype= rounds all regions alike.
-            _region(out, shard.metadata).copy_(shard.tensor.to(wire_dtype))
+            md = shard.metadata
+            region(out, md.shard_offsets, md.shard_sizes).copy_(shard.tensor.to(wire_dtype))
         sizes = {
             owner: sum(_numel(md) for md in shards)
             for owner, shards in by_owner.items()
@@ -118,7 +110,7 @@ def gather(
                 start += count
             collectives.send_recv_bytes(group, [], [(owner, piece) for piece in pieces])
             for metadata, piece in zip(shards, pieces, strict=True):
-                _region(out, metadata).copy_(piece)
+                region(out, metadata.shard_offsets, metadata.shard_sizes).copy_(piece)
 
 
 def _numel(metadata: ShardMetadata) -> int:

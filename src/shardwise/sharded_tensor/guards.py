@@ -16,6 +16,7 @@ otherwise misbehave with one:
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -34,17 +35,17 @@ def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
-def _refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
+def _refuse_sharded_params(
+    sharded_type: type[torch.Tensor], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+) -> None:
     # The distinct types of the parameters first: about 30 ns per parameter, where an
     # isinstance per parameter costs 200 (a step over 1,000 small parameters takes ~4 ms).
     types = {type(param) for group in optimizer.param_groups for param in group["params"]}
-    if not any(issubclass(cls, ShardedTensor) for cls in types):
+    if not any(issubclass(cls, sharded_type) for cls in types):
         return
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
-            if isinstance(param, ShardedTensor):
+            if isinstance(param, sharded_type):
                 name = _optimizer_name(optimizer)
                 raise TypeError(
                     f"{name} cannot step a ShardedTensor parameter (param_groups[{group_index}]"
@@ -57,11 +58,12 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 )
 
 
-def install_optimizer_guard() -> None:
-    """Register the global optimizer step pre-hook that refuses ShardedTensor parameters."""
+def install_optimizer_guard(sharded_type: type[torch.Tensor]) -> None:
+    """Register the global optimizer step pre-hook that refuses ``sharded_type`` parameters
+    (``ShardedTensor``, passed in by the package that defines it)."""
     global _installed
     if not _installed:
-        register_optimizer_step_pre_hook(_refuse_sharded_params)
+        register_optimizer_step_pre_hook(functools.partial(_refuse_sharded_params, sharded_type))
         _installed = True
 
 
@@ -77,21 +79,20 @@ def _module_being_wrapped_by_ddp() -> nn.Module | None:
     return None
 
 
-def _sharded_names(module: nn.Module) -> list[str]:
-    from shardwise.sharded_tensor.api import ShardedTensor
-
+def _sharded_names(module: nn.Module, sharded_type: type[torch.Tensor]) -> list[str]:
     named = [*module.named_parameters(), *module.named_buffers()]
-    return [name for name, value in named if isinstance(value, ShardedTensor)]
+    return [name for name, value in named if isinstance(value, sharded_type)]
 
 
-def dispatch_error(class_name: str, func: Any) -> RuntimeError:
+def dispatch_error(class_name: str, func: Any, sharded_type: type[torch.Tensor]) -> RuntimeError:
     """The error for an aten op reaching a ShardedTensor (no storage to run it on).
 
     Upstream's message, unless ``DistributedDataParallel`` is wrapping a module with
-    ShardedTensor parameters: then a message that names them and says what to do.
+    parameters of ``sharded_type`` (``ShardedTensor``, passed in by its own module): then a
+    message that names them and says what to do.
     """
     module = _module_being_wrapped_by_ddp()
-    names = [] if module is None else _sharded_names(module)
+    names = [] if module is None else _sharded_names(module, sharded_type)
     if names:
         return RuntimeError(
             "DistributedDataParallel cannot wrap a module with ShardedTensor parameters "

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise import collectives
-from shardwise.metadata import ShardMetadata
+from shardwise import _boxes, collectives
+from shardwise.metadata import ShardMetadata, TensorProperties
 from shardwise.placement import RemoteDevice
 from shardwise.sharded_tensor.shard import Shard
+from shardwise.sharded_tensor.utils import parse_and_validate_remote_device
 from shardwise.sharding_spec import ChunkShardingSpec, ShardingSpec
 
 if TYPE_CHECKING:
@@ -51,20 +52,9 @@ class Transfer:
     sizes: tuple[int, ...]
 
 
-def intersect(a: ShardMetadata, b: ShardMetadata) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def intersect(a: ShardMetadata, b: ShardMetadata) -> _boxes.Box | None:
     """The box two shards share, as ``(offsets, sizes)``, or ``None`` if it is empty."""
-    offsets = []
-    sizes = []
-    for a_off, a_size, b_off, b_size in zip(
-        a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes, strict=True
-    ):
-        start = max(a_off, b_off)
-        stop = min(a_off + a_size, b_off + b_size)
-        if stop <= start:
-            return None
-        offsets.append(start)
-        sizes.append(stop - start)
-    return tuple(offsets), tuple(sizes)
+    return _boxes.intersect(a.shard_offsets, a.shard_sizes, b.shard_offsets, b.shard_sizes)
 
 
 def plan_reshard(old: Sequence[ShardMetadata], new: Sequence[ShardMetadata]) -> list[Transfer]:
@@ -110,8 +100,6 @@ def build_reshard_metadata(
 ) -> tuple[list[ShardMetadata], list[int]]:
     """The chunk layout of ``sharding_spec`` indexed by placement rank, and the ranks in
     placement order (upstream's helper; every rank of the world must have one placement)."""
-    from shardwise.metadata import TensorProperties
-
     metadata = sharding_spec.build_metadata(st_size, TensorProperties())
     by_rank: list[ShardMetadata | None] = [None] * world_size
     ranks = []
@@ -132,23 +120,12 @@ def _owner(metadata: ShardMetadata) -> int:
     return rank
 
 
-def _region(
-    tensor: torch.Tensor, origin: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-) -> torch.Tensor:
-    view = tensor
-    for dim, (start, box_start, size) in enumerate(zip(origin, offsets, sizes, strict=True)):
-        view = view.narrow(dim, box_start - start, size)
-    return view
-
-
 def reshard(st: ShardedTensor, resharding_spec: ShardingSpec) -> ShardedTensor:
     """Move ``st``'s data to the layout of ``resharding_spec``, in place (collective).
 
     Returns ``st``. A chunk spec with the same dim and placements is a no-op; a chunk target
     stores its shard metadata ordered by placement rank (upstream's order).
     """
-    from shardwise.sharded_tensor.utils import parse_and_validate_remote_device
-
     group = st._process_group
     old_spec = st.sharding_spec()
     # A rank outside the group owns nothing before or after (placements name members), so it
@@ -201,14 +178,14 @@ def reshard(st: ShardedTensor, resharding_spec: ShardingSpec) -> ShardedTensor:
             target_md = new_shards[transfer.target]
             source_rank, target_rank = _owner(source_md), _owner(target_md)
             if source_rank == me:
-                piece = _region(
+                piece = _boxes.narrow_to(
                     local_by_offsets[tuple(source_md.shard_offsets)],
                     source_md.shard_offsets,
                     transfer.offsets,
                     transfer.sizes,
                 )
                 if target_rank == me:
-                    _region(
+                    _boxes.narrow_to(
                         target_tensor[transfer.target],
                         target_md.shard_offsets,
                         transfer.offsets,
@@ -225,7 +202,7 @@ def reshard(st: ShardedTensor, resharding_spec: ShardingSpec) -> ShardedTensor:
                 recvs.append((source_rank, buffer))
                 landing.append(
                     (
-                        _region(
+                        _boxes.narrow_to(
                             target_tensor[transfer.target],
                             target_md.shard_offsets,
                             transfer.offsets,

@@ -18,6 +18,15 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwise import collectives
+from shardwise.metadata import (
+    MEM_FORMAT_ENCODING,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+)
+from shardwise.placement import RemoteDevice
+from shardwise.sharded_tensor.shard import Shard
+from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
 
 if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
@@ -106,22 +115,14 @@ def set_state(st: ShardedTensor, state: tuple[Any, ...]) -> None:
     st._post_init()
 
 
-def register_safe_globals() -> None:
-    """Allow ``torch.load(..., weights_only=True)`` to rebuild ShardedTensors."""
-    from shardwise.metadata import (
-        MEM_FORMAT_ENCODING,
-        ShardedTensorMetadata,
-        ShardMetadata,
-        TensorProperties,
-    )
-    from shardwise.placement import RemoteDevice
-    from shardwise.sharded_tensor.api import ShardedTensor
-    from shardwise.sharded_tensor.shard import Shard
-    from shardwise.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
+def register_safe_globals(sharded_type: type[torch.Tensor]) -> None:
+    """Allow ``torch.load(..., weights_only=True)`` to rebuild ShardedTensors.
 
+    ``sharded_type`` is ``ShardedTensor``, passed in by the package that defines it.
+    """
     torch.serialization.add_safe_globals(
         [
-            ShardedTensor,
+            sharded_type,
             Shard,
             ShardMetadata,
             ShardedTensorMetadata,

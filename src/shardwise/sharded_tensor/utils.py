@@ -1,6 +1,5 @@
-"""Pure helpers of sharded-tensor construction: size flattening, placement resolution, the
-local and cross-rank metadata validation of ``init_from_local_shards``, and new tensors laid
-out like an existing one (:func:`with_local_tensors`).
+"""Pure helpers of sharded-tensor construction: size flattening, placement resolution, and
+the local and cross-rank metadata validation of ``init_from_local_shards``.
 """
 
 from __future__ import annotations
@@ -20,11 +19,18 @@ from shardwise.sharded_tensor.shard import Shard
 __all__ = [
     "build_global_metadata",
     "build_metadata_from_local_shards",
+    "check_local_shard",
     "flatten_tensor_size",
     "parse_and_validate_remote_device",
     "recalc_global_sharded_tensor_metadata",
-    "with_local_tensors",
+    "recalculated_entry",
+    "size_dims",
 ]
+
+
+def size_dims(size: Sequence[Any]) -> list[Any]:
+    """The dims of a size given as varargs or as one sequence (list, tuple, ``torch.Size``)."""
+    return list(size[0]) if len(size) == 1 and isinstance(size[0], Sequence) else list(size)
 
 
 def flatten_tensor_size(size: Sequence[Any]) -> torch.Size:
@@ -33,7 +39,7 @@ def flatten_tensor_size(size: Sequence[Any]) -> torch.Size:
     Raises:
         TypeError: An element is not an ``int``.
     """
-    dims = list(size[0]) if len(size) == 1 and isinstance(size[0], Sequence) else list(size)
+    dims = size_dims(size)
     for dim in dims:
         if not isinstance(dim, int):
             raise TypeError(f"size has to be a sequence of ints, found: {dims}")
@@ -115,17 +121,10 @@ def build_metadata_from_local_shards(
         _raise_local_mismatch(
             tensor.requires_grad, first.requires_grad, "requires_grad", current_rank
         )
-    properties = TensorProperties(
-        dtype=first.dtype,
-        layout=first.layout,
-        requires_grad=first.requires_grad,
-        memory_format=torch.contiguous_format,
-        pin_memory=first.is_pinned(),
-    )
     return ShardedTensorMetadata(
         shards_metadata=[shard.metadata for shard in local_shards],
         size=global_size,
-        tensor_properties=properties,
+        tensor_properties=TensorProperties.create_from_tensor(first),
     )
 
 
@@ -190,44 +189,50 @@ def _placement_rank(metadata: ShardMetadata) -> int:
     return -1 if rank is None else rank
 
 
-def with_local_tensors(like: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """A ShardedTensor laid out like ``like`` whose local shards are ``tensors`` (no copies).
+def recalculated_entry(
+    metadata: ShardedTensorMetadata, num_local_shards: int, rank: int
+) -> ShardMetadata:
+    """The one recalculated entry of global ``rank``, which must own ``num_local_shards`` > 0."""
+    num_entries = len(metadata.shards_metadata)
+    if not num_local_shards or num_entries <= rank:
+        raise AssertionError(
+            "# for metadata recalculation, local_shards must be larger than 0 "
+            f"actual:{num_local_shards}, # glb metadata must be greater than any rank id, "
+            f"# metadata:{num_entries}, rank id:{rank}"
+        )
+    entries = [
+        md
+        for md in metadata.shards_metadata
+        if md.placement is not None and md.placement.rank() == rank
+    ]
+    if len(entries) != 1:
+        raise AssertionError(
+            f"should has and only has one metadata for local rank, actual:{entries}"
+        )
+    return entries[0]
 
-    ``tensors[i]`` takes the place of ``like``'s ``i``-th local shard and must have its size
-    and device; dtype and requires_grad come from the tensors (all alike). The gradient of a
-    sharded parameter and the optimizer state of one are built this way. No communication.
 
-    Raises:
-        ValueError: The number of tensors, or one's size, dtype or requires_grad, does not fit.
-    """
-    from shardwise.sharded_tensor.api import ShardedTensor
+def check_local_shard(shard: Shard, properties: TensorProperties) -> None:
+    """Check one of this rank's shards against the global tensor properties."""
+    tensor = shard.tensor
+    metadata = shard.metadata
+    if metadata.placement is None:
+        raise AssertionError("Must specify placement for `Shard`!")
+    # Messages name the rank of the shard's own placement (upstream's choice).
+    rank = metadata.placement.rank()
 
-    local = like.local_shards()
-    if len(tensors) != len(local):
-        raise ValueError(f"expected {len(local)} local tensors, got {len(tensors)}")
-    global_metadata = like.metadata()
-    shards_metadata = copy.deepcopy(global_metadata.shards_metadata)
-    # The local shards' metadata are entries of the global list (the same objects).
-    position = {id(entry): i for i, entry in enumerate(global_metadata.shards_metadata)}
-    shards = []
-    for shard, tensor in zip(local, tensors, strict=True):
-        index = position.get(id(shard.metadata))
-        if index is None:
-            index = global_metadata.shards_metadata.index(shard.metadata)
-        shards.append(Shard(tensor, shards_metadata[index]))
-    first = tensors[0] if tensors else None
-    properties = TensorProperties(
-        dtype=like.dtype if first is None else first.dtype,
-        layout=global_metadata.tensor_properties.layout,
-        requires_grad=False if first is None else first.requires_grad,
-        memory_format=global_metadata.tensor_properties.memory_format,
-        pin_memory=False if first is None else first.is_pinned(),
-    )
-    metadata = ShardedTensorMetadata(shards_metadata, global_metadata.size, properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards,
-        metadata,
-        process_group=like._process_group,
-        init_rrefs=False,
-        sharding_spec=like.sharding_spec(),
-    )
+    def mismatch(prop: str, source: str, expected: Any, actual: Any) -> None:
+        if expected != actual:
+            raise ValueError(
+                f"Local shards' tensor {prop} property is incompatible with {source} on rank "
+                f"{rank}: {source} {prop}={expected}, local shard tensor {prop}={actual}."
+            )
+
+    mismatch("layout", "tensor property", properties.layout, tensor.layout)
+    if not tensor.is_contiguous():
+        raise ValueError("Only torch.contiguous_format memory_format is currently supported")
+    mismatch("size", "local ShardMetadata", metadata.shard_sizes, list(tensor.size()))
+    mismatch("pin_memory", "tensor property", properties.pin_memory, tensor.is_pinned())
+    mismatch("device", "local ShardMetadata", metadata.placement.device(), tensor.device)
+    mismatch("dtype", "tensor property", properties.dtype, tensor.dtype)
+    mismatch("requires_grad", "tensor property", properties.requires_grad, tensor.requires_grad)

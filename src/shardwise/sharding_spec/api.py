@@ -2,11 +2,18 @@
 
 A :class:`ShardingSpec` says how a global tensor of a given size is cut into shards and
 where each shard lives; a :class:`PlacementSpec` says where a whole (unsharded) entity lives.
+
+The spec layer sits below the sharded tensor, yet a spec's ``shard`` makes a ShardedTensor
+and upstream keeps ``custom_sharding_spec_op`` here. Both come from the layers above through
+:class:`TensorLayer`, which :mod:`shardwise.sharded_tensor` installs when it is imported, so
+this layer never imports the layers built on it.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +28,35 @@ if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
 
 __all__ = ["DevicePlacementSpec", "PlacementSpec", "ShardingSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayer:
+    """What the spec layer uses from the layers built on it (dependency inversion)."""
+
+    scatter: Callable[..., ShardedTensor]
+    """``shardwise.sharded_tensor.scatter.scatter``: the engine of the built-in specs' ``shard``."""
+
+    custom_sharding_spec_op: Callable[[type, Callable[..., Any]], Callable[..., Any]]
+    """``shardwise.ops.registry.custom_sharding_spec_op``."""
+
+
+_tensor_layer: TensorLayer | None = None
+
+
+def install_tensor_layer(layer: TensorLayer) -> None:
+    """Called once by :mod:`shardwise.sharded_tensor` when it is imported."""
+    global _tensor_layer
+    _tensor_layer = layer
+
+
+def _installed_tensor_layer() -> TensorLayer:
+    if _tensor_layer is None:
+        # Only the spec layer has been loaded so far (``import shardwise`` before torch, then a
+        # spec's ``shard``): loading the sharded-tensor package installs what it provides.
+        importlib.import_module("shardwise.sharded_tensor")
+    assert _tensor_layer is not None, "shardwise.sharded_tensor did not install its layer"
+    return _tensor_layer
 
 
 class PlacementSpec(ABC):  # noqa: B024 - a marker base: subclasses add what they need
@@ -114,9 +150,7 @@ class ScatterByMetadata(ShardingSpec):
         Returns:
             The ShardedTensor holding this rank's shards, with ``sharding_spec() is self``.
         """
-        # Imported here: scattering lives above the spec layer (it builds a ShardedTensor).
-        from shardwise.api import scatter
-
+        scatter = _installed_tensor_layer().scatter
         return scatter(tensor, self, src_rank=src_rank, process_group=process_group)
 
 
@@ -124,6 +158,4 @@ def custom_sharding_spec_op(sharding_spec_class: type, func: Any) -> Any:
     """Decorator registering an implementation of ``func`` for tensors sharded by
     ``sharding_spec_class`` (upstream's home of this name; see
     :func:`shardwise.ops.registry.custom_sharding_spec_op`)."""
-    from shardwise.ops.registry import custom_sharding_spec_op as register
-
-    return register(sharding_spec_class, func)
+    return _installed_tensor_layer().custom_sharding_spec_op(sharding_spec_class, func)

@@ -112,9 +112,7 @@ class ChunkShardingSpec(ScatterByMetadata):
     ) -> ShardedTensorMetadata:
         """Cut a tensor of size ``tensor_sizes`` into this spec's chunks.
 
-        Args:
-            tensor_sizes: The global size of the tensor.
-            tensor_properties: Properties shared by every shard.
+        The arguments are those of :meth:`ShardingSpec.build_metadata`.
 
         Returns:
             One shard per placement, in placement order, with ``tensor_sizes`` (as given) and

@@ -58,9 +58,7 @@ class EnumerableShardingSpec(ScatterByMetadata):
     ) -> ShardedTensorMetadata:
         """Check that the shards tile a tensor of size ``tensor_sizes`` and describe it.
 
-        Args:
-            tensor_sizes: The global size of the tensor.
-            tensor_properties: Properties shared by every shard.
+        The arguments are those of :meth:`ShardingSpec.build_metadata`.
 
         Returns:
             Metadata holding this spec's own shard list (the same list object),
