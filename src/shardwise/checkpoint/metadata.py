@@ -1,31 +1,44 @@
-"""Checkpoint metadata: the classes of ``torch.distributed.checkpoint.metadata``, mirrored, and
-their versioned JSON forms, the largest of which (:class:`Metadata`) is the checkpoint index.
+"""Checkpoint metadata: the classes of ``torch.distributed.checkpoint.metadata``, mirrored.
 
 The classes have DCP's fields, defaults, equality and repr. :class:`TensorProperties` is the
-one class of :mod:`shardwise.metadata`, shared with the sharded-tensor metadata. Each class
-converts to and from DCP's own class (``to_dcp`` / ``from_dcp``) for code that hands metadata
-to ``torch.distributed.checkpoint``.
+one class of :mod:`shardwise.metadata`, shared with the sharded-tensor metadata.
+:meth:`ChunkStorageMetadata.to_dcp` and :func:`properties_to_dcp` give DCP's own classes to
+code that hands metadata to ``torch.distributed.checkpoint`` (``LocalShardsWrapper``'s
+checkpoint protocol).
 
-JSON: every class has ``to_dict``/``from_dict`` (the plain JSON-able body) and
-``to_json``/``from_json`` (a versioned document). :meth:`Metadata.to_json` writes the
-checkpoint index, whose schema is written down in ``docs/format.md``. Readers reject unknown
-keys, names and versions with :class:`~shardwise.errors.CheckpointFormatError`.
+JSON: every class has ``to_dict``/``from_dict``, its plain JSON-able body, built from and
+checked by the rules of :mod:`shardwise.checkpoint.metadata_json`. :class:`Metadata`'s body is
+the version-1 checkpoint index (``docs/format.md``), also as text (``to_json``/``from_json``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from shardwise.errors import CheckpointFormatError, MetadataFormatError
-from shardwise.metadata import TensorProperties, _check_keys, _int_list, _unwrap, _wrap
+from shardwise._codec import check_keys, int_list
+from shardwise.checkpoint.metadata_json import (
+    INDEX_FORMAT,
+    INDEX_VERSION,
+    check_chunk_bounds,
+    check_json_value,
+    check_same_ndim,
+    format_errors,
+    in_entry,
+    index_body,
+    load_json,
+    optional_str,
+    plain_ints,
+    size_of,
+    storage_info_to_json,
+)
+from shardwise.errors import CheckpointFormatError
+from shardwise.metadata import TensorProperties
 
 if TYPE_CHECKING:
     import torch.distributed.checkpoint.metadata as dcp
@@ -41,86 +54,8 @@ __all__ = [
     "StorageMeta",
     "TensorProperties",
     "TensorStorageMetadata",
-    "properties_from_dcp",
     "properties_to_dcp",
 ]
-
-#: Value of the ``format`` field of a checkpoint index.
-INDEX_FORMAT = "shardwise-checkpoint"
-#: Version of the checkpoint index written by :meth:`Metadata.to_json`; readers reject others.
-INDEX_VERSION = 1
-
-_T = TypeVar("_T")
-
-
-@contextlib.contextmanager
-def _format_errors() -> Iterator[None]:
-    """Report the shared JSON helpers' MetadataFormatError as a CheckpointFormatError."""
-    try:
-        yield
-    except CheckpointFormatError:
-        raise
-    except MetadataFormatError as err:
-        raise CheckpointFormatError(str(err)) from err
-
-
-def _size(values: list[int], what: str) -> torch.Size:
-    if any(v < 0 for v in values):
-        raise CheckpointFormatError(f"{what} must not be negative, got {values}")
-    return torch.Size(values)
-
-
-def _plain_ints(values: torch.Size, what: str) -> list[int]:
-    """``values`` as a list of non-negative ints: what the JSON readers accept."""
-    result = [int(v) for v in values]
-    if any(v < 0 for v in result):
-        raise CheckpointFormatError(f"{what} must not be negative, got {result}")
-    return result
-
-
-def _check_json_value(value: object, where: str) -> None:
-    """Refuse values that JSON would not give back unchanged (tuples, NaN, non-str keys...)."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise TypeError(f"{where}: {value!r} has no JSON form")
-        return
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_json_value(item, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where}: JSON object keys must be strings, got {key!r}")
-            _check_json_value(item, f"{where}[{key!r}]")
-        return
-    raise TypeError(
-        f"{where}: {type(value).__name__} is not JSON-able (use None, bool, int, float, str, "
-        f"list or dict with str keys)"
-    )
-
-
-def _reject_constant(name: str) -> Any:
-    raise CheckpointFormatError(f"the checkpoint index contains {name}, which is not JSON")
-
-
-def _load_json(text: str | bytes, what: str) -> Any:
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointFormatError(f"{what} is not valid JSON: {err}") from err
-
-
-def _from_document(text: str | bytes, kind: str, parse: Callable[[object], _T]) -> _T:
-    with _format_errors():
-        return parse(_unwrap(text, kind))
-
-
-# -------------------------------------------------------------------------------------------
-# DCP interop for the shared TensorProperties (a different class in DCP).
-# -------------------------------------------------------------------------------------------
 
 
 def properties_to_dcp(properties: TensorProperties) -> dcp.TensorProperties:
@@ -134,22 +69,6 @@ def properties_to_dcp(properties: TensorProperties) -> dcp.TensorProperties:
         memory_format=properties.memory_format,
         pin_memory=properties.pin_memory,
     )
-
-
-def properties_from_dcp(properties: dcp.TensorProperties) -> TensorProperties:
-    """DCP's ``TensorProperties`` as shardwise's (shared with the sharded-tensor metadata)."""
-    return TensorProperties(
-        dtype=properties.dtype,
-        layout=properties.layout,
-        requires_grad=properties.requires_grad,
-        memory_format=properties.memory_format,
-        pin_memory=properties.pin_memory,
-    )
-
-
-# -------------------------------------------------------------------------------------------
-# The classes.
-# -------------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -168,50 +87,29 @@ class ChunkStorageMetadata:
 
     def to_dict(self) -> dict[str, Any]:
         """This chunk as a plain JSON-able dict: ``{"offsets": [...], "sizes": [...]}``."""
-        offsets = _plain_ints(self.offsets, "ChunkStorageMetadata offsets")
-        sizes = _plain_ints(self.sizes, "ChunkStorageMetadata sizes")
-        _check_same_ndim(offsets, sizes)
+        offsets = plain_ints(self.offsets, "ChunkStorageMetadata offsets")
+        sizes = plain_ints(self.sizes, "ChunkStorageMetadata sizes")
+        check_same_ndim(offsets, sizes)
         return {"offsets": offsets, "sizes": sizes}
 
     @classmethod
     def from_dict(cls, data: object) -> ChunkStorageMetadata:
         """Inverse of :meth:`to_dict`; :class:`CheckpointFormatError` on a malformed dict."""
-        with _format_errors():
-            body = _check_keys(data, ("offsets", "sizes"), "ChunkStorageMetadata")
-            offsets = _int_list(body["offsets"], "ChunkStorageMetadata offsets")
-            sizes = _int_list(body["sizes"], "ChunkStorageMetadata sizes")
-        _check_same_ndim(offsets, sizes)
+        with format_errors():
+            body = check_keys(data, ("offsets", "sizes"), "ChunkStorageMetadata")
+            offsets = int_list(body["offsets"], "ChunkStorageMetadata offsets")
+            sizes = int_list(body["sizes"], "ChunkStorageMetadata sizes")
+        check_same_ndim(offsets, sizes)
         return cls(
-            offsets=_size(offsets, "ChunkStorageMetadata offsets"),
-            sizes=_size(sizes, "ChunkStorageMetadata sizes"),
+            offsets=size_of(offsets, "ChunkStorageMetadata offsets"),
+            sizes=size_of(sizes, "ChunkStorageMetadata sizes"),
         )
-
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("ChunkStorageMetadata", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ChunkStorageMetadata:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return _from_document(text, "ChunkStorageMetadata", cls.from_dict)
 
     def to_dcp(self) -> dcp.ChunkStorageMetadata:
         """The same chunk as ``torch.distributed.checkpoint.metadata.ChunkStorageMetadata``."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as DCPChunk
 
         return DCPChunk(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
-
-    @classmethod
-    def from_dcp(cls, chunk: dcp.ChunkStorageMetadata) -> ChunkStorageMetadata:
-        """The chunk ``chunk`` of DCP as a shardwise chunk."""
-        return cls(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))
-
-
-def _check_same_ndim(offsets: list[int], sizes: list[int]) -> None:
-    if len(offsets) != len(sizes):
-        raise CheckpointFormatError(
-            f"ChunkStorageMetadata offsets {offsets} and sizes {sizes} have different lengths"
-        )
 
 
 @dataclass(slots=True)
@@ -229,46 +127,25 @@ class TensorStorageMetadata:
     def __post_init__(self) -> None:
         self.size = torch.Size(self.size)
 
-    def _check_chunks(self) -> None:
-        """Every chunk has the tensor's number of dims and, unless empty, lies inside it."""
-        for chunk in self.chunks:
-            if len(chunk.offsets) != len(self.size) or len(chunk.sizes) != len(self.size):
-                raise CheckpointFormatError(
-                    f"chunk at offsets {list(chunk.offsets)} with sizes {list(chunk.sizes)} "
-                    f"does not have the {len(self.size)} dims of a tensor of size "
-                    f"{list(self.size)}"
-                )
-            if math.prod(chunk.sizes) == 0:
-                continue  # zero-volume chunks are exempt from bounds, as in ShardMetadata
-            for dim, (offset, length, extent) in enumerate(
-                zip(chunk.offsets, chunk.sizes, self.size, strict=True)
-            ):
-                if offset + length > extent:
-                    raise CheckpointFormatError(
-                        f"chunk at offsets {list(chunk.offsets)} with sizes {list(chunk.sizes)} "
-                        f"exceeds dim {dim} of a tensor of size {list(self.size)}"
-                    )
-
     def to_dict(self) -> dict[str, Any]:
         """This tensor entry as a plain JSON-able dict (properties, size, chunks)."""
-        size = _plain_ints(self.size, "TensorStorageMetadata size")
+        size = plain_ints(self.size, "TensorStorageMetadata size")
         if not isinstance(self.properties, TensorProperties):
             raise TypeError(
                 "TensorStorageMetadata.properties must be a shardwise TensorProperties, got "
-                f"{type(self.properties).__name__} (convert a DCP one with "
-                "TensorStorageMetadata.from_dcp)"
+                f"{type(self.properties).__name__}"
             )
         chunks = [chunk.to_dict() for chunk in self.chunks]
-        self._check_chunks()
+        check_chunk_bounds(self.size, ((c.offsets, c.sizes) for c in self.chunks))
         return {"properties": self.properties.to_dict(), "size": size, "chunks": chunks}
 
     @classmethod
     def from_dict(cls, data: object) -> TensorStorageMetadata:
         """Inverse of :meth:`to_dict`; :class:`CheckpointFormatError` on a malformed dict."""
-        with _format_errors():
-            body = _check_keys(data, ("properties", "size", "chunks"), "TensorStorageMetadata")
+        with format_errors():
+            body = check_keys(data, ("properties", "size", "chunks"), "TensorStorageMetadata")
             properties = TensorProperties.from_dict(body["properties"])
-            size = _int_list(body["size"], "TensorStorageMetadata size")
+            size = int_list(body["size"], "TensorStorageMetadata size")
         chunks = body["chunks"]
         if not isinstance(chunks, list):
             raise CheckpointFormatError(
@@ -276,39 +153,11 @@ class TensorStorageMetadata:
             )
         result = cls(
             properties=properties,
-            size=_size(size, "TensorStorageMetadata size"),
+            size=size_of(size, "TensorStorageMetadata size"),
             chunks=[ChunkStorageMetadata.from_dict(chunk) for chunk in chunks],
         )
-        result._check_chunks()
+        check_chunk_bounds(result.size, ((c.offsets, c.sizes) for c in result.chunks))
         return result
-
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("TensorStorageMetadata", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> TensorStorageMetadata:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return _from_document(text, "TensorStorageMetadata", cls.from_dict)
-
-    def to_dcp(self) -> dcp.TensorStorageMetadata:
-        """The same entry as DCP's ``TensorStorageMetadata`` (with DCP's TensorProperties)."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata as DCPTensor
-
-        return DCPTensor(
-            properties=properties_to_dcp(self.properties),
-            size=torch.Size(self.size),
-            chunks=[chunk.to_dcp() for chunk in self.chunks],
-        )
-
-    @classmethod
-    def from_dcp(cls, entry: dcp.TensorStorageMetadata) -> TensorStorageMetadata:
-        """DCP's entry ``entry`` as a shardwise entry."""
-        return cls(
-            properties=properties_from_dcp(entry.properties),
-            size=torch.Size(entry.size),
-            chunks=[ChunkStorageMetadata.from_dcp(chunk) for chunk in entry.chunks],
-        )
 
 
 @dataclass(slots=True)
@@ -322,39 +171,13 @@ class BytesStorageMetadata:
     @classmethod
     def from_dict(cls, data: object) -> BytesStorageMetadata:
         """Inverse of :meth:`to_dict`; :class:`CheckpointFormatError` on a malformed dict."""
-        with _format_errors():
-            _check_keys(data, (), "BytesStorageMetadata")
-        return cls()
-
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("BytesStorageMetadata", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> BytesStorageMetadata:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return _from_document(text, "BytesStorageMetadata", cls.from_dict)
-
-    def to_dcp(self) -> dcp.BytesStorageMetadata:
-        """DCP's ``BytesStorageMetadata``."""
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata as DCPBytes
-
-        return DCPBytes()
-
-    @classmethod
-    def from_dcp(cls, entry: dcp.BytesStorageMetadata) -> BytesStorageMetadata:
-        """DCP's entry ``entry`` as a shardwise entry."""
+        with format_errors():
+            check_keys(data, (), "BytesStorageMetadata")
         return cls()
 
 
 #: What :attr:`Metadata.state_dict_metadata` maps a key to.
 STORAGE_TYPES: TypeAlias = TensorStorageMetadata | BytesStorageMetadata
-
-
-def _optional_str(value: object, what: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise CheckpointFormatError(f"{what} must be a string or null, got {value!r}")
-    return value
 
 
 @dataclass(slots=True)
@@ -392,8 +215,8 @@ class StorageMeta:
     @classmethod
     def from_dict(cls, data: object) -> StorageMeta:
         """Inverse of :meth:`to_dict`; :class:`CheckpointFormatError` on a malformed dict."""
-        with _format_errors():
-            body = _check_keys(
+        with format_errors():
+            body = check_keys(
                 data, ("checkpoint_id", "save_id", "load_id", "modules"), "StorageMeta"
             )
         modules = body["modules"]
@@ -402,40 +225,10 @@ class StorageMeta:
                 f"StorageMeta modules must be a list of strings, got {modules!r}"
             )
         return cls(
-            checkpoint_id=_optional_str(body["checkpoint_id"], "StorageMeta checkpoint_id"),
-            save_id=_optional_str(body["save_id"], "StorageMeta save_id"),
-            load_id=_optional_str(body["load_id"], "StorageMeta load_id"),
+            checkpoint_id=optional_str(body["checkpoint_id"], "StorageMeta checkpoint_id"),
+            save_id=optional_str(body["save_id"], "StorageMeta save_id"),
+            load_id=optional_str(body["load_id"], "StorageMeta load_id"),
             modules=list(modules),
-        )
-
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("StorageMeta", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> StorageMeta:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return _from_document(text, "StorageMeta", cls.from_dict)
-
-    def to_dcp(self) -> dcp.StorageMeta:
-        """The same facts as DCP's ``StorageMeta``."""
-        from torch.distributed.checkpoint.metadata import StorageMeta as DCPStorageMeta
-
-        return DCPStorageMeta(
-            checkpoint_id=self.checkpoint_id,
-            save_id=self.save_id,
-            load_id=self.load_id,
-            modules=list(self.modules),
-        )
-
-    @classmethod
-    def from_dcp(cls, meta: dcp.StorageMeta) -> StorageMeta:
-        """DCP's ``meta`` as a shardwise StorageMeta."""
-        return cls(
-            checkpoint_id=meta.checkpoint_id,
-            save_id=meta.save_id,
-            load_id=meta.load_id,
-            modules=list(meta.modules),
         )
 
 
@@ -470,18 +263,18 @@ class MetadataIndex:
             "fqn": self.fqn,
             "offset": None
             if self.offset is None
-            else _plain_ints(self.offset, "MetadataIndex offset"),
+            else plain_ints(self.offset, "MetadataIndex offset"),
             "index": self.index,
         }
 
     @classmethod
     def from_dict(cls, data: object) -> MetadataIndex:
         """Inverse of :meth:`to_dict`; :class:`CheckpointFormatError` on a malformed dict."""
-        with _format_errors():
-            body = _check_keys(data, ("fqn", "offset", "index"), "MetadataIndex")
+        with format_errors():
+            body = check_keys(data, ("fqn", "offset", "index"), "MetadataIndex")
             offset = body["offset"]
             if offset is not None:
-                offset = _size(_int_list(offset, "MetadataIndex offset"), "MetadataIndex offset")
+                offset = size_of(int_list(offset, "MetadataIndex offset"), "MetadataIndex offset")
         fqn = body["fqn"]
         if not isinstance(fqn, str):
             raise CheckpointFormatError(f"MetadataIndex fqn must be a string, got {fqn!r}")
@@ -492,38 +285,6 @@ class MetadataIndex:
             )
         return cls(fqn, offset, index)
 
-    def to_json(self) -> str:
-        """The versioned JSON form."""
-        return _wrap("MetadataIndex", self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> MetadataIndex:
-        """Read the versioned JSON form written by :meth:`to_json`."""
-        return _from_document(text, "MetadataIndex", cls.from_dict)
-
-    def to_dcp(self) -> dcp.MetadataIndex:
-        """The same index as DCP's ``MetadataIndex``."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex as DCPMetadataIndex
-
-        return DCPMetadataIndex(self.fqn, self.offset, self.index)
-
-    @classmethod
-    def from_dcp(cls, index: dcp.MetadataIndex) -> MetadataIndex:
-        """DCP's ``index`` as a shardwise MetadataIndex."""
-        return cls(index.fqn, index.offset, index.index)
-
-
-def _storage_info_to_json(info: object, where: str) -> Any:
-    to_dict = getattr(info, "to_dict", None)
-    value = to_dict() if callable(to_dict) else info
-    if not isinstance(value, dict):
-        raise TypeError(
-            f"{where}: storage info must be a dict or have a to_dict() method, got "
-            f"{type(info).__name__}"
-        )
-    _check_json_value(value, where)
-    return value
-
 
 def _entry_to_dict(
     fqn: str, entry: object, storage: dict[MetadataIndex, Any], inlined: set[MetadataIndex]
@@ -532,7 +293,7 @@ def _entry_to_dict(
 
     def attach(target: dict[str, Any], key: MetadataIndex) -> None:
         if key in storage and key not in inlined:
-            target["storage"] = _storage_info_to_json(storage[key], f"storage_data[{key}]")
+            target["storage"] = storage_info_to_json(storage[key], f"storage_data[{key}]")
             inlined.add(key)
 
     if isinstance(entry, TensorStorageMetadata):
@@ -581,28 +342,19 @@ def _entry_from_dict(
                     infos.append((position, chunk.pop("storage")))
                 plain_chunks.append(chunk)
             body["chunks"] = plain_chunks
-        with _in_entry(fqn):
+        with in_entry(fqn):
             entry = TensorStorageMetadata.from_dict(body)
         for position, info in infos:
             collect(MetadataIndex(fqn, entry.chunks[position].offsets, position), info)
         return entry
     if kind == "bytes":
         info = body.pop("storage", None)
-        with _in_entry(fqn):
+        with in_entry(fqn):
             bytes_entry = BytesStorageMetadata.from_dict(body)
         if info is not None:
             collect(MetadataIndex(fqn), info)
         return bytes_entry
     raise CheckpointFormatError(f"{where} has unknown type {kind!r}; expected 'tensor' or 'bytes'")
-
-
-@contextlib.contextmanager
-def _in_entry(fqn: str) -> Iterator[None]:
-    """Name the entry in errors raised while reading it."""
-    try:
-        yield
-    except CheckpointFormatError as err:
-        raise CheckpointFormatError(str(err), key=fqn) from err
 
 
 @dataclass(slots=True)
@@ -640,7 +392,7 @@ class Metadata:
             raise TypeError(
                 f"Metadata.storage_meta must be a StorageMeta or None, got {self.storage_meta!r}"
             )
-        _check_json_value(self.planner_data, "Metadata.planner_data")
+        check_json_value(self.planner_data, "Metadata.planner_data")
         storage: dict[MetadataIndex, Any] = {}
         if self.storage_data is not None:
             if not isinstance(self.storage_data, Mapping):
@@ -661,16 +413,14 @@ class Metadata:
         for fqn, entry in self.state_dict_metadata.items():
             if not isinstance(fqn, str):
                 raise TypeError(f"Metadata.state_dict_metadata keys must be strings, got {fqn!r}")
-            try:
+            with in_entry(fqn):
                 entries[fqn] = _entry_to_dict(fqn, entry, storage, inlined)
-            except CheckpointFormatError as err:
-                raise CheckpointFormatError(str(err), key=fqn) from err
         detached = None
         if self.storage_data is not None:
             detached = [
                 {
                     "index": key.to_dict(),
-                    "info": _storage_info_to_json(info, f"storage_data[{key}]"),
+                    "info": storage_info_to_json(info, f"storage_data[{key}]"),
                 }
                 for key, info in storage.items()
                 if key not in inlined
@@ -700,38 +450,9 @@ class Metadata:
             CheckpointFormatError: Not a shardwise checkpoint index, an unsupported format
                 version, or a malformed, unknown or missing field.
         """
-        if not isinstance(data, Mapping):
-            raise CheckpointFormatError(
-                f"a checkpoint index must be a JSON object, got {type(data).__name__}"
-            )
-        if data.get("format") != INDEX_FORMAT:
-            raise CheckpointFormatError(
-                f"not a shardwise checkpoint index: format is {data.get('format')!r}, "
-                f"expected {INDEX_FORMAT!r}"
-            )
-        version = data.get("format_version")
-        # Checked before the other fields: a later version may have other fields.
-        if type(version) is not int or version != INDEX_VERSION:
-            raise CheckpointFormatError(
-                f"unsupported checkpoint format version {version!r}; this shardwise reads "
-                f"version {INDEX_VERSION} (a newer shardwise may read it)"
-            )
-        with _format_errors():
-            body = _check_keys(
-                data,
-                (
-                    "format",
-                    "format_version",
-                    "version",
-                    "storage_meta",
-                    "planner_data",
-                    "storage_data",
-                    "state_dict_metadata",
-                ),
-                "checkpoint index",
-            )
+        body = index_body(data)
         convert: Callable[[dict[str, Any]], Any] = storage_info or (lambda info: info)
-        meta_version = _optional_str(body["version"], "checkpoint index version")
+        meta_version = optional_str(body["version"], "checkpoint index version")
         storage_meta = body["storage_meta"]
         entries = body["state_dict_metadata"]
         if not isinstance(entries, Mapping):
@@ -749,8 +470,8 @@ class Metadata:
                     f"checkpoint index storage_data must be a list or null, got {detached!r}"
                 )
             for item in detached:
-                with _format_errors():
-                    item_body = _check_keys(item, ("index", "info"), "storage_data item")
+                with format_errors():
+                    item_body = check_keys(item, ("index", "info"), "storage_data item")
                 key = MetadataIndex.from_dict(item_body["index"])
                 if key in storage:
                     raise CheckpointFormatError(f"storage info for {key} is given twice")
@@ -781,54 +502,4 @@ class Metadata:
     ) -> Metadata:
         """Read a checkpoint index written by :meth:`to_json` (``storage_info`` as in
         :meth:`from_dict`)."""
-        return cls.from_dict(_load_json(text, "the checkpoint index"), storage_info=storage_info)
-
-    def to_dcp(self) -> dcp.Metadata:
-        """The same metadata as DCP's ``Metadata``; ``storage_data`` keys that are
-        :class:`MetadataIndex` become DCP's, the values and ``planner_data`` are passed as
-        they are."""
-        from torch.distributed.checkpoint.metadata import Metadata as DCPMetadata
-
-        storage_data = self.storage_data
-        if isinstance(storage_data, Mapping):
-            storage_data = {
-                key.to_dcp() if isinstance(key, MetadataIndex) else key: value
-                for key, value in storage_data.items()
-            }
-        return DCPMetadata(
-            state_dict_metadata={
-                fqn: entry.to_dcp() for fqn, entry in self.state_dict_metadata.items()
-            },
-            planner_data=self.planner_data,
-            storage_data=storage_data,
-            storage_meta=None if self.storage_meta is None else self.storage_meta.to_dcp(),
-            version=self.version,
-        )
-
-    @classmethod
-    def from_dcp(cls, metadata: dcp.Metadata) -> Metadata:
-        """DCP's ``metadata`` as shardwise metadata (inverse of :meth:`to_dcp`)."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex as DCPMetadataIndex
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata as DCPTensor
-
-        storage_data = metadata.storage_data
-        if isinstance(storage_data, Mapping):
-            storage_data = {
-                MetadataIndex.from_dcp(key) if isinstance(key, DCPMetadataIndex) else key: value
-                for key, value in storage_data.items()
-            }
-        entries: dict[str, STORAGE_TYPES] = {}
-        for fqn, entry in metadata.state_dict_metadata.items():
-            if isinstance(entry, DCPTensor):
-                entries[fqn] = TensorStorageMetadata.from_dcp(entry)
-            else:
-                entries[fqn] = BytesStorageMetadata.from_dcp(entry)
-        return cls(
-            state_dict_metadata=entries,
-            planner_data=metadata.planner_data,
-            storage_data=storage_data,
-            storage_meta=None
-            if metadata.storage_meta is None
-            else StorageMeta.from_dcp(metadata.storage_meta),
-            version=metadata.version,
-        )
+        return cls.from_dict(load_json(text, "the checkpoint index"), storage_info=storage_info)

@@ -186,9 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = commands.add_parser(
         "convert-dcp", help="convert a torch.distributed.checkpoint directory (no pickled code)"
     )
-    sub.add_argument("dcp_dir", help="DCP checkpoint directory (.metadata + .distcp files)")
+    sub.add_argument(
+        "dcp_dir", help="DCP checkpoint directory or fsspec URL (.metadata + .distcp files)"
+    )
     sub.add_argument("out", help="output shardwise checkpoint directory or URL")
-    _with_storage_options(sub, "OUT")
+    _with_storage_options(sub, "DCP_DIR and OUT")
     return parser
 
 

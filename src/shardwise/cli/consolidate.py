@@ -34,12 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise._boxes import byte_view
 from shardwise._progress import ByteBar, human_bytes
-from shardwise.checkpoint._items import byte_view
 from shardwise.checkpoint.format import FileEntry, layout_file, safetensors_dtype
 from shardwise.checkpoint.index import ObjectRecord, TensorRecord
 from shardwise.checkpoint.state_dict import display_key
 from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint, check_url
 from shardwise.cli._common import EXIT_OK, _count, _keys_text
 from shardwise.errors import CheckpointError, CheckpointKeyError
@@ -52,8 +53,6 @@ _CONFIG_NAME = "config.json"
 _OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 # The metadata transformers writes and requires ("pt": PyTorch tensors).
 _METADATA = {"format": "pt"}
-# Bytes read, cast and written at a time: the memory a tensor needs beyond itself.
-_PIECE = 8 << 20
 # The largest --config accepted (configs are a few KiB).
 _MAX_CONFIG_BYTES = 16 << 20
 
@@ -220,10 +219,11 @@ def _write_tensor(
     checkpoint: _Checkpoint, writer: Writer, tensor: _OutTensor, bar: ByteBar
 ) -> None:
     """Stream ``tensor`` into ``writer``, read (every block verified first) and cast piece
-    by piece: memory holds about :data:`_PIECE` bytes of it at a time, never all of it."""
+    by piece: memory holds about ``TUNING.consolidate_piece_bytes`` of it at a time, never all
+    of it."""
     record = checkpoint.index.tensors[tensor.source]
     ratio = max(1, tensor.dtype.itemsize // record.dtype.itemsize)
-    for piece in checkpoint.pieces(tensor.source, max(1, _PIECE // ratio)):
+    for piece in checkpoint.pieces(tensor.source, max(1, TUNING.consolidate_piece_bytes // ratio)):
         data = byte_view(piece if piece.dtype == tensor.dtype else piece.to(tensor.dtype))
         writer.write(data)
         bar.update(len(data))
@@ -325,9 +325,9 @@ class _Output:
         for path in self._written.values():
             with contextlib.suppress(OSError):
                 self.storage.remove(path)
-        if self.local and self.created:
+        if isinstance(self.storage, LocalStorage) and self.created:
             with contextlib.suppress(OSError):
-                os.rmdir(self.storage.root)
+                self.storage.remove_directory(self.storage.root)
 
     def remove_stale(self) -> None:
         """Remove the weight files of an earlier consolidation that this one did not write:

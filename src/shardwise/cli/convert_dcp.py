@@ -1,5 +1,6 @@
 """``shardwise convert-dcp``: a ``torch.distributed.checkpoint`` directory into a shardwise
-checkpoint, without running pickled code (the reading is :mod:`shardwise.checkpoint.dcp_import`)."""
+checkpoint, without running pickled code (the reading is :mod:`shardwise.checkpoint.dcp_import`).
+Both may be fsspec URLs: the reading and the writing go through the storage layer."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def run(args: argparse.Namespace) -> int:
             code, or holds a state dict shardwise cannot save.
     """
     directory = args.dcp_dir
+    check_url(directory)
     check_url(args.out)
-    reader = DCPReader(directory)
+    reader = DCPReader(directory, storage_options=args.storage_options)
     state_dict: dict[str, Any] = {}
     num_tensors = 0
     with count_bar(len(reader.keys), f"reading {directory}", unit="key") as bar:

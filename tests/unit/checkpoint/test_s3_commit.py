@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import storage as storage_module
 from shardwise.checkpoint.lock import LOCK_NAME
 from shardwise.checkpoint.storage import FsspecStorage
+from shardwise.checkpoint.storage import _fsspec as fsspec_module
 from shardwise.errors import CheckpointStorageError
 from tests._s3 import (  # noqa: F401 (fixtures)
     S3Bucket,
@@ -218,7 +218,7 @@ def test_the_lock_is_created_with_a_conditional_put(
 def test_without_a_conditional_create_the_lock_is_a_check_then_a_write(
     s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage_module, "_has_create_mode", lambda fs: False)
+    monkeypatch.setattr(fsspec_module, "_has_create_mode", lambda fs: False)
     storage = FsspecStorage(s3.url("ckpt"), s3.options)
     path = storage.join(LOCK_NAME)
     with record_s3_calls(storage.fs) as calls:

@@ -4,6 +4,7 @@ bytes, and writers that give a file up without leaving it behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from pathlib import Path
@@ -20,7 +21,6 @@ from botocore.exceptions import (
 )
 
 from shardwise.checkpoint import reader as reader_module
-from shardwise.checkpoint import storage as storage_module
 from shardwise.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,
@@ -28,6 +28,8 @@ from shardwise.checkpoint.storage import (
     describe_storage_error,
     open_storage,
 )
+from shardwise.checkpoint.storage import _fsspec as fsspec_module
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointError, CheckpointStorageError
 
 DATA = bytes(range(256)) * 40000  # 10 MB
@@ -97,8 +99,8 @@ def test_fsspec_batched_reads_are_pieces_in_bounded_batches(
     storage = FsspecStorage(memory_url)
     path = storage.join("f")
     storage.replace_small(path, DATA)
-    monkeypatch.setattr(storage_module, "_PIECE", 1 << 20)
-    monkeypatch.setattr(storage_module, "_BATCH", 2 << 20)
+    small = dataclasses.replace(TUNING, request_bytes=1 << 20, storage_batch_bytes=2 << 20)
+    monkeypatch.setattr(fsspec_module, "TUNING", small)
     batches: list[list[int]] = []
     cat_ranges = storage.fs.cat_ranges
 

@@ -4,6 +4,7 @@ safetensors layout of the files and binary units in the progress bar."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -169,7 +170,8 @@ def test_dtype_cast_of_a_tensor_larger_than_a_piece(
 ) -> None:
     from shardwise.cli import consolidate
 
-    monkeypatch.setattr(consolidate, "_PIECE", 1000)  # cast and written in many pieces
+    small = dataclasses.replace(consolidate.TUNING, consolidate_piece_bytes=1000)
+    monkeypatch.setattr(consolidate, "TUNING", small)  # cast and written in many pieces
     big = torch.randn(37, 29, generator=torch.Generator().manual_seed(2))
     ckpt.save({"big": big}, tmp_path / "ckpt")
     for dtype in ("float16", "float32"):

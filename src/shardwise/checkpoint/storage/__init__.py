@@ -1,0 +1,90 @@
+"""Where checkpoint bytes live: a small storage protocol with a local and an fsspec backend.
+
+This package is the only part of shardwise that touches files. Paths are plain ``str`` joined
+with ``/`` so that URLs (``s3://bucket/ckpt``, ``memory://ckpt``) survive untouched. Local paths
+need no fsspec; a URL needs the ``fsspec`` package (extra ``remote``).
+
+One module per part: ``_protocol`` (:class:`Storage`, :class:`Reader`, :class:`Writer`,
+:class:`RangeRequest`, :class:`UnsafePathError`), ``_local`` (:class:`LocalStorage`: below
+the root, never a symbolic link followed; :class:`TemporaryBytes`), ``_fsspec``
+(:class:`FsspecStorage`), ``_threads`` (the I/O threads: :func:`run_concurrently`,
+:func:`batches`) and ``_errors`` (:func:`describe_storage_error`: a storage library's failure
+in words). :func:`open_storage` picks the backend for a path.
+
+Reads come in batches (:meth:`Storage.read_ranges`): the local backend runs positioned reads on
+a few threads; the fsspec backend asks for byte ranges with ``cat_ranges``, which an async file
+system such as s3fs sends concurrently. Every failure of the storage library (no credentials,
+an unreachable endpoint, permission denied, no such bucket, a timeout, ...) becomes one
+:class:`~shardwise.errors.CheckpointStorageError` naming the URL and the cause in words;
+``FileNotFoundError`` and ``FileExistsError`` stay what they are, since callers act on them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shardwise.checkpoint.storage._errors import describe_storage_error
+from shardwise.checkpoint.storage._fsspec import FsspecStorage
+from shardwise.checkpoint.storage._local import LocalStorage, TemporaryBytes
+
+# The local reader class, for tests that count the reads of a load (not part of the API).
+from shardwise.checkpoint.storage._local import _LocalReader as _LocalReader
+from shardwise.checkpoint.storage._protocol import (
+    Finish,
+    RangeRequest,
+    Reader,
+    Storage,
+    UnsafePathError,
+    Writer,
+)
+from shardwise.checkpoint.storage._threads import batches, run_concurrently
+from shardwise.errors import CheckpointError
+
+__all__ = [
+    "Finish",
+    "FsspecStorage",
+    "LocalStorage",
+    "RangeRequest",
+    "Reader",
+    "Storage",
+    "TemporaryBytes",
+    "UnsafePathError",
+    "Writer",
+    "batches",
+    "describe_storage_error",
+    "open_shared_storage",
+    "open_storage",
+    "run_concurrently",
+]
+
+
+def open_storage(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> Storage:
+    """The storage backend for ``path``: local for plain paths, fsspec for URLs."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return FsspecStorage(text, storage_options)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return LocalStorage(text)
+
+
+def open_shared_storage(
+    path: str, storage_options: dict[str, Any] | None, world_size: int
+) -> Storage:
+    """:func:`open_storage`, refused when ``world_size`` processes would not share it.
+
+    Raises:
+        CheckpointError: A process-local store (``memory://``) for more than one process.
+    """
+    storage = open_storage(path, storage_options)
+    if storage.process_local and world_size > 1:
+        raise CheckpointError(
+            f"{path} is in a store that only this process sees (memory://), but {world_size} "
+            "processes save or load it together: each would have its own copy. Use a shared "
+            "file system or object store, or one process",
+            file=path,
+        )
+    return storage

@@ -1,0 +1,399 @@
+"""The local backend of the storage layer: a directory on a local (or mounted shared) file
+system, never followed through a symbolic link below its root.
+
+Every directory between the root and a file must be a real directory, files are opened with
+``O_NOFOLLOW`` (and ``O_NONBLOCK``, so a FIFO cannot block an open), and a file opened for
+reading must be a regular file. Anything else raises :class:`UnsafePathError`. The root
+itself may be a link: the caller chose that path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import IO
+
+from shardwise.checkpoint.storage._protocol import (
+    Finish,
+    RangeRequest,
+    Reader,
+    UnsafePathError,
+    Writer,
+)
+from shardwise.checkpoint.storage._threads import run_concurrently
+
+__all__ = ["LocalStorage", "TemporaryBytes"]
+
+logger = logging.getLogger(__name__)
+
+# How often a small file written aside is written again when another save's cleanup removed
+# it before it was linked or renamed into place (see LocalStorage.create_exclusive).
+_ASIDE_ATTEMPTS = 5
+# O_NONBLOCK keeps the open of a FIFO from waiting for a writer (it is refused right after,
+# unread); O_NOCTTY keeps a terminal from becoming this process's.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# What a directory entry is, in words, for the errors of open_below.
+_FILE_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+class _LocalWriter:
+    def __init__(self, storage: LocalStorage, path: str) -> None:
+        self._storage = storage
+        self._path = path
+        # O_EXCL: a writer only ever creates a fresh (temporary) name; never an existing file.
+        self._fd = os.open(path, _WRITE_FLAGS, 0o644)
+
+    def write(self, data: memoryview | bytes | bytearray) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def close(self, sync: bool) -> None:
+        try:
+            if sync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+    def abort(self) -> None:
+        try:
+            os.close(self._fd)
+            self._storage.remove(self._path)
+        except OSError as err:  # left for the next save's cleanup
+            logger.warning("could not remove %s after a failed write: %s", self._path, err)
+
+
+def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:
+    view = buffer.cast("B")
+    total = 0
+    while total < len(view):
+        count = os.preadv(fd, [view[total:]], offset + total)
+        if count == 0:
+            break
+        total += count
+    return total
+
+
+class _LocalReader:
+    """A regular file opened for positioned reads; the reader owns the descriptor."""
+
+    def __init__(self, path: str, fd: int, status: os.stat_result) -> None:
+        self.path = path
+        self._fd = fd
+        self.size = status.st_size
+        self.identity = (status.st_dev, status.st_ino)
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        # preadv takes the offset explicitly, so threads can share the descriptor.
+        return _pread_into(self._fd, offset, buffer)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _open_file(path: str) -> _LocalReader:
+    """The regular file ``path`` opened for reading, refused unopened if it is a link or a
+    special file."""
+    # lstat first: a link or special file is refused without being opened at all.
+    before = os.lstat(path)
+    if not stat.S_ISREG(before.st_mode):
+        raise UnsafePathError(errno.EINVAL, "it is a link, FIFO, device or directory", path)
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(errno.ELOOP, "it is a symbolic link", path) from err
+        raise
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (
+        before.st_dev,
+        before.st_ino,
+    ):
+        os.close(fd)
+        raise UnsafePathError(errno.EINVAL, "it changed into a non-regular file", path)
+    return _LocalReader(path, fd, opened)
+
+
+def _refuse_unless(mode: int, path: str, *, directory: bool) -> None:
+    """Raise :class:`UnsafePathError` unless ``mode`` is a directory's (or a regular file's)."""
+    if stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode):
+        return
+    found = next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "a special file")
+    err = UnsafePathError(
+        errno.ELOOP if stat.S_ISLNK(mode) else errno.EINVAL, f"it is {found}", path
+    )
+    err.found, err.expected = found, "a directory" if directory else "a regular file"
+    raise err
+
+
+def _open_in(parent: int, name: str, path: str, *, directory: bool) -> int:
+    """Open ``name`` in the directory ``parent`` without following a symbolic link.
+
+    The lstat refuses a link, FIFO or device before anything is opened (opening some devices
+    has effects); the fstat of what was opened is the check that counts, since the entry may
+    have been replaced in between.
+    """
+    _refuse_unless(
+        os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode, path, directory=directory
+    )
+    flags = _DIRECTORY_FLAGS | os.O_NOFOLLOW if directory else _READ_FLAGS
+    fd = os.open(name, flags, dir_fd=parent)
+    try:
+        _refuse_unless(os.fstat(fd).st_mode, path, directory=directory)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class TemporaryBytes:
+    """Bytes parked in a temporary local file, unlinked from the start
+    (``tempfile.TemporaryFile``, in ``TMPDIR``): the system frees it when it is closed or the
+    process dies. Created on the first :meth:`append`."""
+
+    def __init__(self) -> None:
+        self._file: IO[bytes] | None = None
+        #: Bytes appended so far.
+        self.size = 0
+
+    def append(self, data: memoryview) -> int:
+        """Append ``data``; returns the offset it starts at.
+
+        Raises:
+            OSError: The file cannot be created or written (a full disk).
+        """
+        if self._file is None:
+            # Open across calls, closed by close(): no context manager fits.
+            self._file = tempfile.TemporaryFile(prefix="shardwise-")  # noqa: SIM115
+        offset = self.size
+        view = data.cast("B")
+        written = 0
+        while written < len(view):
+            written += os.pwrite(self._file.fileno(), view[written:], offset + written)
+        self.size += len(view)
+        return offset
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes appended at ``offset``."""
+        assert self._file is not None and offset + len(buffer) <= self.size
+        if _pread_into(self._file.fileno(), offset, buffer) != len(buffer):
+            raise OSError(errno.EIO, "the temporary file is shorter than what was written")
+
+    def close(self) -> None:
+        """Delete the file (nothing is kept)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.size = 0
+
+
+def _real_directory(path: str) -> bool:
+    """Whether ``path`` is a directory and not a link (False when it does not exist)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+class LocalStorage:
+    """A directory on a local (or mounted shared) file system."""
+
+    process_local = False
+    atomic_rename = True
+    remote = False
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def url(self, path: str) -> str:
+        return path
+
+    def _check_parents(self, path: str) -> None:
+        """Every directory between the root and ``path`` is real (no link is followed)."""
+        relative = os.path.relpath(path, self.root)
+        parts = relative.split(os.sep)
+        if relative == os.curdir:
+            return
+        if os.pardir in parts or os.path.isabs(relative):
+            raise UnsafePathError(errno.EINVAL, "outside the checkpoint", path)
+        current = self.root
+        for part in parts[:-1]:
+            current = os.path.join(current, part)
+            if os.path.lexists(current) and not _real_directory(current):
+                raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", current)
+
+    def check_directory(self, path: str) -> None:
+        self._check_parents(path)
+        if os.path.lexists(path) and not _real_directory(path):
+            raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def size(self, path: str) -> int:
+        return os.lstat(path).st_size
+
+    def makedirs(self, path: str) -> None:
+        # Checked first too: a file or link in its place is unsafe, not "already there".
+        self.check_directory(path)
+        os.makedirs(path, exist_ok=True)
+        self.check_directory(path)
+
+    def open_write(self, path: str) -> Writer:
+        self._check_parents(path)
+        return _LocalWriter(self, path)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        reader = self.open_reader(path)
+        try:
+            return reader.read_into(offset, buffer)
+        finally:
+            reader.close()
+
+    def read_ranges(
+        self, requests: Sequence[RangeRequest], then: Finish | None = None
+    ) -> list[int]:
+        def read(number: int) -> int:
+            request = requests[number]
+            buffer = request.buffer
+            if buffer is None:
+                buffer = memoryview(bytearray(request.length))
+            try:
+                count = request.reader.read_into(request.offset, buffer)
+            except OSError as err:
+                if err.filename is None:
+                    err.filename = request.reader.path
+                raise
+            if then is not None:
+                then(number, buffer[:count])
+            return count
+
+        return run_concurrently(range(len(requests)), lambda n: requests[n].length, read)
+
+    def open_reader(self, path: str) -> Reader:
+        self._check_parents(path)
+        return _open_file(path)
+
+    def open_below(self, relative: str) -> Reader:
+        parts = relative.split("/")
+        # The root may be reached through links (the caller chose it); nothing below it is.
+        current = os.open(self.root, _DIRECTORY_FLAGS)
+        try:
+            for number, part in enumerate(parts):
+                path = self.join(*parts[: number + 1])
+                opened = _open_in(current, part, path, directory=number < len(parts) - 1)
+                current, parent = opened, current
+                os.close(parent)
+            status = os.fstat(current)
+        except BaseException:
+            os.close(current)
+            raise
+        return _LocalReader(self.join(relative), current, status)
+
+    def read(self, path: str) -> bytes:
+        reader = self.open_reader(path)
+        try:
+            data = bytearray(reader.size)
+            count = reader.read_into(0, memoryview(data))
+            return bytes(data[:count])
+        finally:
+            reader.close()
+
+    def rename(self, source: str, target: str) -> None:
+        self._check_parents(source)
+        self._check_parents(target)
+        # os.replace swaps the name: a link at ``target`` is replaced, never followed.
+        os.replace(source, target)
+
+    def remove(self, path: str) -> None:
+        self._check_parents(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def remove_directory(self, path: str) -> None:
+        """Remove the empty directory ``path`` (OSError if it is not empty)."""
+        self.check_directory(path)
+        os.rmdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        self.check_directory(path)
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def _written_aside(self, path: str, data: bytes) -> str:
+        """A new file beside ``path`` (a name unique to this thread) holding ``data``."""
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        self.remove(temporary)
+        writer = self.open_write(temporary)
+        try:
+            writer.write(data)
+        finally:
+            writer.close(sync=False)
+        return temporary
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        # Written in full under a unique name, then linked into place: link() fails if the
+        # name exists, so no reader ever sees the file without its content.
+        for attempt in range(_ASIDE_ATTEMPTS):
+            temporary = self._written_aside(path, data)
+            try:
+                os.link(temporary, path, follow_symlinks=False)
+            except FileExistsError:
+                return False
+            except FileNotFoundError:
+                # The save holding the lock removed this temporary as a leftover: write again.
+                if attempt + 1 == _ASIDE_ATTEMPTS:
+                    raise
+                continue
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
+            return True
+        raise AssertionError("unreachable")
+
+    def replace_small(self, path: str, data: bytes) -> None:
+        for attempt in range(_ASIDE_ATTEMPTS):
+            try:
+                self.rename(self._written_aside(path, data), path)
+                return
+            except FileNotFoundError:  # as in create_exclusive: removed as a leftover
+                if attempt + 1 == _ASIDE_ATTEMPTS:
+                    raise
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        reader = self.open_reader(path)
+        try:
+            if reader.size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
+            data = bytearray(reader.size)
+            return bytes(data[: reader.read_into(0, memoryview(data))])
+        finally:
+            reader.close()
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,189 @@
+"""The storage protocol: what the checkpoint layer asks of a file system, and its types.
+
+Paths are plain ``str`` joined with ``/`` so that URLs (``s3://bucket/ckpt``) survive
+untouched. The backends are :class:`~shardwise.checkpoint.storage.LocalStorage` and
+:class:`~shardwise.checkpoint.storage.FsspecStorage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["Finish", "RangeRequest", "Reader", "Storage", "UnsafePathError", "Writer"]
+
+
+class UnsafePathError(OSError):
+    """A path below the storage root is a symbolic link, or not the regular file or directory
+    it should be.
+
+    Attributes:
+        found: What the refused entry is, in words (``"a symbolic link"``, ``"a FIFO"``, ...),
+            where the backend knows; ``filename`` is its path.
+        expected: What it should have been (``"a regular file"`` or ``"a directory"``).
+    """
+
+    found: str | None = None
+    expected: str | None = None
+
+
+class Writer(Protocol):
+    """A file being written sequentially."""
+
+    def write(self, data: memoryview | bytes | bytearray) -> None:
+        """Append ``data``."""
+
+    def close(self, sync: bool) -> None:
+        """Finish the file; with ``sync``, make it durable (fsync) first."""
+
+    def abort(self) -> None:
+        """Give the file up after a failure: nothing of it stays (errors are logged, not
+        raised: the write has already failed)."""
+
+
+class Reader(Protocol):
+    """A regular file opened for positioned reads (safe to share between threads)."""
+
+    #: The file's path in its storage.
+    path: str
+    #: The file's size in bytes when it was opened.
+    size: int
+
+    @property
+    def identity(self) -> object:
+        """Equal for two readers of one file (hard links to it included): tells apart the
+        files whose bytes two ranges may share."""
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
+
+    def close(self) -> None:
+        """Release the file."""
+
+
+#: ``then(number, data)`` of :meth:`Storage.read_ranges`.
+Finish = Callable[[int, memoryview], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RangeRequest:
+    """One positioned read: ``length`` bytes of ``reader``'s file from ``offset``.
+
+    Attributes:
+        buffer: Where the bytes go (``length`` bytes); None: into a new buffer, made by the
+            thread that reads (a worker thread's allocator reuses its memory read after read,
+            where the main thread's maps new pages for every large buffer).
+    """
+
+    reader: Reader
+    offset: int
+    length: int
+    buffer: memoryview | None = None
+
+    @classmethod
+    def into(cls, reader: Reader, offset: int, buffer: memoryview) -> RangeRequest:
+        """A read that fills ``buffer``."""
+        view = buffer.cast("B")
+        return cls(reader, offset, len(view), view)
+
+
+class Storage(Protocol):
+    """The operations the checkpoint layer needs from a file system."""
+
+    root: str
+    #: Whether only this process sees the files (``memory://``): no use to a group.
+    process_local: bool
+    #: Whether :meth:`rename` atomically replaces its target (a local file system). Where it
+    #: does not (object stores: a copy, then a delete), writers put each file under its final
+    #: name, where it appears complete when it is closed.
+    atomic_rename: bool
+    #: Whether a read is a request to a remote service (latency, cost per request): readers
+    #: keep bytes they have verified rather than request them again.
+    remote: bool
+
+    def join(self, *parts: str) -> str:
+        """``root`` joined with ``parts``."""
+
+    def url(self, path: str) -> str:
+        """``path`` as the user would write it (with its protocol, for messages)."""
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+
+    def size(self, path: str) -> int:
+        """Size of the file at ``path`` in bytes."""
+
+    def makedirs(self, path: str) -> None:
+        """Create directory ``path`` and its parents (no error if it exists)."""
+
+    def open_write(self, path: str) -> Writer:
+        """Open ``path`` for writing from scratch."""
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
+
+    def read_ranges(
+        self, requests: Sequence[RangeRequest], then: Finish | None = None
+    ) -> list[int]:
+        """Perform every read of ``requests``, concurrently where the backend can; returns the
+        count read for each (short only at the end of a file).
+
+        Args:
+            requests: The reads.
+            then: Called as ``then(number, data)`` once request ``number`` is complete, with
+                the bytes read (a view of its buffer, or the new buffer; shorter than asked
+                only at the end of the file), on the thread that read them where there are
+                threads: work on bytes just read, while they are in the cache. What it raises
+                propagates.
+
+        Raises:
+            OSError: A read failed (its ``filename`` names the file, where known).
+        """
+
+    def open_reader(self, path: str) -> Reader:
+        """Open the regular file ``path`` for many positioned reads.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            UnsafePathError: ``path`` or a directory on the way is a link or not a regular
+                file (directory).
+        """
+
+    def open_below(self, relative: str) -> Reader:
+        """Open the regular file ``relative`` below the root, for input that names its own
+        files (``relative`` is made of plain components: no empty, ``.`` or ``..`` one).
+
+        Locally every component is opened inside the one before it (``openat``), so no
+        component can be swapped for a link between a check and an open.
+
+        Raises:
+            FileNotFoundError: The file or a directory on the way is missing.
+            NotADirectoryError: The root is not a directory.
+            UnsafePathError: A component is a link, or not a directory (the file: not a
+                regular file); its ``found`` and ``expected`` say what it is and should be.
+        """
+
+    def rename(self, source: str, target: str) -> None:
+        """Atomically replace ``target`` by ``source`` where the backend can."""
+
+    def remove(self, path: str) -> None:
+        """Delete the file ``path`` (no error if it is gone); a link is removed, not followed."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) of the entries of directory ``path``; empty if it is missing."""
+
+    def check_directory(self, path: str) -> None:
+        """Raise :class:`UnsafePathError` if ``path`` exists but is not a real directory."""
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create the file ``path`` holding ``data`` unless it exists (then return False)."""
+
+    def replace_small(self, path: str, data: bytes) -> None:
+        """Atomically replace the small file ``path`` by one holding ``data``."""
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        """The file ``path`` (a regular file of at most ``limit`` bytes, else OSError)."""
+
+    def sync_dir(self, path: str) -> None:
+        """Make renames and creations inside directory ``path`` durable."""
