@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import pickle
 import sys
 from collections.abc import Callable
@@ -18,9 +17,14 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint.planner import Box
+from shardwise import _boxes
+from shardwise._boxes import Box, byte_view
+from shardwise.checkpoint._dtensor import local_shape_and_offset
+from shardwise.checkpoint._json import TAGS, json_problem, tagged, untag
 from shardwise.metadata import TensorProperties
 
+# byte_view and narrow_to (shardwise._boxes) and untag (checkpoint._json) stay importable
+# from here for the modules that still import them from here.
 __all__ = [
     "LocalBox",
     "TensorValue",
@@ -30,24 +34,13 @@ __all__ = [
     "is_tensor_value",
     "narrow_to",
     "storage_key",
+    "untag",
 ]
 
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (writable)."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(bytearray())
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
 def narrow_to(tensor: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
-    """The part of ``tensor`` (holding the global box that starts at ``origin``) that holds
-    the global ``box``."""
-    view = tensor
-    for dim, (start, offset, size) in enumerate(zip(origin, box[0], box[1], strict=True)):
-        view = view.narrow(dim, offset - start, size)
-    return view
+    """:func:`shardwise._boxes.narrow_to` taking the box as one pair (kept for the reader)."""
+    return _boxes.narrow_to(tensor, origin, *box)
 
 
 @dataclass(slots=True)
@@ -104,12 +97,17 @@ def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
     return tuple(parts) if len(parts) > 3 else None
 
 
-def _dtensor_type() -> type | None:
-    # No DTensor can exist before its module is imported, and importing it takes seconds:
-    # a process that never touched DTensor does not pay for it here.
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor: type | None = getattr(module, "DTensor", None)
-    return dtensor
+def _loaded_type(module: str, name: str) -> type | None:
+    """The class ``module.name`` if its module is imported, else ``None``.
+
+    No value of a class exists before its module is imported, so an ``isinstance`` check
+    needs the class only once it is. Importing DTensor takes seconds (a process that never
+    touched it does not pay for it here), a checkpoint of plain tensors need not import the
+    sharded-tensor stack, and ``shardwise.local_shards`` imports this package itself
+    (importing it here would be a cycle).
+    """
+    found: type | None = getattr(sys.modules.get(module), name, None)
+    return found
 
 
 def is_tensor_value(value: object) -> bool:
@@ -134,24 +132,13 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
     """
     if type(value) in _PLAIN_TENSOR_TYPES:  # the common case, without the checks below
         return _describe_plain(fqn, value)
-    from shardwise.local_shards import LocalShardsWrapper
-    from shardwise.sharded_tensor.api import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        boxes = [
-            LocalBox(
-                tuple(shard.metadata.shard_offsets),
-                tuple(shard.metadata.shard_sizes),
-                shard.tensor,
-            )
-            for shard in value.local_shards()
-        ]
-        properties = value.metadata().tensor_properties
-        return TensorValue(tuple(value.size()), properties.dtype, _plain(properties), boxes)
-    dtensor = _dtensor_type()
+    sharded_tensor = _loaded_type("shardwise.sharded_tensor.api", "ShardedTensor")
+    if sharded_tensor is not None and isinstance(value, sharded_tensor):
+        return _describe_sharded(value)
+    dtensor = _loaded_type("torch.distributed.tensor", "DTensor")
     if dtensor is not None and isinstance(value, dtensor):
         return _describe_dtensor(fqn, value)
-    if isinstance(value, LocalShardsWrapper):
+    if _is_local_shards(value):
         boxes = _wrapper_boxes(value)
         dtype = boxes[0].tensor.dtype if boxes else torch.get_default_dtype()
         properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
@@ -176,16 +163,31 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
     return TensorValue(tuple(tensor.size()), tensor.dtype, properties, [full])
 
 
+def _describe_sharded(value: Any) -> TensorValue:
+    boxes = [
+        LocalBox(
+            tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes), shard.tensor
+        )
+        for shard in value.local_shards()
+    ]
+    properties = value.metadata().tensor_properties
+    return TensorValue(tuple(value.size()), properties.dtype, _plain(properties), boxes)
+
+
 def _plain(properties: TensorProperties) -> TensorProperties:
     # Pinning and memory format describe where the saver kept the data, not the data.
     return TensorProperties(dtype=properties.dtype, requires_grad=properties.requires_grad)
 
 
+def _is_local_shards(value: object) -> bool:
+    wrapper = _loaded_type("shardwise.local_shards", "LocalShardsWrapper")
+    return wrapper is not None and isinstance(value, wrapper)
+
+
 def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
+    # Only called with a DTensor, whose modules are then imported already (see _loaded_type).
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from shardwise.local_shards import LocalShardsWrapper
 
     if any(isinstance(placement, Partial) for placement in value.placements):
         raise ValueError(
@@ -194,74 +196,24 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
         )
     local = value._local_tensor
     size = tuple(value.size())
-    if isinstance(local, LocalShardsWrapper):
+    if _is_local_shards(local):
         boxes = _wrapper_boxes(local)
         dtype = boxes[0].tensor.dtype if boxes else value.dtype
     else:
         dtype = local.dtype
-        if value.device_mesh.get_coordinate() is None:
+        mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
             boxes = []
         else:
-            shape, offsets = compute_local_shape_and_global_offset(
-                value.size(), value.device_mesh, value.placements
-            )
+            # The closed form covers Shard/Replicate; torch's function everything else.
+            found = local_shape_and_offset(size, mesh.shape, coordinate, value.placements)
+            if found is None:
+                found = compute_local_shape_and_global_offset(value.size(), mesh, value.placements)
+            shape, offsets = found
             boxes = [LocalBox(tuple(offsets), tuple(shape), local.detach())]
     properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
     return TensorValue(size, dtype, properties, boxes)
-
-
-def _is_json_value(value: object) -> bool:
-    """Whether JSON gives ``value`` back as it is (no tuples, string keys only)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, list):
-        return all(_is_json_value(item) for item in value)
-    if isinstance(value, dict):
-        return not (_TAGS & value.keys()) and all(
-            isinstance(key, str) and _is_json_value(item) for key, item in value.items()
-        )
-    return False
-
-
-# The tagged JSON of "pyjson" values: a tuple is {"__tuple__": [...]}, a dict whose keys are
-# not all strings (or that holds a tag as a key) is {"__dict__": [[key, value], ...]}.
-_TAGS = frozenset({"__tuple__", "__dict__"})
-
-
-def _tagged(value: object) -> object:
-    """``value`` as tagged JSON; TypeError when it holds something else."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, list):
-        return [_tagged(item) for item in value]
-    if isinstance(value, tuple):
-        return {"__tuple__": [_tagged(item) for item in value]}
-    if isinstance(value, dict):
-        if all(isinstance(key, str) for key in value) and not (_TAGS & value.keys()):
-            return {key: _tagged(item) for key, item in value.items()}
-        return {"__dict__": [[_tagged(key), _tagged(item)] for key, item in value.items()]}
-    raise TypeError(type(value).__name__)
-
-
-def _untagged(value: object) -> Any:
-    if isinstance(value, list):
-        return [_untagged(item) for item in value]
-    if isinstance(value, dict):
-        if len(value) == 1 and "__tuple__" in value and isinstance(value["__tuple__"], list):
-            return tuple(_untagged(item) for item in value["__tuple__"])
-        if len(value) == 1 and "__dict__" in value and isinstance(value["__dict__"], list):
-            pairs = value["__dict__"]
-            if not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
-                raise ValueError("malformed __dict__ pairs")
-            return {_hashable(_untagged(k)): _untagged(v) for k, v in pairs}
-        return {key: _untagged(item) for key, item in value.items()}
-    return value
-
-
-def _hashable(key: Any) -> Any:
-    if isinstance(key, (list, dict)):
-        raise ValueError(f"a dict key cannot be a {type(key).__name__}")
-    return key
 
 
 @dataclass(slots=True)
@@ -298,9 +250,9 @@ def _as_json(value: object) -> ObjectValue | None:
     """``value`` as ``json`` (plain JSON; NaN and Infinity allowed, so ``float("inf")``
     round-trips) or ``pyjson`` (tagged) text, or None when it is neither."""
     try:
-        if _is_json_value(value):
+        if json_problem(value, "", finite=False, reserved=TAGS) is None:
             return ObjectValue("json", json.dumps(value).encode())
-        return ObjectValue("pyjson", json.dumps(_tagged(value)).encode())
+        return ObjectValue("pyjson", json.dumps(tagged(value)).encode())
     except (TypeError, ValueError, RecursionError):  # not JSON-able, circular, too deep
         return None
 
@@ -333,7 +285,7 @@ def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) 
     if encoding == "json":
         return json.loads(payload)
     if encoding == "pyjson":
-        return _untagged(json.loads(payload))
+        return untag(json.loads(payload))
     if encoding == "bytes":
         return payload
     if encoding == "bytesio":
@@ -341,17 +293,3 @@ def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) 
     if encoding == "pickle":
         return loads(payload)
     raise ValueError(f"unknown object encoding {encoding!r}")
-
-
-def untag(value: object) -> Any:
-    """A decoded ``pyjson`` value with its tuples and dicts rebuilt.
-
-    Raises:
-        ValueError: Malformed tags.
-    """
-    return _untagged(value)
-
-
-def nbytes_of(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of a box of ``sizes`` elements of ``dtype``."""
-    return math.prod(sizes) * dtype.itemsize

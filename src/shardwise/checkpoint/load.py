@@ -21,9 +21,11 @@ ranks before the next starts):
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import pickle
 import secrets
+import time
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -41,8 +43,10 @@ from shardwise.checkpoint._items import (
     describe_tensor,
     is_tensor_value,
 )
+from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
 from shardwise.checkpoint.metadata import Metadata
+from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.reader import CheckpointReader, Job, decode, read_index_bytes
 from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.storage import open_shared_storage
@@ -59,6 +63,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["LoadResult", "load", "load_tensor", "read_metadata"]
+
+logger = logging.getLogger(__name__)
 
 
 def read_metadata(
@@ -393,6 +399,7 @@ def load(
     Example:
         >>> result = shardwise.checkpoint.load({"model": model, "optim": optim}, "/ckpt/100")
     """
+    started = time.monotonic()
     comm = collectives.Comm(process_group, operation="load")
     path_text = os.path.expanduser(os.fspath(path))
     storage = open_shared_storage(path_text, storage_options, comm.world_size)
@@ -417,12 +424,21 @@ def load(
     data = envelope["text"].encode("utf-8", "surrogateescape")
     # Every rank decodes the same bytes, so every rank reaches the same verdict.
     reader = CheckpointReader(storage, decode(data, storage), path_text, comm.rank)
-    options = _Options(strict, verify, allow_pickle, allow_dtype_cast, progress)
+    options = LoadOptions(
+        strict=strict,
+        verify=verify,
+        allow_pickle=allow_pickle,
+        allow_dtype_cast=allow_dtype_cast,
+        progress=progress,
+    )
     try:
         with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
-            result = _load(reader, comm, state_dict, options)
+            result, nbytes = _load(reader, comm, state_dict, options)
     finally:
         reader.close()
+    if comm.rank == 0:
+        ranks = f" by {comm.world_size} ranks" if comm.world_size > 1 else ""
+        log_done(logger, "loaded", path_text, nbytes, time.monotonic() - started, ranks)
     if not strict and (result.missing_keys or result.unexpected_keys):
         parts = [
             _keys(what, keys)
@@ -446,21 +462,14 @@ def _keys(what: str, keys: list[str]) -> str:
     return f"{len(keys)} {noun} {what} ({shown}{more})"
 
 
-@dataclass(frozen=True, slots=True)
-class _Options:
-    strict: bool
-    verify: bool
-    allow_pickle: bool
-    allow_dtype_cast: bool
-    progress: bool
-
-
 def _load(
     reader: CheckpointReader,
     comm: collectives.Comm,
     state_dict: MutableMapping[str, Any],
-    options: _Options,
-) -> LoadResult:
+    options: LoadOptions,
+) -> tuple[LoadResult, int]:
+    """Plan, verify and fill (see the module's docstring). Returns the result and the bytes
+    every rank read into the state dict."""
     flat = Flat()
 
     def plan() -> _Plan:
@@ -474,9 +483,14 @@ def _load(
         reader.check_files(itertools.chain(jobs, blobs))
         return planned
 
-    # Rank 0's wish for a progress bar, and a name for the count every rank adds to.
+    # Rank 0's wish for a progress bar and a name for the count every rank adds to; every
+    # rank's bytes to read.
     token = secrets.token_hex(8)
-    planned, wishes = comm.exchange_or_raise(plan, lambda _: [options.progress, token])
+    planned, wishes = comm.exchange_or_raise(
+        plan,
+        lambda planned: [options.progress, token, sum(job.read.nbytes for job in planned.jobs)],
+    )
+    total = sum(wish[2] for wish in wishes)
 
     def check() -> dict[str, Any]:
         if options.verify:
@@ -491,34 +505,17 @@ def _load(
     values, _ = comm.exchange_or_raise(check, lambda _: None)
     bar: JobProgress | None = None
     if wishes[0][0]:
-        totals = comm.all_gather_json(sum(job.read.nbytes for job in planned.jobs))
-        bar = JobProgress(
-            sum(totals),
-            f"loading {reader.path}",
-            show=comm.rank == 0,
-            counter=comm.counter(f"load/{wishes[0][1]}"),
-        )
+        bar = job_bar(comm, total, f"loading {reader.path}", f"load/{wishes[0][1]}")
 
     def fill() -> None:
-        try:
-            reader.fill(planned.jobs, planned.targets, None if bar is None else bar.update)
-        finally:
-            if bar is not None:
-                bar.finish()
+        reader.fill(planned.jobs, planned.targets, None if bar is None else bar.update)
 
-    try:
-        comm.exchange_or_raise(fill, lambda _: None)
-    except BaseException:
-        if bar is not None:
-            bar.close(succeeded=False)
-        raise
-    if bar is not None:
-        bar.close(succeeded=True)
+    exchange_with_bar(comm, fill, bar)
     # Objects are replaced, and Stateful objects given their state, only once every rank has
     # loaded everything.
     _grow(flat, planned.grown, {**values, **planned.new_tensors})
     restore(state_dict, flat, values)
-    return LoadResult(planned.missing, planned.unexpected)
+    return LoadResult(planned.missing, planned.unexpected), total
 
 
 def load_tensor(

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from shardwise.checkpoint.storage import Storage
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointLockedError, CheckpointStorageError
 
 __all__ = ["LOCK_NAME", "SaveLock"]
@@ -35,10 +36,6 @@ logger = logging.getLogger(__name__)
 
 #: Name of the lock file, in the checkpoint directory.
 LOCK_NAME = "shardwise.lock"
-# The holder renews its heartbeat this often; a lock whose heartbeat is older than _STALE
-# (a generous margin for clock differences between hosts) belongs to a dead save.
-_HEARTBEAT = 5.0
-_STALE = 120.0
 _MAX_LOCK_BYTES = 4096
 
 
@@ -108,7 +105,7 @@ class SaveLock:
             return True
         if host == socket.gethostname() and not _alive(pid):
             return True
-        return abs(time.time() - float(heartbeat)) > _STALE
+        return abs(time.time() - float(heartbeat)) > TUNING.lock_stale_seconds
 
     def acquire(self) -> None:
         """Take the lock (replacing a stale one) and start the heartbeat.
@@ -127,11 +124,12 @@ class SaveLock:
             if holder is None:
                 continue  # released meanwhile: try again
             if not self._stale(holder):
+                stale = int(TUNING.lock_stale_seconds)
                 raise CheckpointLockedError(
                     f"another save to this path is running (save {holder.get('save_id')!r}, "
                     f"process {holder.get('pid')} on {holder.get('host')!r}); saves to one "
                     "path run one at a time: wait for it, or save to another path. A lock "
-                    f"whose save died is taken over after {int(_STALE)} s without a heartbeat",
+                    f"whose save died is taken over after {stale} s without a heartbeat",
                     file=self._path,
                 )
             self._storage.remove(self._path)
@@ -140,7 +138,7 @@ class SaveLock:
         )
 
     def _beat(self) -> None:
-        while not self._stop.wait(_HEARTBEAT):
+        while not self._stop.wait(TUNING.lock_heartbeat_seconds):
             try:
                 self._storage.replace_small(self._path, self._content())
             except OSError:
@@ -162,5 +160,5 @@ class SaveLock:
                 "could not remove the save lock %s: %s; another save takes it over after %d s",
                 self._path,
                 err,
-                int(_STALE),
+                int(TUNING.lock_stale_seconds),
             )

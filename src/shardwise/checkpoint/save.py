@@ -24,29 +24,29 @@ import os
 import re
 import secrets
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import __version__ as _version
 from shardwise import collectives
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import planner
+from shardwise.checkpoint import data_writer, planner
 from shardwise.checkpoint._items import (
     LocalBox,
     ObjectValue,
     TensorValue,
-    byte_view,
     describe_object,
     describe_tensor,
     is_tensor_value,
     storage_key,
 )
-from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
+from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint.format import bytes_key, chunk_key
 from shardwise.checkpoint.index import (
-    BLOCK_SIZE,
     DATA_DIR,
     INDEX_NAME,
     TEXT_ENCODINGS,
@@ -54,9 +54,7 @@ from shardwise.checkpoint.index import (
     ObjectRecord,
     SaveFacts,
     TensorRecord,
-    block_checksums,
     build_index,
-    data_file_name,
     decode_index,
     encode_index,
     is_data_file_name,
@@ -65,33 +63,23 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.metadata import Metadata
+from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.state_dict import display_key, flatten
-from shardwise.checkpoint.storage import (
-    Storage,
-    UnsafePathError,
-    Writer,
-    open_shared_storage,
-)
+from shardwise.checkpoint.storage import Storage, UnsafePathError, open_shared_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
 from shardwise.metadata import TensorProperties, dtype_name
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["async_save", "save"]
 
 logger = logging.getLogger(__name__)
-# Writes smaller than this are gathered into one buffer to save system calls (10,000 small
-# tensors otherwise cost 10,000 writes); larger ones go straight from tensor memory.
-_SMALL_WRITE = 1 << 20
-_BUFFER_LIMIT = 8 << 20
-# Large entries are written in pieces of this size (a multiple of BLOCK_SIZE), each block
-# hashed right before it is written, while it is in cache.
-_PIECE = 4 * BLOCK_SIZE
 # The temporary name of the index of a save (see _commit).
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
 # The temporary name under which the save lock is written (see LocalStorage.replace_small).
 _TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
-# GPU tensors are copied to the host through a reused pinned buffer of this size.
-_STAGING_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -178,138 +166,6 @@ def _plan_entries(snapshot: _Snapshot) -> list[dict[str, Any]]:
     return entries
 
 
-class _ChecksummingWriter:
-    """Writes entries to a file, gathering small writes, and returns each entry's block
-    checksums (see ``docs/format.md``)."""
-
-    def __init__(self, writer: Writer) -> None:
-        self._writer = writer
-        self._pending = bytearray()
-        self.bytes_written = 0
-
-    def raw(self, data: bytes) -> None:
-        self._pending += data
-
-    def entry(self, tensor: torch.Tensor) -> str:
-        if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
-            return self._staged_entry(tensor)
-        view = byte_view(tensor.contiguous())
-        if len(view) < _SMALL_WRITE:
-            self._pending += view
-            if len(self._pending) >= _BUFFER_LIMIT:
-                self.flush()
-            return block_checksums(view)
-        self.flush()
-        sums = []
-        for start in range(0, len(view), _PIECE):
-            piece = view[start : start + _PIECE]
-            sums.append(block_checksums(piece))
-            self._writer.write(piece)
-        self.bytes_written += len(view)
-        return "".join(sums)
-
-    def blob(self, payload: bytes) -> str:
-        self._pending += payload
-        return block_checksums(payload)
-
-    def _staged_entry(self, tensor: torch.Tensor) -> str:  # pragma: no cover - needs a GPU
-        # Copy device memory to the host in bounded pieces (a multiple of the block size)
-        # through one reused pinned buffer.
-        self.flush()
-        sums = []
-        source = tensor.contiguous().reshape(-1).view(torch.uint8)
-        staging = _pinned_staging(min(_STAGING_BYTES, max(source.numel(), 1)))
-        for start in range(0, source.numel(), staging.numel()):
-            piece = source[start : start + staging.numel()]
-            target = staging[: piece.numel()]
-            target.copy_(piece, non_blocking=False)
-            view = byte_view(target)
-            sums.append(block_checksums(view))
-            self._writer.write(view)
-            self.bytes_written += len(view)
-        return "".join(sums) or block_checksums(b"")
-
-    def flush(self) -> None:
-        if self._pending:
-            self._writer.write(self._pending)
-            self.bytes_written += len(self._pending)
-            self._pending = bytearray()
-
-
-_staging_lock = threading.Lock()
-_staging_buffer: torch.Tensor | None = None
-
-
-def _pinned_staging(nbytes: int) -> torch.Tensor:  # pragma: no cover - needs a GPU
-    global _staging_buffer
-    with _staging_lock:
-        if _staging_buffer is None or _staging_buffer.numel() < nbytes:
-            _staging_buffer = torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-        return _staging_buffer[:nbytes]
-
-
-def _find_box(value: TensorValue, offsets: tuple[int, ...]) -> LocalBox:
-    for box in value.boxes:
-        if box.offsets == offsets:
-            return box
-    raise AssertionError(f"no local box at {offsets}")
-
-
-def _write_data_file(
-    storage: Storage,
-    rank: int,
-    save_id: str,
-    assignments: list[planner.WriteAssignment],
-    snapshot: _Snapshot,
-    blobs: list[tuple[str, ObjectValue]],
-    sync_files: bool,
-    progress: Any,
-) -> dict[str, Any]:
-    """Write this rank's data file. Returns ``{"file": [name, size], "entries": {key:
-    [begin, end, block checksums]}}`` (empty when this rank writes nothing)."""
-    if not assignments and not blobs:
-        return {}
-    name = data_file_name(rank, save_id)
-    entries = []
-    for item in assignments:
-        value = snapshot.tensors[item.fqn]
-        dtype = value.dtype
-        entries.append(FileEntry(chunk_key(item.fqn, item.offsets), dtype, item.sizes, item.nbytes))
-    for fqn, blob in blobs:
-        entries.append(FileEntry(bytes_key(fqn), None, (len(blob.payload),), len(blob.payload)))
-    layout = layout_file(entries, {"format": "shardwise", "save_id": save_id, "rank": str(rank)})
-    final = storage.join(*name.split("/"))
-    # Where renames are atomic (a local file system) the file is written under a temporary
-    # name and renamed once complete. Object stores have no rename (a copy, then a delete):
-    # the file goes under its final name, unique to this save, where it appears complete when
-    # closed. Either way no index names it before every rank has written its file.
-    staging = f"{final}.tmp" if storage.atomic_rename else final
-    writer = _open_fresh(storage, staging, rank)
-    written: dict[str, list[Any]] = {}
-    try:
-        out = _ChecksummingWriter(writer)
-        out.raw(layout.header)
-        for item, entry, (begin, end) in zip(assignments, entries, layout.ranges, strict=False):
-            tensor = _find_box(snapshot.tensors[item.fqn], item.offsets).tensor
-            written[entry.key] = [begin, end, out.entry(tensor.detach())]
-            if progress is not None:
-                progress.update(end - begin)
-        for (_fqn, blob), entry, (begin, end) in zip(
-            blobs, entries[len(assignments) :], layout.ranges[len(assignments) :], strict=True
-        ):
-            written[entry.key] = [begin, end, out.blob(blob.payload)]
-        out.flush()
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close(sync=sync_files)
-    if staging != final:
-        storage.rename(staging, final)
-        if sync_files:
-            storage.sync_dir(storage.join(DATA_DIR))
-    return {"file": [name, layout.size], "entries": written}
-
-
 def _build_index(
     plans: dict[str, planner.TensorPlan],
     aliases: dict[str, str],
@@ -356,43 +212,6 @@ def _build_index(
     return data, build_index(facts, files, ordered, records, aliases)
 
 
-def _check_visible(storage: Storage, index: Index, path: str) -> None:
-    """Check that the coordinator sees every data file ``index`` names (one listing): a path
-    that is not shared by every node (a node-local disk) would otherwise commit an index
-    naming files that only their writers' nodes have.
-
-    Raises:
-        CheckpointDataError: A data file is not there.
-    """
-    present = set(storage.listdir(storage.join(DATA_DIR)))
-    missing = sorted(
-        name for name in index.files if name.removeprefix(f"{DATA_DIR}/") not in present
-    )
-    if missing:
-        writers = sorted(int(name.split("rank-")[1].split(".")[0]) for name in missing)
-        raise CheckpointDataError(
-            f"the coordinator does not see the data files of ranks {writers} ({missing[0]}"
-            f"{' and more' if len(missing) > 1 else ''}): is {path} on a file system every "
-            "node mounts? A node-local path cannot hold a checkpoint of several nodes; "
-            "nothing was committed",
-            file=storage.join(DATA_DIR),
-        )
-
-
-def _open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
-    """Create ``path`` (a name unique to this save: temporary where the storage renames,
-    final on object stores) for writing."""
-    try:
-        return storage.open_write(path)
-    except (FileExistsError, UnsafePathError) as err:
-        raise CheckpointDataError(
-            "refusing to save: this save's file already exists (something else created it, "
-            "perhaps a link); nothing was written",
-            file=path,
-            rank=rank,
-        ) from err
-
-
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
     """Write the index: the commit point. Every data file it names is complete and visible
     (every rank acknowledged its own before the coordinator gets here)."""
@@ -404,7 +223,7 @@ def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> N
         storage.replace_small(name, index)
         return
     temporary = f"{name}.{save_id}.tmp"
-    writer = _open_fresh(storage, temporary, None)
+    writer = data_writer.open_fresh(storage, temporary, None)
     try:
         try:
             writer.write(index)
@@ -451,12 +270,13 @@ def _save_snapshot(
     snapshot: _Snapshot,
     path: str,
     comm: collectives.Comm,
-    coordinator_rank: int,
-    sync_files: bool,
-    storage_options: dict[str, Any] | None,
-    progress: bool,
+    options: SaveOptions,
     local_error: BaseException | None = None,
 ) -> Metadata:
+    """Steps 2 to 4 of a save (see the module's docstring), on every rank of ``comm``; a
+    ``local_error`` of step 1 is raised on this rank and shared with the others."""
+    started = time.monotonic()
+    coordinator_rank = options.coordinator_rank
     storage: Storage | None = None
     lock: SaveLock | None = None
 
@@ -464,11 +284,11 @@ def _save_snapshot(
         nonlocal storage, lock
         if local_error is not None:
             raise local_error
-        storage = open_shared_storage(path, storage_options, comm.world_size)
+        storage = open_shared_storage(path, options.storage_options, comm.world_size)
         plan: dict[str, Any] = {
             "tensors": _plan_entries(snapshot),
             "aliases": snapshot.aliases,
-            "progress": progress,
+            "progress": options.progress,
         }
         if comm.rank == coordinator_rank:
             # One save at a time per path, taken before anything is written (see lock.py).
@@ -528,8 +348,15 @@ def _save_snapshot(
                     rank=comm.rank,
                 ) from err
             try:
-                return _write_data_file(
-                    storage, comm.rank, save_id, mine, snapshot, blobs, sync_files, bar
+                return data_writer.write_data_file(
+                    storage,
+                    comm.rank,
+                    save_id,
+                    mine,
+                    snapshot.tensors,
+                    blobs,
+                    options.sync_files,
+                    bar,
                 )
             except CheckpointError:
                 raise
@@ -539,28 +366,13 @@ def _save_snapshot(
                     file=data_dir,
                     rank=comm.rank,
                 ) from err
-            finally:
-                if bar is not None:
-                    bar.finish()
 
         # Rank 0 asked for a bar: it shows the whole job's bytes, which every rank counts.
         bar: JobProgress | None = None
         if plans[0]["progress"]:
             total = sum(item.nbytes for items in assignments for item in items)
-            bar = JobProgress(
-                total,
-                f"saving {path}",
-                show=comm.rank == 0,
-                counter=comm.counter(f"save/{save_id}"),
-            )
-        try:
-            _, written = comm.exchange_or_raise(write)
-        except BaseException:
-            if bar is not None:
-                bar.close(succeeded=False)
-            raise
-        if bar is not None:
-            bar.close(succeeded=True)
+            bar = job_bar(comm, total, f"saving {path}", f"save/{save_id}")
+        _, written = exchange_with_bar(comm, write, bar)
         # Only the coordinator's objects are saved; every rank builds the same index from its plan.
         objects = {
             fqn: ObjectValue(encoding, text.encode())
@@ -576,7 +388,7 @@ def _save_snapshot(
                 # validates everything a reader checks).
                 if decode_index(built[0]) != built[1]:
                     raise CheckpointError("the index of this save does not read back as built")
-                _check_visible(storage, built[1], path)
+                data_writer.check_visible(storage, built[1], path)
             return built
 
         data, index = comm.exchange_or_raise(agree, lambda _: None)[0]
@@ -585,7 +397,7 @@ def _save_snapshot(
         def commit() -> None:
             nonlocal committed
             if comm.rank == coordinator_rank:
-                _commit(storage, data, sync_files, save_id)
+                _commit(storage, data, options.sync_files, save_id)
                 committed = True
 
         try:
@@ -605,6 +417,10 @@ def _save_snapshot(
             except OSError as err:
                 # The checkpoint is committed and complete; stale files only cost space.
                 logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
+            nbytes = len(data) + sum(size or 0 for size in index.files.values())
+            count = len(index.files)
+            files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
+            log_done(logger, "saved", path, nbytes, time.monotonic() - started, files)
         return index.to_metadata()
     finally:
         if lock is not None:
@@ -615,7 +431,7 @@ def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     coordinator_rank: int = 0,
     sync_files: bool = True,
     allow_pickle: bool = False,
@@ -648,20 +464,16 @@ def save(
     Example:
         >>> shardwise.checkpoint.save({"model": model.state_dict(), "step": 10}, "/ckpt/100")
     """
+    options = SaveOptions.of_call(locals())
     comm = collectives.Comm(process_group, operation="save")
     _check_coordinator(coordinator_rank, comm)
     with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
         snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
-        return _save_snapshot(
-            snapshot,
-            os.path.expanduser(os.fspath(path)),
-            comm,
-            coordinator_rank,
-            sync_files,
-            storage_options,
-            progress,
-            error,
-        )
+        return _save_snapshot(snapshot, _local_path(path), comm, options, error)
+
+
+def _local_path(path: str | os.PathLike[str]) -> str:
+    return os.path.expanduser(os.fspath(path))
 
 
 def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
@@ -677,7 +489,7 @@ def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
 _async_lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _in_flight: concurrent.futures.Future[Metadata] | None = None
-_background_groups: dict[tuple[int, ...], Any] = {}
+_background_groups: dict[tuple[int, ...], ProcessGroup | None] = {}
 
 
 def _stage(snapshot: _Snapshot) -> _Snapshot:
@@ -701,7 +513,7 @@ def _stage(snapshot: _Snapshot) -> _Snapshot:
     return _Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)
 
 
-def _background_group(process_group: Any) -> Any:
+def _background_group(process_group: ProcessGroup | None) -> ProcessGroup | None:
     """The gloo group background saves over ``process_group``'s ranks use: same ranks, same
     timeout (created on first use; that is collective over the default group)."""
     if not collectives.is_initialized():
@@ -728,14 +540,15 @@ def async_save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     coordinator_rank: int = 0,
     sync_files: bool = True,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> concurrent.futures.Future[Metadata]:
-    """Like :func:`save`, but returns once the state dict is copied to CPU staging memory.
+    """Like :func:`save` (the same keywords), but returns once the state dict is copied to
+    CPU staging memory.
 
     The writing happens in a background thread over a separate gloo process group (created on
     the first call; that creation is collective over the default group), so it never
@@ -747,11 +560,11 @@ def async_save(
         A future of the checkpoint's :class:`Metadata`.
     """
     global _executor, _in_flight
+    options = SaveOptions.of_call(locals())
     with _async_lock:
         if _in_flight is not None:
             concurrent.futures.wait([_in_flight])
-        comm_group = _background_group(process_group)
-        comm = collectives.Comm(comm_group, operation="async_save")
+        comm = collectives.Comm(_background_group(process_group), operation="async_save")
         _check_coordinator(coordinator_rank, comm)
         snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=True)
         if _executor is None:
@@ -759,14 +572,6 @@ def async_save(
                 max_workers=1, thread_name_prefix="shardwise-async-save"
             )
         _in_flight = _executor.submit(
-            _save_snapshot,
-            snapshot,
-            os.path.expanduser(os.fspath(path)),
-            comm,
-            coordinator_rank,
-            sync_files,
-            storage_options,
-            progress,
-            error,
+            _save_snapshot, snapshot, _local_path(path), comm, options, error
         )
         return _in_flight

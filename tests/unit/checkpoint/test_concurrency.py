@@ -3,6 +3,7 @@ saves left behind, never a running save's files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import lock as lock_module
 from shardwise.checkpoint.lock import LOCK_NAME
 
 
@@ -72,6 +74,18 @@ def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> Non
     target = {"w": torch.empty(3)}
     ckpt.load(target, path)
     assert torch.equal(target["w"], torch.ones(3))
+
+
+def test_the_stale_limit_is_a_tunable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c"
+    _lock(path, 1, host="another-host", age=60)  # a minute without a heartbeat
+    tuning = lock_module.TUNING
+    monkeypatch.setattr(lock_module, "TUNING", dataclasses.replace(tuning, lock_stale_seconds=120))
+    with pytest.raises(ckpt.CheckpointLockedError, match="taken over after 120 s"):
+        ckpt.save({"w": torch.ones(3)}, path)
+    monkeypatch.setattr(lock_module, "TUNING", dataclasses.replace(tuning, lock_stale_seconds=30))
+    ckpt.save({"w": torch.ones(3)}, path)
+    assert not (path / LOCK_NAME).exists()
 
 
 def test_leftovers_of_killed_saves_are_removed_and_nothing_else(tmp_path: Path) -> None:

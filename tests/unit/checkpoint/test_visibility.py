@@ -11,14 +11,14 @@ import torch
 
 import shardwise.checkpoint as ckpt
 
-# The module, not the function the package exports under the same name.
-save_module = importlib.import_module("shardwise.checkpoint.save")
+# The module that writes a rank's data file.
+data_writer = importlib.import_module("shardwise.checkpoint.data_writer")
 
 
 def test_a_data_file_the_coordinator_cannot_see_is_not_committed(tmp_path, monkeypatch):
     path = tmp_path / "c"
     ckpt.save({"w": torch.ones(4)}, path)  # the previous checkpoint
-    written = save_module._write_data_file
+    written = data_writer.write_data_file
 
     def on_another_node(storage, rank, *args, **kwargs):
         result = written(storage, rank, *args, **kwargs)
@@ -26,7 +26,7 @@ def test_a_data_file_the_coordinator_cannot_see_is_not_committed(tmp_path, monke
         os.remove(os.path.join(path, *result["file"][0].split("/")))
         return result
 
-    monkeypatch.setattr(save_module, "_write_data_file", on_another_node)
+    monkeypatch.setattr(data_writer, "write_data_file", on_another_node)
     with pytest.raises(ckpt.CheckpointDataError, match=r"ranks \[0\].*every node mounts"):
         ckpt.save({"w": torch.full((4,), 2.0)}, path)
     monkeypatch.undo()

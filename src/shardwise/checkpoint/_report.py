@@ -1,0 +1,57 @@
+"""What a save or a load tells the people running it: a progress bar of the whole job's bytes
+(shared by every rank, drawn on rank 0) and one summary line in the log when it is done."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from shardwise import collectives
+from shardwise._progress import JobProgress, human_bytes
+
+__all__ = ["exchange_with_bar", "job_bar", "log_done"]
+
+_T = TypeVar("_T")
+
+
+def job_bar(comm: collectives.Comm, total: int, description: str, key: str) -> JobProgress:
+    """The bar of a job of ``total`` bytes (every rank's), drawn on rank 0; every rank counts
+    its bytes into the group's shared count ``key`` (unique to the job)."""
+    return JobProgress(total, description, show=comm.rank == 0, counter=comm.counter(key))
+
+
+def exchange_with_bar(
+    comm: collectives.Comm, work: Callable[[], _T], bar: JobProgress | None
+) -> tuple[_T, list[Any]]:
+    """``comm.exchange_or_raise(work)`` for the step of a job that ``bar`` (if any) counts:
+    each rank's last bytes are counted when its ``work`` ends, and the bar ends full only
+    when every rank succeeded."""
+
+    def counted() -> _T:
+        try:
+            return work()
+        finally:
+            if bar is not None:
+                bar.finish()
+
+    try:
+        result = comm.exchange_or_raise(counted)
+    except BaseException:
+        if bar is not None:
+            bar.close(succeeded=False)
+        raise
+    if bar is not None:
+        bar.close(succeeded=True)
+    return result
+
+
+def log_done(
+    logger: logging.Logger, what: str, path: str, nbytes: int, seconds: float, detail: str = ""
+) -> None:
+    """Log at INFO ``"<what> <path>: <bytes><detail> in <seconds> s (<throughput>/s)"``, e.g.
+    ``saved /ckpt/100: 1.5 GiB in 4 files in 2.31 s (664.9 MiB/s)``."""
+    rate = human_bytes(nbytes / seconds) if seconds > 0 else "-"
+    logger.info(
+        "%s %s: %s%s in %.2f s (%s/s)", what, path, human_bytes(nbytes), detail, seconds, rate
+    )

@@ -1,0 +1,207 @@
+"""The data files of a save: writing one rank's (step 3 of ``save``; see ``docs/format.md``,
+*Data files* and *Checksums: blocks*), and checking that the coordinator sees every rank's.
+
+The file is a safetensors file laid out before the first byte is written. Entries go
+straight from tensor memory to the file, each 1 MiB block checksummed right before it is
+written, while it is in cache; small entries are gathered into one buffer to save system
+calls, GPU tensors are copied to the host through one reused pinned buffer. Every size here
+is a tunable of :mod:`shardwise.checkpoint.tuning`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardwise._boxes import byte_view
+from shardwise._progress import JobProgress
+from shardwise.checkpoint import planner
+from shardwise.checkpoint._items import LocalBox, ObjectValue, TensorValue
+from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
+from shardwise.checkpoint.index import DATA_DIR, Index, block_checksums, data_file_name
+from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
+from shardwise.checkpoint.tuning import TUNING
+from shardwise.errors import CheckpointDataError
+
+__all__ = ["check_visible", "open_fresh", "write_data_file"]
+
+
+def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
+    """Create ``path`` (a name unique to this save: temporary where the storage renames,
+    final on object stores) for writing.
+
+    Raises:
+        CheckpointDataError: It exists already (something else created it, perhaps a link).
+    """
+    try:
+        return storage.open_write(path)
+    except (FileExistsError, UnsafePathError) as err:
+        raise CheckpointDataError(
+            "refusing to save: this save's file already exists (something else created it, "
+            "perhaps a link); nothing was written",
+            file=path,
+            rank=rank,
+        ) from err
+
+
+class _ChecksummingWriter:
+    """Writes entries to a file, gathering small writes, and returns each entry's block
+    checksums (see ``docs/format.md``)."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+        self._pending = bytearray()
+        self.bytes_written = 0
+
+    def raw(self, data: bytes) -> None:
+        self._pending += data
+
+    def entry(self, tensor: torch.Tensor) -> str:
+        if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
+            return self._staged_entry(tensor)
+        view = byte_view(tensor.contiguous())
+        if len(view) < TUNING.small_write_bytes:
+            self._pending += view
+            if len(self._pending) >= TUNING.write_buffer_bytes:
+                self.flush()
+            return block_checksums(view)
+        self.flush()
+        sums = []
+        piece_bytes = TUNING.write_piece_bytes
+        for start in range(0, len(view), piece_bytes):
+            piece = view[start : start + piece_bytes]
+            sums.append(block_checksums(piece))
+            self._writer.write(piece)
+        self.bytes_written += len(view)
+        return "".join(sums)
+
+    def blob(self, payload: bytes) -> str:
+        self._pending += payload
+        return block_checksums(payload)
+
+    def _staged_entry(self, tensor: torch.Tensor) -> str:  # pragma: no cover - needs a GPU
+        # Copy device memory to the host in bounded pieces (a multiple of the block size)
+        # through one reused pinned buffer.
+        self.flush()
+        sums = []
+        source = tensor.contiguous().reshape(-1).view(torch.uint8)
+        staging = _pinned_staging(min(TUNING.staging_bytes, max(source.numel(), 1)))
+        for start in range(0, source.numel(), staging.numel()):
+            piece = source[start : start + staging.numel()]
+            target = staging[: piece.numel()]
+            target.copy_(piece, non_blocking=False)
+            view = byte_view(target)
+            sums.append(block_checksums(view))
+            self._writer.write(view)
+            self.bytes_written += len(view)
+        return "".join(sums) or block_checksums(b"")
+
+    def flush(self) -> None:
+        if self._pending:
+            self._writer.write(self._pending)
+            self.bytes_written += len(self._pending)
+            self._pending = bytearray()
+
+
+_staging_lock = threading.Lock()
+_staging_buffer: torch.Tensor | None = None
+
+
+def _pinned_staging(nbytes: int) -> torch.Tensor:  # pragma: no cover - needs a GPU
+    global _staging_buffer
+    with _staging_lock:
+        if _staging_buffer is None or _staging_buffer.numel() < nbytes:
+            _staging_buffer = torch.empty(TUNING.staging_bytes, dtype=torch.uint8, pin_memory=True)
+        return _staging_buffer[:nbytes]
+
+
+def _find_box(value: TensorValue, offsets: tuple[int, ...]) -> LocalBox:
+    for box in value.boxes:
+        if box.offsets == offsets:
+            return box
+    raise AssertionError(f"no local box at {offsets}")
+
+
+def write_data_file(
+    storage: Storage,
+    rank: int,
+    save_id: str,
+    assignments: list[planner.WriteAssignment],
+    tensors: Mapping[str, TensorValue],
+    blobs: list[tuple[str, ObjectValue]],
+    sync_files: bool,
+    progress: JobProgress | None,
+) -> dict[str, Any]:
+    """Write this rank's data file: the chunks ``assignments`` names (their data taken from
+    ``tensors``), then the ``blobs``.
+
+    Returns:
+        ``{"file": [name, size], "entries": {key: [begin, end, block checksums]}}``, empty
+        when this rank writes nothing.
+    """
+    if not assignments and not blobs:
+        return {}
+    name = data_file_name(rank, save_id)
+    entries = []
+    for item in assignments:
+        dtype = tensors[item.fqn].dtype
+        entries.append(FileEntry(chunk_key(item.fqn, item.offsets), dtype, item.sizes, item.nbytes))
+    for fqn, blob in blobs:
+        entries.append(FileEntry(bytes_key(fqn), None, (len(blob.payload),), len(blob.payload)))
+    layout = layout_file(entries, {"format": "shardwise", "save_id": save_id, "rank": str(rank)})
+    final = storage.join(*name.split("/"))
+    # Where renames are atomic (a local file system) the file is written under a temporary
+    # name and renamed once complete. Object stores have no rename (a copy, then a delete):
+    # the file goes under its final name, unique to this save, where it appears complete when
+    # closed. Either way no index names it before every rank has written its file.
+    staging = f"{final}.tmp" if storage.atomic_rename else final
+    writer = open_fresh(storage, staging, rank)
+    written: dict[str, list[Any]] = {}
+    try:
+        out = _ChecksummingWriter(writer)
+        out.raw(layout.header)
+        for item, entry, (begin, end) in zip(assignments, entries, layout.ranges, strict=False):
+            tensor = _find_box(tensors[item.fqn], item.offsets).tensor
+            written[entry.key] = [begin, end, out.entry(tensor.detach())]
+            if progress is not None:
+                progress.update(end - begin)
+        for (_fqn, blob), entry, (begin, end) in zip(
+            blobs, entries[len(assignments) :], layout.ranges[len(assignments) :], strict=True
+        ):
+            written[entry.key] = [begin, end, out.blob(blob.payload)]
+        out.flush()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(sync=sync_files)
+    if staging != final:
+        storage.rename(staging, final)
+        if sync_files:
+            storage.sync_dir(storage.join(DATA_DIR))
+    return {"file": [name, layout.size], "entries": written}
+
+
+def check_visible(storage: Storage, index: Index, path: str) -> None:
+    """Check that the coordinator sees every data file ``index`` names (one listing): a path
+    that is not shared by every node (a node-local disk) would otherwise commit an index
+    naming files that only their writers' nodes have.
+
+    Raises:
+        CheckpointDataError: A data file is not there.
+    """
+    present = set(storage.listdir(storage.join(DATA_DIR)))
+    missing = sorted(
+        name for name in index.files if name.removeprefix(f"{DATA_DIR}/") not in present
+    )
+    if missing:
+        writers = sorted(int(name.split("rank-")[1].split(".")[0]) for name in missing)
+        raise CheckpointDataError(
+            f"the coordinator does not see the data files of ranks {writers} ({missing[0]}"
+            f"{' and more' if len(missing) > 1 else ''}): is {path} on a file system every "
+            "node mounts? A node-local path cannot hold a checkpoint of several nodes; "
+            "nothing was committed",
+            file=storage.join(DATA_DIR),
+        )
