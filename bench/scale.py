@@ -16,13 +16,14 @@ and receives, the index size, and each step's growth with the rank count (the ex
     python bench/scale.py                # 1,024 ranks x 10,000 sharded tensors (1-2 minutes)
     python bench/scale.py --sample 0     # the same, every step on all tensors (about 8 minutes)
     python bench/scale.py --quick        # 64 ranks x 1,000 (seconds)
-    python bench/scale.py --ranks 256 --ladder 64,128 --proposal
+    python bench/scale.py --ranks 256 --ladder 64,128 --layouts
 
 By default the global steps run on 1,000 of the sharded tensors (``--sample``) and are scaled
 to all of them: every step is a loop over tensors whose cost per tensor depends on the rank
 count, not on the other tensors (``--sample 0`` at 1,024 ranks gave every step's time within
 10 %, about the run-to-run spread on a shared machine, and the index size within 2 %).
-``--proposal`` adds the figures of a prototype of the index the design note proposes.
+``--layouts`` adds the figures of the new path (``_scale/layouts.py``): planning from tables of
+layouts and the version-4 index, through shardwise's own code (not yet wired into save/load).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from _scale import proposal
+from _scale import layouts
 from _scale.model import Tensor, check_against_torch, gpt_state
 from _scale.simulate import Result, index_memory, own_work, scaled, simulate
 from shardwise._progress import human_bytes
@@ -176,28 +177,37 @@ def _parsed(result: Result) -> str:
     return human_bytes(result.ranks * result.parsed_plan_bytes)
 
 
-def _proposal(tensors: Sequence[Tensor], counts: Sequence[int], load_ranks: int) -> None:
-    """The prototype of the proposed index (format version 4 of the design note): not
-    shardwise code."""
-    print("Sketch of the proposed index (prototype in _scale/proposal.py, not shardwise code):")
+def _layouts(tensors: Sequence[Tensor], counts: Sequence[int], load_ranks: int) -> None:
+    """The new path (format version 4, planning from layouts) through shardwise's code."""
+    print("The new path: layouts, version-4 index (shardwise code, not yet wired into save/load):")
     print()
-    print("| proposed | " + " | ".join(f"R={ranks}" for ranks in counts) + " |")
+    print("| new path | " + " | ".join(f"R={ranks}" for ranks in counts) + " |")
     print("|---|" + "---|" * len(counts))
-    same = [proposal.measure(tensors, ranks, ranks, 1) for ranks in counts]
+    same = [layouts.measure(tensors, ranks, ranks, 1) for ranks in counts]
     other = [
-        proposal.measure(tensors, ranks, load_ranks or max(1, ranks // 2), 1) for ranks in counts
+        layouts.measure(tensors, ranks, load_ranks or max(1, ranks // 2), 1) for ranks in counts
     ]
     rows = [
-        ("index", [human_bytes(m.index_bytes) for m in same]),
-        ("encode + seal (coordinator)", [_time(m.encode_seconds) for m in same]),
-        ("decode with every check (every rank)", [_time(m.decode_seconds) for m in same]),
+        (
+            "table a rank sends (JSON, once per distinct table)",
+            [human_bytes(m.table_bytes) for m in same],
+        ),
+        (
+            "assignment a rank receives (mean / max)",
+            [f"{m.assignment_bytes[0]:.0f} B / {m.assignment_bytes[1]} B" for m in same],
+        ),
+        ("coordinator: plan_save", [_time(m.plan_seconds) for m in same]),
+        ("index (version 4)", [human_bytes(m.index_bytes) for m in same]),
+        ("coordinator: encode_v4 + seal", [_time(m.encode_seconds) for m in same]),
+        ("decode_index, every check (every rank)", [_time(m.decode_seconds) for m in same]),
+        ("index.to_metadata (lazy)", [_time(m.metadata_seconds) for m in same]),
         (
             "one rank's load plan, same layout (files / reads)",
-            [f"{_time(m.plan_seconds)} ({m.files_read} / {m.reads:,})" for m in same],
+            [f"{_time(m.load_seconds)} ({m.files_read} / {m.reads:,})" for m in same],
         ),
         (
             f"one rank's load plan, to {load_ranks or 'R/2'} ranks (files / reads)",
-            [f"{_time(m.plan_seconds)} ({m.files_read} / {m.reads:,})" for m in other],
+            [f"{_time(m.load_seconds)} ({m.files_read} / {m.reads:,})" for m in other],
         ),
     ]
     for label, cells in rows:
@@ -233,9 +243,9 @@ def main() -> None:
     )
     parser.add_argument("--no-steps", action="store_true", help="no replicated step tensors")
     parser.add_argument(
-        "--proposal",
+        "--layouts",
         action="store_true",
-        help="also size and time the sketch of the proposed index (_scale/proposal.py)",
+        help="also time the new path: layouts and the version-4 index (_scale/layouts.py)",
     )
     parser.add_argument("--quick", action="store_true", help="64 ranks x 1,000 tensors")
     parser.add_argument("--verbose", action="store_true", help="print each slice")
@@ -287,9 +297,9 @@ def main() -> None:
     _table(results)
     print()
     _sizes(results, memory)
-    if args.proposal:
+    if args.layouts:
         print()
-        _proposal(tensors, counts, args.load_ranks)
+        _layouts(tensors, counts, args.load_ranks)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"\npeak memory of this process: {human_bytes(peak)}")
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from shardwise._boxes import Box, intersect
 from shardwise.sharding_spec._internals import (
     check_tensor,
     validate_non_overlapping_shards_metadata,
@@ -20,6 +21,7 @@ from shardwise.sharding_spec._internals import (
 __all__ = [
     "READ_COST",
     "Box",
+    "Candidates",
     "ChunkRead",
     "SavedChunk",
     "TensorPlan",
@@ -30,7 +32,6 @@ __all__ = [
     "plan_reads",
 ]
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 #: What one more read call costs, in bytes read: :func:`plan_reads` reads a gap between two
 #: needed runs rather than issue another read when the gap is smaller. Measured on local
@@ -349,16 +350,7 @@ class ChunkRead:
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    offsets = []
-    sizes = []
-    for a_off, a_size, b_off, b_size in zip(a[0], a[1], b[0], b[1], strict=True):
-        start = max(a_off, b_off)
-        stop = min(a_off + a_size, b_off + b_size)
-        if stop <= start:
-            return None
-        offsets.append(start)
-        sizes.append(stop - start)
-    return tuple(offsets), tuple(sizes)
+    return intersect(a[0], a[1], b[0], b[1])
 
 
 def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
@@ -383,6 +375,14 @@ def _split_level(
         if best_cost < 0 or cost < best_cost:
             best, best_cost = level, cost
     return best
+
+
+class Candidates(Protocol):
+    """Finds the chunks of a tensor that may overlap a box (:class:`ChunkLookup`)."""
+
+    def candidates(self, target: Box) -> list[int]:
+        """Indices of the chunks that may overlap ``target``, ascending (a superset)."""
+        ...
 
 
 class ChunkLookup:
@@ -442,7 +442,7 @@ def plan_reads(
     chunks: Sequence[SavedChunk],
     itemsize: int,
     read_cost: int = READ_COST,
-    lookup: ChunkLookup | None = None,
+    lookup: Candidates | None = None,
 ) -> list[ChunkRead]:
     """The reads that fill ``target`` from ``chunks``.
 
@@ -452,9 +452,10 @@ def plan_reads(
     of the whole overlap reads the gaps between its rows too. The split minimizing
     ``reads * read_cost + bytes read`` is chosen, so a gap is skipped exactly when it is
     larger than what another read costs (with ``read_cost=0``, only needed bytes are read).
-    Reads are ordered by file and offset. ``lookup`` (a :class:`ChunkLookup` of ``chunks``)
-    finds the overlapping chunks without comparing ``target`` with each: pass one when
-    planning many boxes of one tensor.
+    Reads are ordered by file and offset. ``lookup`` (a :class:`ChunkLookup` of ``chunks``,
+    or a version-4 grid's ``LayoutChunks``, which answers by arithmetic) finds the
+    overlapping chunks without comparing ``target`` with each: pass one when planning many
+    boxes of one tensor.
 
     Raises:
         ValueError: The chunks do not cover ``target``.
@@ -528,8 +529,3 @@ def _strides(sizes: Sequence[int]) -> list[int]:
     for dim in range(len(sizes) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * sizes[dim + 1]
     return strides
-
-
-def total_bytes(reads: Iterable[ChunkRead]) -> int:
-    """Bytes a list of reads fetches."""
-    return sum(read.nbytes for read in reads)

@@ -105,12 +105,12 @@ def test_unknown_format_version(tmp_path: Path) -> None:
     def bump() -> None:
         index = json.loads((path / "shardwise.json").read_text())
         del index["index_checksum"]
-        index["format_version"] = 4
+        index["format_version"] = 5
         (path / "shardwise.json").write_bytes(seal(index))
 
     _on_rank0_then_barrier(bump)
     message = (
-        "unsupported checkpoint format version 4; this shardwise reads versions 1, 2 and 3 "
+        "unsupported checkpoint format version 5; this shardwise reads versions 1, 2, 3 and 4 "
         f"(a newer shardwise may read it) (file '{path / 'shardwise.json'}')"
     )
     state = _target()

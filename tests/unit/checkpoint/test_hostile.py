@@ -766,7 +766,7 @@ V2_EDITS: dict[str, tuple[Edit, str]] = {
     "version-true": (_set(["format_version"], True), "unsupported checkpoint format version"),
     "version-float": (_set(["format_version"], 2.0), "unsupported checkpoint format version"),
     "version-string": (_set(["format_version"], "2"), "unsupported checkpoint format version"),
-    "version-4": (_set(["format_version"], 4), "unsupported checkpoint format version"),
+    "version-5": (_set(["format_version"], 5), "unsupported checkpoint format version"),
     # Version 3 is version 2 with tied tensors: its aliases table is required.
     "version-3-without-aliases": (_set(["format_version"], 3), "exactly the keys"),
     "other-format": (_set(["format"], "shardwise"), "not a shardwise checkpoint index"),

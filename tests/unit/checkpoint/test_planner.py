@@ -267,7 +267,7 @@ def test_column_overlap_reads_needed_bytes_or_one_read_by_cost() -> None:
     assert [(r.file_offset, r.nbytes, r.overlap, r.strides) for r in exact] == [
         (row * 400 + 40, 80, ((row, 10), (1, 20)), None) for row in range(4)
     ]
-    assert planner.total_bytes(exact) == 4 * 20 * 4
+    assert sum(read.nbytes for read in exact) == 4 * 20 * 4
     # Narrow rows with the default cost: one strided read from the first needed element to
     # the last beats four reads.
     (one,) = planner.plan_reads(((0, 10), (4, 20)), chunks, 4)

@@ -1,0 +1,294 @@
+"""The strict checks every decoder of the index shares: JSON parsing without surprises, the
+type of each field, byte ranges per file, tensor tiling, and keys. Every failure raises
+:class:`~shardwise.errors.CheckpointFormatError` naming the key."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from typing import Any, NoReturn
+
+from shardwise.checkpoint import planner
+from shardwise.checkpoint._items import untag
+from shardwise.checkpoint.index.names import (
+    ENCODINGS,
+    FIRST_DATA_BYTE,
+    HEX,
+    MAX_DEPTH,
+    MAX_DIMS,
+    MAX_INT,
+    QUANTIZED,
+)
+from shardwise.checkpoint.index.records import ObjectRecord, TensorRecord
+from shardwise.checkpoint.planner import SavedChunk
+from shardwise.errors import CheckpointFormatError
+from shardwise.metadata import _DTYPES, _LAYOUTS, _MEMORY_FORMATS, TensorProperties
+
+__all__ = ["ENCODINGS", "decode_text", "fail", "load_json_value"]
+
+HEX_DIGITS = re.compile(r"[0-9a-f]*")
+# A \uD800-\uDFFF escape (an odd run of backslashes before "u"): versions 2-4 are written with
+# raw UTF-8, so such an escape can only be a lone surrogate, which no Python text can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def fail(message: str, key: str | None = None) -> NoReturn:
+    raise CheckpointFormatError(message, key=key)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        fail("the checkpoint index repeats a key inside one JSON object")
+    return result
+
+
+def _reject_constant(name: str) -> NoReturn:
+    fail(f"the checkpoint index contains {name}, which is not JSON")
+
+
+def parse_json(data: bytes | str, what: str, constants: bool = False) -> Any:
+    """Strict JSON: UTF-8, no repeated keys, bounded nesting and digits, and no NaN or
+    Infinity unless ``constants`` (stored values may hold them: ``float("inf")`` round-trips)."""
+    try:
+        # Decoded here, strictly: json.loads would take UTF-16 or UTF-32, a byte order mark,
+        # and surrogates encoded in UTF-8.
+        text = data.decode() if isinstance(data, bytes) else data
+        if constants:
+            return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+    except RecursionError:
+        fail(f"{what} is nested too deeply")
+    # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.
+    except (ValueError, UnicodeDecodeError) as err:
+        fail(f"{what} is not valid JSON: {err}")
+
+
+def load_json_value(text: str, key: str) -> Any:
+    """Decode a JSON value stored in the index, refusing nesting deeper than 64 levels."""
+    value = parse_json(text, "the stored JSON value", constants=True)
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > MAX_DEPTH:
+                fail(f"the stored JSON value is nested deeper than {MAX_DEPTH} levels", key)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def decode_text(record: ObjectRecord) -> Any:
+    """The value of an object kept in the index as JSON text (``json`` or ``pyjson``, whose
+    tuples and non-string dict keys are tagged).
+
+    Raises:
+        CheckpointFormatError: The text is not JSON, is nested too deeply, or its tags are
+            malformed (naming the key).
+    """
+    assert record.text is not None
+    try:
+        value = load_json_value(record.text, record.fqn)
+        return untag(value) if record.encoding == "pyjson" else value
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(err.bare_message, key=record.fqn) from err
+    except (ValueError, TypeError) as err:
+        raise CheckpointFormatError(f"malformed tagged JSON value: {err}", key=record.fqn) from err
+
+
+def is_int(value: object) -> bool:
+    return type(value) is int and 0 <= value < MAX_INT  # type: ignore[operator]
+
+
+def int_of(value: object, what: str, key: str | None = None) -> int:
+    if not is_int(value):
+        fail(f"{what} must be an integer in [0, 2**62), got {value!r}", key)
+    assert isinstance(value, int)
+    return value
+
+
+def dims_of(value: object, what: str, key: str) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > MAX_DIMS:
+        fail(f"{what} must be a list of at most {MAX_DIMS} integers in [0, 2**62)", key)
+    for v in value:  # a plain loop: the hottest check of a large index
+        if type(v) is not int or not 0 <= v < MAX_INT:
+            fail(f"{what} must be a list of at most {MAX_DIMS} integers in [0, 2**62)", key)
+    return tuple(value)
+
+
+def text_of(value: object, what: str, key: str | None = None) -> str:
+    if not isinstance(value, str):
+        fail(f"{what} must be a string, got {type(value).__name__}", key)
+    return value
+
+
+def row_of(value: object, length: int, what: str, key: str | None = None) -> list[Any]:
+    if type(value) is not list or len(value) != length:
+        fail(f"{what} must be a list of {length} items", key)
+    return value
+
+
+class Ranges:
+    """Byte ranges per data file: checked to lie after the header (or, with ``starts``, at or
+    after the file's data section), inside the file's declared size, and not to overlap (so
+    the declared bytes fit the files)."""
+
+    def __init__(self, files: dict[str, int | None], starts: dict[str, int] | None = None) -> None:
+        self.files = files
+        self._starts = starts or {}
+        self._ranges: dict[str, list[tuple[int, int, str]]] = {name: [] for name in files}
+        self._checksums: list[str] = []
+
+    def add(self, chunk: SavedChunk, key: str) -> None:
+        self._checksums.append(chunk.checksums)
+        if chunk.begin < self._starts.get(chunk.file, FIRST_DATA_BYTE):
+            fail(f"a byte range starts at {chunk.begin}, inside the file's header", key)
+        size = self.files[chunk.file]
+        if size is not None and chunk.end > size:
+            fail(
+                f"the byte range [{chunk.begin}, {chunk.end}) ends past the declared size "
+                f"{size} of {chunk.file}",
+                key,
+            )
+        if chunk.end > chunk.begin:
+            self._ranges[chunk.file].append((chunk.begin, chunk.end, key))
+
+    def check(self) -> None:
+        if HEX_DIGITS.fullmatch("".join(self._checksums)) is None:
+            bad = next(s for s in self._checksums if HEX_DIGITS.fullmatch(s) is None)
+            fail(f"malformed block checksums {bad[:40]!r}: expected lowercase hex digits")
+        for name, ranges in self._ranges.items():
+            ranges.sort()
+            for (_, end, first), (begin, _, second) in itertools.pairwise(ranges):
+                if begin < end:
+                    fail(f"the byte ranges of {first!r} and {second!r} overlap in {name}", second)
+
+    def first_begin(self, name: str) -> int | None:
+        """The first byte of the first non-empty range in ``name`` (after :meth:`check`)."""
+        ranges = self._ranges[name]
+        return ranges[0][0] if ranges else None
+
+    def total(self) -> int:
+        """The bytes of every range."""
+        return sum(end - begin for ranges in self._ranges.values() for begin, end, _ in ranges)
+
+
+def checked_tensor(
+    fqn: str,
+    properties: TensorProperties,
+    size: tuple[int, ...],
+    chunks: list[SavedChunk],
+    block_size: int | None,
+    ranges: Ranges,
+) -> TensorRecord:
+    if properties.dtype in QUANTIZED:
+        fail(
+            f"{properties.dtype} is a quantized dtype, which a checkpoint cannot hold (its "
+            "scale and zero point are not stored)",
+            fqn,
+        )
+    itemsize = properties.dtype.itemsize
+    if math.prod(size) * itemsize >= MAX_INT:
+        fail(f"the size {list(size)} is too large", fqn)
+    for chunk in chunks:
+        expected = math.prod(chunk.sizes) * itemsize
+        if chunk.nbytes != expected:
+            fail(
+                f"the chunk at offsets {list(chunk.offsets)} has {chunk.nbytes} bytes stored, "
+                f"{expected} expected for sizes {list(chunk.sizes)} of {properties.dtype}",
+                fqn,
+            )
+        check_checksums(chunk, block_size, fqn)
+        ranges.add(chunk, fqn)
+    check_chunks_tile(fqn, size, chunks)
+    return TensorRecord(fqn, properties, size, tuple(chunks))
+
+
+def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk]) -> None:
+    """The chunks of ``fqn`` tile a tensor of ``size`` exactly (one whole chunk, the common
+    case, without the general check)."""
+    only = chunks[0] if len(chunks) == 1 else None
+    whole = (
+        only is not None
+        and only.sizes == size
+        and len(only.offsets) == len(size)
+        and not any(only.offsets)
+    )
+    if not whole:
+        try:
+            planner.check_tiling(size, [(c.offsets, c.sizes) for c in chunks])
+        except ValueError as err:
+            fail(f"the saved chunks do not tile the tensor of size {list(size)}: {err}", fqn)
+
+
+def check_checksums(chunk: SavedChunk, block_size: int | None, key: str) -> None:
+    """The checksum string has one 16-digit checksum per block (its digits are checked for
+    all chunks at once by :meth:`Ranges.check`)."""
+    count = 1 if block_size is None else max(1, -(-chunk.nbytes // block_size))
+    if len(chunk.checksums) != count * HEX:
+        fail(f"malformed block checksums (expected {count} of 16 hex digits)", key)
+
+
+_INT_SUFFIX = re.compile(r"[^\x00]*\x00(0|[1-9][0-9]{0,3})(,(0|[1-9][0-9]{0,3}))*")
+
+
+_INT_PART = re.compile(r"-?(0|[1-9][0-9]{0,18})")
+
+
+def check_int_suffix(key: str) -> None:
+    """A version-2 key with int parts: ``<dotted key>\x00<positions>``, the positions of
+    the int parts in the ``.``-split key, increasing and inside it."""
+    if _INT_SUFFIX.fullmatch(key) is None:
+        fail(f"malformed key {key!r}: a NUL may only introduce the positions of int parts")
+    name, positions = key.split("\x00")
+    numbers = [int(p) for p in positions.split(",")]
+    segments = name.split(".")
+    if numbers != sorted(set(numbers)) or numbers[-1] >= len(segments):
+        fail(f"malformed key {key!r}: int positions out of order or out of range")
+    if any(_INT_PART.fullmatch(segments[n]) is None for n in numbers):
+        fail(f"malformed key {key!r}: a part marked as an int is not one")
+
+
+def check_text(value: str, what: str, key: str | None = None) -> None:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        fail(f"{what} holds a lone surrogate, which is not text", key)
+
+
+def has_surrogate_escape(data: bytes) -> bool:
+    """Whether ``data`` holds a ``\\uD800``-``\\uDFFF`` escape: a match preceded by an even run
+    of backslashes (a look-behind in the pattern made the search 100 times slower)."""
+    for match in _SURROGATE_ESCAPE.finditer(data):
+        start = match.start()
+        run = 0
+        while start - run > 0 and data[start - run - 1] == 0x5C:  # backslash
+            run += 1
+        if run % 2 == 0:
+            return True
+    return False
+
+
+def properties_of(row: object) -> TensorProperties:
+    """A ``properties`` row: known dtype, layout and memory-format names, two booleans."""
+    dtype, layout, requires_grad, memory_format, pin_memory = row_of(row, 5, "a properties entry")
+    if (
+        not isinstance(dtype, str)
+        or dtype not in _DTYPES
+        or not isinstance(layout, str)
+        or layout not in _LAYOUTS
+        or not isinstance(memory_format, str)
+        or memory_format not in _MEMORY_FORMATS
+        or type(requires_grad) is not bool
+        or type(pin_memory) is not bool
+    ):
+        fail(f"malformed or unknown tensor properties {row!r}")
+    return TensorProperties(
+        dtype=_DTYPES[dtype],
+        layout=_LAYOUTS[layout],
+        requires_grad=requires_grad,
+        memory_format=_MEMORY_FORMATS[memory_format],
+        pin_memory=pin_memory,
+    )

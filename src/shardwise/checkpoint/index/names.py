@@ -1,0 +1,99 @@
+"""The constants of the index format, the names of its files, block checksums, and the
+garbage-collector pause that every large index build runs under (see ``docs/format.md``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+from collections.abc import Iterator
+
+import torch
+import xxhash
+
+#: Name of the index file; its presence marks a committed checkpoint.
+INDEX_NAME = "shardwise.json"
+#: Directory of the data files, relative to the checkpoint.
+DATA_DIR = "data"
+#: The version :func:`encode_index` writes.
+FORMAT_VERSION = 2
+# Version 2 with tied tensors (an ``aliases`` table): written only by saves that have some, so
+# every other checkpoint stays readable by readers of version 2.
+ALIASES_VERSION = 3
+#: The block checksum (xxh3, 64 bits, hex). Chosen by measurement: see docs/format.md.
+CHECKSUM_ALGORITHM = "xxh3_64"
+#: Bytes per checksummed block. Chosen by measurement: see docs/format.md.
+BLOCK_SIZE = 1 << 20
+#: Readers refuse larger indexes (16 MiB describe a 1 TB checkpoint).
+MAX_INDEX_BYTES = 1 << 30
+# Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
+#: The version written when a save has more chunks than ``GRID_THRESHOLD`` (layouts).
+LAYOUT_VERSION = 4
+#: Saves of at most this many chunks keep versions 2/3 (one row per chunk).
+GRID_THRESHOLD = 65_536
+# Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
+MAX_INT = 1 << 62
+MAX_DIMS = 64
+MAX_DEPTH = 64
+MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
+# The safetensors header length prefix: no entry can start before it.
+FIRST_DATA_BYTE = 8
+
+FORMAT = "shardwise-checkpoint"
+# A quantized tensor is not its bytes: its scale and zero point are not part of the format.
+QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+HEX = 16
+ENCODINGS = ("json", "pyjson", "bytes", "bytesio", "pickle")
+#: Object encodings whose value is JSON text kept in the index (the others are blobs).
+TEXT_ENCODINGS = ("json", "pyjson")
+SEAL_KEY = b'"index_checksum":"'
+SEAL_LENGTH = len(SEAL_KEY) + HEX + 2  # the key, 16 hex digits, '"}'
+_DATA_FILE = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors")
+_TEMPORARY = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors\.tmp")
+
+
+def data_file_name(rank: int, save_id: str) -> str:
+    """The data file of ``rank`` in save ``save_id``, relative to the checkpoint."""
+    return f"{DATA_DIR}/rank-{rank:05d}.{save_id}.safetensors"
+
+
+def is_data_file_name(name: str) -> bool:
+    """Whether ``name`` (inside ``data/``) is a data file name the writer makes."""
+    return _DATA_FILE.fullmatch(name) is not None
+
+
+def is_temporary_name(name: str) -> bool:
+    """Whether ``name`` (inside ``data/``) is the writer's temporary name for a data file."""
+    return _TEMPORARY.fullmatch(name) is not None
+
+
+def num_blocks(nbytes: int, block_size: int) -> int:
+    """Blocks of ``nbytes`` bytes (an empty chunk has one block of zero bytes)."""
+    return max(1, -(-nbytes // block_size))
+
+
+def block_checksums(data: memoryview | bytes, block_size: int = BLOCK_SIZE) -> str:
+    """The concatenated block checksums of ``data`` (one whole chunk)."""
+    view = memoryview(data).cast("B")
+    if not len(view):
+        return str(xxhash.xxh3_64_hexdigest(b""))
+    return "".join(
+        xxhash.xxh3_64_hexdigest(view[start : start + block_size])
+        for start in range(0, len(view), block_size)
+    )
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building an index allocates hundreds of thousands
+    of small lists, which otherwise trigger full collections (measured: parsing the index of
+    10,000 tensors took 98 ms with it, 11 ms without). Nothing built here forms cycles.
+    ``save`` and ``load`` run whole under it too (10,000 small tensors: save 1.28 s -> 0.55 s,
+    load 0.62 s -> 0.36 s); a nested pause leaves the collector as the outer one wants it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

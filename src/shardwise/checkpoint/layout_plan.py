@@ -1,0 +1,374 @@
+"""Pure planning of a save from per-rank tables of layouts (``docs/design/scale.md`` §2).
+
+Instead of every rank's boxes, each rank describes each tensor by a **layout** that is the
+same on every rank that holds it:
+
+- ``["mesh", mesh_number, placements]``: a DTensor (or a ``ChunkShardingSpec`` tensor) whose
+  placements are ``"R"`` or ``"S<dim>"`` per mesh axis, each dim sharded by at most one axis;
+  ``meshes[mesh_number]`` is ``[shape, group ranks in row-major order]``.
+- ``["whole"]``: a plain tensor, replicated on every rank that has the key.
+- ``["boxes", [[offsets, sizes, rank], ...]]``: a tensor whose global layout every rank knows
+  (an ``EnumerableShardingSpec``).
+- ``["local"]``: anything else; the rank sends its own boxes.
+
+:func:`mesh_grid` turns a mesh layout into a version-4 :class:`~.index.layouts.Grid`, and
+:func:`plan_save` is the coordinator's whole decision: who writes what, in O(tensors + ranks
++ irregular chunks x log) instead of O(ranks x tensors). Data file numbers are group ranks:
+the index lists one file per rank, in rank order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from shardwise._boxes import Box
+from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps
+from shardwise.checkpoint.planner import check_tiling
+
+__all__ = ["Mesh", "SavePlan", "TableRow", "mesh_grid", "plan_save", "table_digest"]
+
+# (shape, group ranks in row-major order)
+Mesh = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _sharded_dims(placements: Sequence[str], ndim: int) -> list[int] | None:
+    """Per mesh axis, the tensor dim it shards (-1: replicates); ``None`` when a placement is
+    unknown, a dim is out of range or sharded by two axes (nested: not a grid)."""
+    dims = []
+    for placement in placements:
+        if placement == "R":
+            dims.append(-1)
+        elif placement[:1] == "S" and placement[1:].isdigit() and int(placement[1:]) < ndim:
+            dims.append(int(placement[1:]))
+        else:
+            return None
+    sharded = [d for d in dims if d >= 0]
+    return dims if len(sharded) == len(set(sharded)) else None
+
+
+def mesh_grid(
+    size: Sequence[int],
+    mesh: Mesh,
+    placements: Sequence[str],
+    replica: int = 0,
+    rules: dict[Any, tuple[int, tuple[int, ...]] | None] | None = None,
+) -> Grid | None:
+    """The grid of a tensor of ``size`` laid out on ``mesh`` by ``placements``, with file
+    number = group rank, or ``None`` when it is not one.
+
+    Dim ``d`` sharded by axis ``a`` is cut by the ceil rule into ``shape[a]`` pieces (as
+    ``torch.chunk`` and DTensor's ``Shard`` do: none past the end). Of the replicas (the
+    ranks along ``Replicate`` axes) the one numbered ``replica`` modulo their count writes,
+    so that a caller spreads replicated tensors over the replicas by passing each key's
+    number. ``None`` when a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or
+    the ranks of the cells are not affine in the cell coordinates (a mesh over a permuted
+    rank list): such a tensor is saved by its boxes. ``rules`` (one dict per mesh, kept by
+    the caller) remembers the rule per cell counts, so that the affine check, O(mesh ranks),
+    runs once per distinct shape of grid rather than once per tensor.
+    """
+    shape, ranks = mesh
+    dims = _sharded_dims(placements, len(size))
+    if dims is None or len(placements) != len(shape) or math.prod(shape) != len(ranks):
+        return None
+    parts = [1] * len(size)
+    for axis, dim in enumerate(dims):
+        if dim >= 0:
+            parts[dim] = shape[axis]
+    steps = ceil_grid_steps(size, parts)
+    probe = Grid(tuple(size), steps, 0, (0,) * len(size))
+    axis_strides = [math.prod(shape[axis + 1 :]) for axis in range(len(shape))]
+    replicas = [axis for axis, dim in enumerate(dims) if dim < 0]
+    choice = replica % max(1, math.prod(shape[axis] for axis in replicas))
+    coordinate = [0] * len(shape)
+    for axis in reversed(replicas):
+        choice, coordinate[axis] = divmod(choice, shape[axis])
+
+    def rank_of(cell: Sequence[int]) -> int:
+        position = coordinate[:]
+        for axis, dim in enumerate(dims):
+            if dim >= 0:
+                position[axis] = cell[dim]
+        return ranks[sum(c * s for c, s in zip(position, axis_strides, strict=True))]
+
+    key = (tuple(placements), probe.counts, choice)
+    if rules is not None and key in rules:
+        rule = rules[key]
+    else:
+        rule = _rule(probe, rank_of)
+        if rules is not None:
+            rules[key] = rule
+    return None if rule is None else Grid(tuple(size), steps, rule[0], rule[1])
+
+
+def _rule(
+    probe: Grid, rank_of: Callable[[Sequence[int]], int]
+) -> tuple[int, tuple[int, ...]] | None:
+    """``(first, strides)`` when ``rank_of`` is affine in the cells of ``probe`` with
+    non-negative strides, else ``None`` (checked on every cell: O(cells))."""
+    ndim = len(probe.counts)
+    first = rank_of((0,) * ndim)
+    strides = []
+    for dim, count in enumerate(probe.counts):
+        unit = tuple(int(d == dim) for d in range(ndim))
+        strides.append(rank_of(unit) - first if count > 1 else 0)
+    if any(stride < 0 for stride in strides):
+        return None
+    grid = Grid(probe.size, probe.steps, first, tuple(strides))
+    if any(grid.file_of(cell) != rank_of(cell) for cell in _all_cells(probe)):
+        return None
+    return first, tuple(strides)
+
+
+def _all_cells(grid: Grid) -> list[tuple[int, ...]]:
+    cells: list[tuple[int, ...]] = [()]
+    for count in grid.counts:
+        cells = [(*cell, k) for cell in cells for k in range(count)]
+    return cells
+
+
+@dataclass(frozen=True, slots=True)
+class TableRow:
+    """One key of a rank's table: its global facts and layout (the same on every rank that
+    holds it; a rank's own boxes for a ``local`` layout travel apart)."""
+
+    key: str
+    dtype: str
+    itemsize: int
+    size: tuple[int, ...]
+    properties: dict[str, Any]
+    layout: tuple[Any, ...]
+
+    def to_json(self) -> list[Any]:
+        """This row as JSON (what a rank sends; :meth:`from_json` reads it back)."""
+        return [
+            self.key,
+            self.dtype,
+            self.itemsize,
+            list(self.size),
+            self.properties,
+            list(self.layout),
+        ]
+
+    @classmethod
+    def from_json(cls, row: list[Any]) -> TableRow:
+        """A row another rank of the same job sent (trusted: a peer, not a file)."""
+        key, dtype, itemsize, size, properties, layout = row
+        return cls(key, dtype, itemsize, tuple(size), properties, tuple(layout))
+
+
+def table_digest(rows: Sequence[TableRow]) -> str:
+    """The digest of a table (xxh3_128 of its JSON): ranks whose digest is the coordinator's
+    send only the digest, not the table."""
+    text = json.dumps([row.to_json() for row in rows], separators=(",", ":"), sort_keys=True)
+    return str(xxhash.xxh3_128_hexdigest(text.encode()))
+
+
+@dataclass(slots=True)
+class SavePlan:
+    """The coordinator's decisions for one save.
+
+    Attributes:
+        rows: One row per key, in the order first seen (the first table's order first).
+        grids: Keys saved as grids (file number = group rank).
+        whole: Keys saved as one whole chunk -> the rank that writes it.
+        chunks: Keys saved by their boxes -> ``[(box, writer rank), ...]``.
+        loads: Bytes assigned per rank outside grids (with the preassigned blob bytes).
+    """
+
+    rows: dict[str, TableRow]
+    grids: dict[str, Grid] = field(default_factory=dict)
+    whole: dict[str, int] = field(default_factory=dict)
+    chunks: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)
+    loads: list[int] = field(default_factory=list)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks the save writes: grid cells, whole tensors, boxes (a save of more than
+        ``index.GRID_THRESHOLD`` is written as version 4)."""
+        cells = sum(grid.num_cells for grid in self.grids.values())
+        return cells + len(self.whole) + sum(len(boxes) for boxes in self.chunks.values())
+
+    def grid_list(self) -> list[tuple[str, Grid, int]]:
+        """``(key, grid, itemsize)`` of every grid key in row order: what
+        :func:`~.index.layouts.file_cells` takes to list a rank's cells in file order."""
+        return [(key, grid, self.rows[key].itemsize) for key, grid in self.grids.items()]
+
+    def assignments(self) -> list[dict[str, Any]]:
+        """What each rank is told to write besides its grid cells (which it derives from
+        the agreed rows): ``{"whole": [keys], "chunks": [[key, offsets], ...]}``, one
+        JSON-able value per rank, for ``scatter_json``."""
+        per_rank: list[dict[str, Any]] = [{"whole": [], "chunks": []} for _ in self.loads]
+        for key, rank in self.whole.items():
+            per_rank[rank]["whole"].append(key)
+        for key, boxes in self.chunks.items():
+            for (offsets, _), rank in boxes:
+                per_rank[rank]["chunks"].append([key, list(offsets)])
+        return per_rank
+
+
+def plan_save(
+    tables: Sequence[Sequence[TableRow]],
+    holders: Sequence[Sequence[int]],
+    meshes: Sequence[Mesh],
+    local: Mapping[int, Mapping[str, Sequence[Box]]],
+    world_size: int,
+    preassigned: Mapping[int, int] | None = None,
+) -> SavePlan:
+    """Plan a save from the distinct tables of its ranks.
+
+    Args:
+        tables: The distinct tables (ranks with equal tables send one, by digest).
+        holders: For each table, the group ranks that have it.
+        meshes: The device meshes the ``mesh`` layouts name.
+        local: Per rank, its own boxes of each key with a ``local`` layout.
+        world_size: Ranks in the group.
+        preassigned: Bytes already given to a rank (object blobs).
+
+    Raises:
+        ValueError: Tables disagree on a key's facts, a layout names a mesh or rank that
+            does not exist, or a key's boxes do not tile it (the message names the key).
+    """
+    rows: dict[str, TableRow] = {}
+    # Per key, the tables that have it (not their ranks: that would be O(ranks) per key).
+    key_tables: dict[str, list[int]] = {}
+    for number, table in enumerate(tables):
+        for row in table:
+            known = rows.setdefault(row.key, row)
+            if known != row:
+                first = holders[key_tables[row.key][0]]
+                raise ValueError(
+                    f"cannot save {row.key!r}: ranks {list(first)[:4]} describe it as "
+                    f"{_facts(known)}, ranks {list(holders[number])[:4]} as {_facts(row)}"
+                )
+            key_tables.setdefault(row.key, []).append(number)
+    everyone = frozenset(range(world_size))
+    # The object `everyone` itself for a table every rank has: tested by identity, O(1).
+    held = [everyone if set(ranks) == everyone else frozenset(ranks) for ranks in holders]
+
+    def holding(key: str) -> frozenset[int]:
+        """The ranks that hold ``key`` (every rank of every table that has it)."""
+        numbers = key_tables[key]
+        if len(numbers) == 1:
+            return held[numbers[0]]
+        union = frozenset().union(*(held[number] for number in numbers))
+        return everyone if union == everyone else union
+
+    plan = SavePlan(rows, loads=[0] * world_size)
+    for rank, nbytes in (preassigned or {}).items():
+        plan.loads[rank] += nbytes
+    whole: list[tuple[int, str]] = []
+    rules: dict[int, tuple[Mesh, dict[Any, Any]]] = {}
+    for number, row in enumerate(rows.values()):
+        kind = row.layout[0]
+        if kind == "mesh":
+            plan.grids[row.key] = _grid(row, meshes, world_size, number, rules)
+        elif kind == "whole":
+            whole.append((number, row.key))
+        elif kind == "boxes":
+            boxes = [((tuple(o), tuple(s)), r) for o, s, r in row.layout[1]]
+            _check_boxes(row, [box for box, _ in boxes], [r for _, r in boxes], world_size)
+            plan.chunks[row.key] = boxes
+            for box, rank in boxes:
+                plan.loads[rank] += math.prod(box[1]) * row.itemsize
+        elif kind == "local":
+            plan.chunks[row.key] = _assign_local(row, holding(row.key), local, plan.loads)
+        else:
+            raise ValueError(f"cannot save {row.key!r}: unknown layout {kind!r}")
+    _assign_whole(plan, [(number, key, holding(key)) for number, key in whole], everyone)
+    return plan
+
+
+def _facts(row: TableRow) -> str:
+    return f"{row.dtype} of size {list(row.size)} laid out as {list(row.layout)}"
+
+
+def _grid(
+    row: TableRow,
+    meshes: Sequence[Mesh],
+    world_size: int,
+    number: int,
+    rules: dict[int, tuple[Mesh, dict[Any, Any]]],
+) -> Grid:
+    _, mesh_number, placements = row.layout
+    if not 0 <= mesh_number < len(meshes):
+        raise ValueError(f"cannot save {row.key!r}: mesh {mesh_number} does not exist")
+    shape, ranks = meshes[mesh_number]
+    if mesh_number not in rules:  # checked once per mesh
+        if not all(0 <= rank < world_size for rank in ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError(
+                f"cannot save {row.key!r}: its mesh's ranks {list(ranks)[:8]} are not "
+                f"distinct ranks of the group of {world_size}"
+            )
+        rules[mesh_number] = ((tuple(shape), tuple(ranks)), {})
+    mesh, known = rules[mesh_number]
+    grid = mesh_grid(row.size, mesh, placements, replica=number, rules=known)
+    if grid is None:
+        raise ValueError(
+            f"cannot save {row.key!r}: placements {list(placements)} on a mesh of shape "
+            f"{list(shape)} are not a grid (a rank must describe it as 'local')"
+        )
+    return grid
+
+
+def _check_boxes(
+    row: TableRow, boxes: Sequence[Box], ranks: Sequence[int], world_size: int
+) -> None:
+    if not all(0 <= rank < world_size for rank in ranks):
+        raise ValueError(f"cannot save {row.key!r}: a box names a rank outside the group")
+    try:
+        check_tiling(row.size, boxes)
+    except ValueError as err:
+        raise ValueError(f"cannot save {row.key!r}: its chunks do not tile it: {err}") from err
+
+
+def _assign_local(
+    row: TableRow,
+    ranks: Collection[int],
+    local: Mapping[int, Mapping[str, Sequence[Box]]],
+    loads: list[int],
+) -> list[tuple[Box, int]]:
+    """Each distinct box of a ``local`` key to its least loaded holder, largest first."""
+    box_holders: dict[Box, list[int]] = {}
+    for rank in sorted(ranks):
+        for offsets, sizes in local.get(rank, {}).get(row.key, ()):
+            box_holders.setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
+    _check_boxes(row, list(box_holders), [], len(loads))
+    assigned = []
+    for box in sorted(box_holders, key=lambda b: (-math.prod(b[1]), b[0])):
+        writer = min(box_holders[box], key=lambda rank: (loads[rank], rank))
+        loads[writer] += math.prod(box[1]) * row.itemsize
+        assigned.append((box, writer))
+    return assigned
+
+
+def _assign_whole(
+    plan: SavePlan, whole: list[tuple[int, str, frozenset[int]]], everyone: frozenset[int]
+) -> None:
+    """Whole (replicated) tensors, largest first, each to its least loaded holder: a heap of
+    ``(load, rank)`` when every rank holds it (O(log ranks) each), else a scan of its
+    holders."""
+    heap = [(load, rank) for rank, load in enumerate(plan.loads)]
+    heapq.heapify(heap)
+
+    def nbytes(row: TableRow) -> int:
+        return math.prod(row.size) * row.itemsize
+
+    for _, key, ranks in sorted(whole, key=lambda item: (-nbytes(plan.rows[item[1]]), item[0])):
+        row = plan.rows[key]
+        if ranks is everyone:
+            while True:  # skip stale heap entries (loads changed by a scan)
+                load, writer = heapq.heappop(heap)
+                if load == plan.loads[writer]:
+                    break
+        else:
+            writer = min(ranks, key=lambda rank: (plan.loads[rank], rank))
+        plan.loads[writer] += nbytes(row)
+        heapq.heappush(heap, (plan.loads[writer], writer))
+        plan.whole[key] = writer
