@@ -9,14 +9,18 @@ reader) plus the index.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import _kept as kept_module
+from shardwise.checkpoint import _verify as verify_module
 from shardwise.checkpoint import reader as reader_module
-from shardwise.checkpoint import storage as storage_module
+from shardwise.checkpoint.storage import _local as local_storage_module
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.local_shards import LocalShardsWrapper
 from tests._s3 import S3Bucket, S3Calls, record_s3_calls, s3_bucket, s3_server  # noqa: F401 (fixtures)
 
@@ -134,7 +138,9 @@ def test_verified_bytes_beyond_the_memory_budget_go_to_a_temporary_file(
     # With 2 MiB kept in memory, most of the 16 MiB go to the temporary file; still one
     # request per needed byte, and the values come back intact.
     url = _save(s3)
-    monkeypatch.setattr(reader_module, "_KEEP_IN_MEMORY", 2 << 20)
+    monkeypatch.setattr(
+        kept_module, "TUNING", dataclasses.replace(TUNING, keep_in_memory_bytes=2 << 20)
+    )
     spilled: list[int] = []
     write_spill = reader_module._KeptBytes._write_spill
 
@@ -157,12 +163,14 @@ def test_a_full_temporary_disk_only_costs_a_second_request(
     # The temporary file cannot be written (a full disk): the bytes it would hold are
     # requested again in the second pass, and the load is still right.
     url = _save(s3)
-    monkeypatch.setattr(reader_module, "_KEEP_IN_MEMORY", 2 << 20)
+    monkeypatch.setattr(
+        kept_module, "TUNING", dataclasses.replace(TUNING, keep_in_memory_bytes=2 << 20)
+    )
 
     def full_disk(*args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage_module.tempfile, "TemporaryFile", full_disk)
+    monkeypatch.setattr(local_storage_module.tempfile, "TemporaryFile", full_disk)
     state = {"w": torch.zeros(ROWS, COLS)}
     with record_s3_calls(s3.filesystem()) as calls:
         ckpt.load(state, url, storage_options=s3.options)
@@ -187,7 +195,9 @@ def test_blocks_larger_than_a_read_are_checked_in_pieces_and_kept(
     # Reads of at most 256 KiB: each 1 MiB block is read in 4 pieces (as a version-1 chunk,
     # one block however large, always is), hashed in order, and kept once it matched.
     url = _save(s3)
-    monkeypatch.setattr(reader_module, "_RUN", 256 << 10)
+    monkeypatch.setattr(
+        verify_module, "TUNING", dataclasses.replace(TUNING, read_run_bytes=256 << 10)
+    )
     state = {"w": torch.zeros(ROWS, COLS)}
     with record_s3_calls(s3.filesystem()) as calls:
         ckpt.load(state, url, storage_options=s3.options)
