@@ -31,9 +31,11 @@ _PREFIX = "SHARDWISE_"
 class Tuning:
     """The tunables. Fields ending in ``_bytes`` are byte counts, in ``_seconds`` durations."""
 
-    io_threads: int = 4
-    """Threads that read (and, on object stores, write) concurrently. Reads are I/O bound and
-    release the GIL in ``preadv``, hashing and copies, so a few threads overlap them."""
+    io_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    """Threads that read (and, on object stores, write) concurrently: 4, or the number of
+    cores if fewer. Reads are I/O bound and release the GIL in ``preadv``, hashing and copies,
+    so a few threads overlap them; more threads than cores only add hand-offs (measured on 2
+    cores: the verifying pass over 300 MiB took 21 ms on 2 threads and 28 ms on 4)."""
 
     inline_bytes: int = 1 << 20
     """Work on fewer bytes than this runs on the calling thread: handing it to a pool costs
@@ -59,8 +61,10 @@ class Tuning:
     than issue another read."""
 
     keep_in_memory_bytes: int = 64 << 20
-    """Verified bytes kept between the passes of a load stay in memory up to this much; the
-    rest go to an unlinked temporary file."""
+    """Verified bytes kept between the two passes of a load. A local load whose verified
+    blocks fit in this many bytes keeps them all in memory and copies from them (each byte is
+    read once); a larger local load keeps nothing and reads again. A load from remote storage
+    keeps this much in memory and the rest in an unlinked temporary file."""
 
     lookup_chunks: int = 8
     """A tensor saved in more chunks than this is planned through a sweep order

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -11,7 +12,8 @@ from shardwise.checkpoint.tuning import TUNING, Tuning, from_environment
 
 def test_defaults_without_environment() -> None:
     assert from_environment({}) == Tuning()
-    assert Tuning().io_threads == 4 and Tuning().keep_in_memory_bytes == 64 << 20
+    assert Tuning().io_threads == min(4, os.cpu_count() or 1)
+    assert Tuning().keep_in_memory_bytes == 64 << 20
 
 
 def test_every_field_has_its_variable() -> None:
@@ -38,7 +40,7 @@ def test_byte_suffixes() -> None:
     assert tuned.read_gap_bytes == 128 << 10
     assert tuned.staging_bytes == 1 << 30
     assert tuned.write_piece_bytes == 8 << 20
-    assert tuned.io_threads == 4
+    assert tuned.io_threads == Tuning().io_threads
 
 
 @pytest.mark.parametrize(
