@@ -18,7 +18,6 @@ any world size and loads it into any other, each rank reading only its own shard
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -34,7 +33,6 @@ from shardwise.sharded_tensor.like import with_local_tensors
 
 __all__ = ["ShardedOptimizer"]
 
-logger = logging.getLogger(__name__)
 
 NamedParams = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
