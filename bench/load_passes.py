@@ -9,9 +9,12 @@ tensors, on the same threads as a load, from the page cache):
 - ``small``: ``--small`` tensors of 64 to 1,024 floats (per-tensor cost);
 - ``resharded``: 8 tensors of 64 MiB saved as 2 row shards each (as 2 ranks save them),
   loaded as the column shard of one of 2 ranks (a ``LocalShardsWrapper`` of the left half of
-  each tensor), with the bytes read against the bytes needed.
+  each tensor), with the bytes read against the bytes needed; rows of ``--row-kib`` KiB
+  (default 16: runs of 8 KiB; from 32, runs of 16 KiB and more are scattered straight into
+  the destination).
 
-    python bench/load_passes.py [--repeat 5] [--quick] [--profile big|small|resharded]
+    python bench/load_passes.py [--repeat 5] [--quick] [--row-kib 16]
+                                [--profile big|small|resharded]
 
 The machine may be shared: repeat, and compare medians of runs made under the same load.
 """
@@ -60,25 +63,31 @@ def _small_state(count: int) -> dict[str, Any]:
     }
 
 
-_ROWS, _COLS, _TENSORS = 4096, 4096, 8  # 64 MiB of float32 each
+_TENSOR_BYTES, _TENSORS = 64 * _MIB, 8  # float32 tensors of 64 MiB, rows of --row-kib
 
 
-def _resharded_save_state() -> dict[str, Any]:
+def _shape(row_kib: int) -> tuple[int, int]:
+    cols = row_kib * 1024 // 4
+    return _TENSOR_BYTES // 4 // cols, cols
+
+
+def _resharded_save_state(row_kib: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     state: dict[str, Any] = {}
-    half = _ROWS // 2
+    rows, cols = _shape(row_kib)
+    half = rows // 2
     for number in range(_TENSORS):
-        full = torch.randn(_ROWS, _COLS, generator=generator)
+        full = torch.randn(rows, cols, generator=generator)
         state[f"w{number}"] = LocalShardsWrapper(
             [full[:half].clone(), full[half:].clone()], [(0, 0), (half, 0)]
         )
     return state
 
 
-def _resharded_target() -> dict[str, Any]:
-    cols = _COLS // 2
+def _resharded_target(row_kib: int) -> dict[str, Any]:
+    rows, cols = _shape(row_kib)
     return {
-        f"w{number}": LocalShardsWrapper([torch.zeros(_ROWS, cols)], [(0, 0)])
+        f"w{number}": LocalShardsWrapper([torch.zeros(rows, cols // 2)], [(0, 0)])
         for number in range(_TENSORS)
     }
 
@@ -179,6 +188,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--big-mib", type=int, default=300)
     parser.add_argument("--small", type=int, default=10_000)
+    parser.add_argument(
+        "--row-kib",
+        type=int,
+        default=16,
+        help="resharded: bytes of a saved row in KiB (half of each is loaded)",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller states, 3 repetitions")
     parser.add_argument("--only", choices=["big", "small", "resharded"], action="append")
     parser.add_argument("--profile", choices=["big", "small", "resharded"])
@@ -195,8 +210,8 @@ def main() -> None:
         for case in cases:
             path = os.path.join(args.dir, case)
             if case == "resharded":
-                ckpt.save(_resharded_save_state(), path)
-                target = _resharded_target()
+                ckpt.save(_resharded_save_state(args.row_kib), path)
+                target = _resharded_target(args.row_kib)
                 needed = sum(t.local_shards()[0].nbytes for t in target.values())
             else:
                 saved = _big_state(args.big_mib) if case == "big" else _small_state(args.small)

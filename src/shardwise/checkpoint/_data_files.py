@@ -105,7 +105,10 @@ class DataFiles:
         return CheckpointDataError(message, key=key, file=self.shown(file), rank=self.rank)
 
     def extent(self, name: str) -> int:
-        """How far into file ``name`` the index's byte ranges reach."""
+        """How far into file ``name`` the index's byte ranges reach (version 4: its declared
+        size, to which its checksummed data section runs; no chunk of a grid is built)."""
+        if self.index.block_scope == "file":
+            return self.index.files.get(name) or 0
         if self._extents is None:
             extents: dict[str, int] = {}
             for chunk in self._stored():
@@ -181,6 +184,26 @@ class DataFiles:
             raise self.error(f"cannot read data file: {err}", file, key) from err
         if count != len(buffer):
             raise self._truncated(Read(file, offset, len(buffer), key), count)
+        self.counted(count)
+
+    def read_vector(
+        self, file: str, offset: int, buffers: Sequence[memoryview], key: str | None
+    ) -> None:
+        """Fill ``buffers`` in turn with the bytes of ``file`` from ``offset`` (a scatter read:
+        locally one ``preadv``), on the calling thread.
+
+        Raises:
+            CheckpointDataError: The read failed or came back short (a truncated file).
+        """
+        length = sum(len(buffer) for buffer in buffers)
+        try:
+            count = self.handle(file, key).read_vector(offset, buffers)
+        except CheckpointError:
+            raise
+        except OSError as err:
+            raise self.error(f"cannot read data file: {err}", file, key) from err
+        if count != length:
+            raise self._truncated(Read(file, offset, length, key), count)
         self.counted(count)
 
     def _truncated(self, read: Read, count: int) -> CheckpointDataError:

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 import xxhash
 
 from shardwise.checkpoint._data_files import HOT_BYTES, DataFiles, Read, hot_buffer
+from shardwise.checkpoint.index import Index
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.storage import batches, run_concurrently
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import ChecksumError
 
-__all__ = ["Block", "chunk_blocks", "verify"]
+__all__ = ["Block", "chunk_blocks", "file_blocks", "section_blocks", "verify"]
 
 _HEX = 16
 
@@ -65,6 +66,48 @@ def chunk_blocks(
             key,
             chunk,
             number,
+        )
+
+
+def file_blocks(index: Index, key: str, chunk: SavedChunk, begin: int, end: int) -> Iterator[Block]:
+    """Version 4: the blocks of ``chunk.file``'s data section that its bytes ``[begin, end)``
+    (absolute, in the file) touch; blocks are counted from the data section's start, and the
+    last one ends at the file's end (:meth:`~shardwise.checkpoint.index.Index.blocks_of`)."""
+    if end <= begin:
+        return
+    first, sums = index.blocks_of(chunk.file, begin, end)
+    yield from _file_section(index, key, chunk, first, sums)
+
+
+def section_blocks(index: Index, name: str, key: str) -> Iterator[Block]:
+    """Version 4: every block of data file ``name``'s data section, attributed to ``key`` (an
+    empty section has one block of zero bytes)."""
+    start = index.data_starts[name]
+    sums = index.file_checksums[name]
+    whole = SavedChunk((), (), name, start, index.files[name] or start, "")
+    yield from _file_section(
+        index, key, whole, start, [sums[i : i + _HEX] for i in range(0, len(sums), _HEX)]
+    )
+
+
+def _file_section(
+    index: Index, key: str, chunk: SavedChunk, first: int, sums: Sequence[str]
+) -> Iterator[Block]:
+    """The blocks with checksums ``sums`` of ``chunk.file`` from its byte ``first``."""
+    assert index.block_size is not None
+    block_size = index.block_size
+    size = index.files[chunk.file] or 0
+    number = (first - index.data_starts[chunk.file]) // block_size
+    for position, checksum in enumerate(sums):
+        start = first + position * block_size
+        yield Block(
+            chunk.file,
+            start,
+            min(start + block_size, size),
+            checksum,
+            key,
+            chunk,
+            number + position,
         )
 
 
@@ -272,7 +315,11 @@ def _mismatch(files: DataFiles, block: Block, digest: str) -> ChecksumError:
     chunk = block.chunk
     blob = block.key in files.index.objects
     what = "a stored object" if blob else f"the chunk at offsets {list(chunk.offsets)}"
-    if not blob or files.index.block_size is not None:
+    if files.index.block_scope == "file":  # version 4: blocks of the file's data section
+        if not block.key:
+            what = "the data"
+        what += f" in block {block.number} of the file (bytes {block.begin}-{block.end})"
+    elif not blob or files.index.block_size is not None:
         what += f" in block {block.number} (bytes {block.begin}-{block.end})"
     return ChecksumError(
         f"checksum mismatch for {what}: expected {block.checksum}, got {digest} — the data "

@@ -39,8 +39,9 @@ from shardwise.checkpoint._fill import Job, fill
 from shardwise.checkpoint._index_file import decode, read_index_bytes
 from shardwise.checkpoint._items import LocalBox
 from shardwise.checkpoint._kept import KeptBytes
-from shardwise.checkpoint._verify import Block, chunk_blocks, verify
-from shardwise.checkpoint.index import Index, TensorRecord
+from shardwise.checkpoint._verify import Block, chunk_blocks, file_blocks, section_blocks, verify
+from shardwise.checkpoint.index import INDEX_NAME, Index, TensorRecord
+from shardwise.checkpoint.index.layouts import LayoutChunks
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.state_dict import display_key
 from shardwise.checkpoint.storage import Reader, Storage, open_storage
@@ -159,24 +160,44 @@ class CheckpointReader:
         ``target``)."""
         record = self.tensor_record(fqn)
         dtype = record.dtype
-        lookup = None
-        if len(record.chunks) > TUNING.lookup_chunks:
+        chunks = record.chunks
+        lookup: planner.Candidates | None = None
+        if isinstance(chunks, LayoutChunks):
+            # A version-4 grid answers by arithmetic, and builds only the chunks it finds:
+            # the begins of their cells come from the file order of each file touched,
+            # whose packing is checked against the file's size when first built.
+            lookup = chunks
+        elif len(chunks) > TUNING.lookup_chunks:
             lookup = self._lookups.get(fqn)
             if lookup is None:
-                lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in record.chunks])
+                lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])
                 self._lookups[fqn] = lookup
         try:
-            reads = planner.plan_reads(box, record.chunks, dtype.itemsize, lookup=lookup)
+            reads = planner.plan_reads(box, chunks, dtype.itemsize, lookup=lookup)
+        except CheckpointFormatError as err:  # grid cells that do not fill their file
+            raise CheckpointFormatError(err.bare_message, key=fqn, file=self._index_url) from err
         except ValueError as err:  # the chunks tile the tensor: only a box outside it fails
             raise CheckpointFormatError(str(err), key=fqn) from err
-        return [Job(target, fqn, record.chunks[read.chunk], read, dtype) for read in reads]
+        return [Job(target, fqn, chunks[read.chunk], read, dtype) for read in reads]
+
+    @property
+    def _index_url(self) -> str:
+        """The index file as errors name it."""
+        return self.storage.url(self.storage.join(INDEX_NAME))
 
     # -- the two passes ---------------------------------------------------------------------
 
     def blocks(self, key: str, chunk: SavedChunk, begin: int, end: int) -> Iterable[Block]:
         """The checksummed blocks of ``chunk`` that its bytes ``[begin, end)`` (relative to
         the chunk) touch."""
+        if self.index.block_scope == "file":
+            return file_blocks(self.index, key, chunk, chunk.begin + begin, chunk.begin + end)
         return chunk_blocks(self.index.block_size_of(chunk), key, chunk, begin, end)
+
+    def data_blocks(self, name: str, key: str = "") -> Iterable[Block]:
+        """Version 4: every checksummed block of data file ``name``'s data section (an
+        empty section: its one block of zero bytes), attributed to ``key``."""
+        return section_blocks(self.index, name, key)
 
     def job_blocks(self, jobs: Iterable[Job]) -> Iterable[Block]:
         """Every block the reads of ``jobs`` touch."""

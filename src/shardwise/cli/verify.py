@@ -183,14 +183,19 @@ def _verify_file(
     header = _header_problem(reader, name, items, needed)
     if header is not None:
         problems.append(header)
-    for item in items:
+    by_file = reader.index.block_scope == "file"  # version 4: no checksums per chunk
+    for item in () if by_file else items:
         if item.chunk.nbytes == 0 and item.chunk.checksums != _EMPTY_CHECKSUM:
             problems.append(
                 f"CHECKSUM key {item.fqn!r} in {name}: {item.describe()} is empty, so its "
                 f"checksum is {_EMPTY_CHECKSUM}, the index says {item.chunk.checksums}"
             )
-    located: list[tuple[_Item, ChecksumError]] = []
+    located: list[tuple[_Item | None, ChecksumError]] = []
     checked = sum(item.chunk.nbytes for item in items)
+    # Version 4: blocks belong to the file, and one may hold bytes of several entries: each
+    # is checked once, under the first entry it holds; the blocks that hold none (the
+    # padding between entries, an empty section) last, under no key.
+    seen: set[int] = set()
     try:
         for layer in _layers(items):
             found: list[ChecksumError] = []
@@ -198,15 +203,28 @@ def _verify_file(
                 block
                 for item in layer.values()
                 for block in reader.blocks(item.fqn, item.chunk, 0, item.chunk.nbytes)
+                if block.begin not in seen
             ]
+            if by_file:
+                seen.update(block.begin for block in blocks)
             reader.verify(blocks, problems=found, progress=bar.update)
             located.extend((layer[str(mismatch.key)], mismatch) for mismatch in found)
+        if by_file:
+            found = []
+            rest = [block for block in reader.data_blocks(name) if block.begin not in seen]
+            reader.verify(rest, problems=found)
+            located.extend((None, mismatch) for mismatch in found)
     except CheckpointDataError as err:
         problems.append(f"UNREADABLE data file {name}: {err.bare_message}")
         checked = 0
-    located.sort(key=lambda pair: (pair[0].chunk.begin, _natural(pair[1].bare_message)))
+    located.sort(
+        key=lambda pair: (
+            pair[0].chunk.begin if pair[0] is not None else -1,
+            _natural(pair[1].bare_message),
+        )
+    )
     problems.extend(
-        f"CHECKSUM key {item.fqn!r} in {name}: {mismatch.bare_message}"
+        f"CHECKSUM {'' if item is None else f'key {item.fqn!r} '}in {name}: {mismatch.bare_message}"
         for item, mismatch in located
     )
     return checked

@@ -366,3 +366,46 @@ def test_an_index_replaced_while_it_is_read_is_read_again(
     data = read_index_bytes(storage, str(saved))
     assert data == (saved / "shardwise.json").read_bytes()
     assert len(opened) == 2
+
+
+@pytest.mark.parametrize("keep", [64 * _MIB, 1], ids=["kept", "not-kept"])
+def test_long_strided_runs_are_scattered_straight_into_their_destinations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: int
+) -> None:
+    # Rows of 32 KiB; column boxes whose rows are runs of 20 and 24 KiB, with gaps of
+    # different sizes between them (within a row band, between bands). Read from the file,
+    # one scatter read puts the runs into the destinations and the gaps aside; from the
+    # kept bytes, they are copied.
+    _tune(monkeypatch, keep_in_memory_bytes=keep)
+    generator = torch.Generator().manual_seed(3)
+    full = torch.randn(64, 4, 8192, generator=generator)
+    saved = LocalShardsWrapper([full[:40].clone(), full[40:].clone()], [(0, 0, 0), (40, 0, 0)])
+    ckpt.save({"w": saved}, tmp_path / "c")
+    left = torch.zeros(64, 4, 5000)
+    inner = torch.zeros(30, 2, 6000)
+    target = {"w": LocalShardsWrapper([left, inner], [(0, 0, 0), (20, 1, 1000)])}
+    scattered: list[int] = []
+    read_vector = _data_files.DataFiles.read_vector
+
+    def recording(files: Any, file: str, offset: int, buffers: list[memoryview], key: Any) -> None:
+        scattered.append(len(buffers))
+        read_vector(files, file, offset, buffers, key)
+
+    monkeypatch.setattr(_data_files.DataFiles, "read_vector", recording)
+    ckpt.load(target, tmp_path / "c")
+    assert torch.equal(left, full[:, :, :5000])
+    assert torch.equal(inner, full[20:50, 1:3, 1000:7000])
+    if keep > 1:
+        assert scattered == []
+    else:  # a run and a gap per destination row, up to 1,024 buffers per read
+        assert (sum(scattered) + len(scattered)) // 2 >= 64 * 4 + 30 * 2
+        assert max(scattered) <= 1024
+
+
+def test_a_scatter_read_past_the_end_of_a_file_is_a_checkpoint_error(saved: Path) -> None:
+    with CheckpointReader.open(saved) as reader:
+        name = next(iter(reader.index.files))
+        size = reader.handle(name).size
+        buffers = [memoryview(bytearray(8)), memoryview(bytearray(8))]
+        with pytest.raises(CheckpointDataError, match="truncated: read 10 of 16 bytes"):
+            reader.files.read_vector(name, size - 10, buffers, "t0")

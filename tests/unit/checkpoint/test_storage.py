@@ -251,3 +251,67 @@ def test_object_stores_have_buckets_and_no_directories_to_make(
     storage.makedirs(storage.join("data"))
     memory = FsspecStorage("memory://x")
     assert memory.bucket is None and not memory.remote and memory.process_local
+
+
+# Scatter reads: buffers of every size (empty ones too), more than one preadv takes at once.
+_VECTOR_SIZES = [0, 1, 7, 4096, 0, 65536, 3, *([5] * 1500), 1 << 20]
+
+
+def _check_vector(storage: Any, path: str) -> None:
+    reader = storage.open_reader(path)
+    try:
+        buffers = [memoryview(bytearray(size)) for size in _VECTOR_SIZES]
+        assert reader.read_vector(123, buffers) == sum(_VECTOR_SIZES)
+        assert b"".join(bytes(b) for b in buffers) == DATA[123 : 123 + sum(_VECTOR_SIZES)]
+        # At the end of the file: short, the buffers filled in turn up to it.
+        tail = [memoryview(bytearray(60)), memoryview(bytearray(60)), memoryview(bytearray(9))]
+        assert reader.read_vector(len(DATA) - 100, tail) == 100
+        assert bytes(tail[0]) + bytes(tail[1][:40]) == DATA[-100:]
+        assert bytes(tail[1][40:]) == bytes(20) and bytes(tail[2]) == bytes(9)
+    finally:
+        reader.close()
+
+
+def test_local_scatter_reads(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(DATA)
+    storage = LocalStorage(tmp_path)
+    _check_vector(storage, storage.join("f"))
+
+
+def test_local_scatter_reads_go_on_after_short_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preadv may return fewer bytes than asked for (a signal, a pipe-like file system):
+    the read goes on from there, inside a buffer or at the next one."""
+    (tmp_path / "f").write_bytes(DATA)
+    real = os.preadv
+    counts: list[int] = []
+
+    def short(fd: int, buffers: list[memoryview], offset: int) -> int:
+        limit = 1 + (len(counts) * 7919) % 5000  # a few bytes to a few KiB at a time
+        taken, left = [], limit
+        for buffer in buffers:
+            if left <= 0:
+                break
+            taken.append(buffer[:left])
+            left -= len(taken[-1])
+        counts.append(real(fd, taken, offset))
+        return counts[-1]
+
+    monkeypatch.setattr(os, "preadv", short)
+    storage = LocalStorage(tmp_path)
+    reader = storage.open_reader(storage.join("f"))
+    try:
+        buffers = [memoryview(bytearray(size)) for size in (3, 10000, 0, 1, 20000, 6)]
+        assert reader.read_vector(77, buffers) == 30010
+        assert b"".join(bytes(b) for b in buffers) == DATA[77 : 77 + 30010]
+    finally:
+        reader.close()
+    assert len(counts) > 5
+
+
+def test_fsspec_scatter_reads_read_once_and_copy(memory_url: str) -> None:
+    storage = FsspecStorage(memory_url)
+    path = storage.join("f")
+    storage.replace_small(path, DATA)
+    _check_vector(storage, path)

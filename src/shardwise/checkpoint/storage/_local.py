@@ -90,6 +90,30 @@ def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:
     return total
 
 
+# Buffers one preadv takes at most (the kernel refuses more: EINVAL).
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+
+
+def _preadv_vector(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
+    """Fill ``buffers`` in turn with the bytes of ``fd`` from ``offset``: one ``preadv`` per
+    :data:`_IOV_MAX` buffers, again from where a short read stopped; the count read (short
+    only at the end of the file)."""
+    views = [buffer.cast("B") for buffer in buffers]
+    total = 0
+    first = 0
+    while first < len(views):
+        count = os.preadv(fd, views[first : first + _IOV_MAX], offset + total)
+        if count == 0:
+            break
+        total += count
+        while first < len(views) and count >= len(views[first]):
+            count -= len(views[first])
+            first += 1
+        if count:  # a short read stopped inside this buffer
+            views[first] = views[first][count:]
+    return total
+
+
 class _LocalReader:
     """A regular file opened for positioned reads; the reader owns the descriptor."""
 
@@ -102,6 +126,9 @@ class _LocalReader:
     def read_into(self, offset: int, buffer: memoryview) -> int:
         # preadv takes the offset explicitly, so threads can share the descriptor.
         return _pread_into(self._fd, offset, buffer)
+
+    def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        return _preadv_vector(self._fd, offset, buffers)
 
     def close(self) -> None:
         os.close(self._fd)

@@ -58,6 +58,11 @@ class Reader(Protocol):
     def read_into(self, offset: int, buffer: memoryview) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
 
+    def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Read the bytes from ``offset`` on into ``buffers``, one after the other (a scatter
+        read: one ``preadv`` locally, so that parts of a range go straight to where they
+        belong); returns the count read, short only at the end of the file."""
+
     def close(self) -> None:
         """Release the file."""
 
