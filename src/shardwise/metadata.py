@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from shardwise._codec import (
-    DTYPES,
     JSON_VERSION,
     LAYOUTS,
     MEMORY_FORMAT_NAMES,
@@ -44,17 +43,6 @@ __all__ = [
     "dtype_name",
     "keeps_requires_grad",
 ]
-
-# The former private names of the codec, kept for the checkpoint modules that still import
-# them from here; new code imports the public names from shardwise._codec.
-_DTYPES = DTYPES
-_LAYOUTS = LAYOUTS
-_MEMORY_FORMATS = MEMORY_FORMATS
-_MEMORY_FORMAT_NAMES = MEMORY_FORMAT_NAMES
-_check_keys = check_keys
-_int_list = int_list
-_wrap = wrap
-_unwrap = unwrap
 
 
 class MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - upstream spelling, part of the pickle form

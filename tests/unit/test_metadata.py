@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-import shardwise._codec as codec
-import shardwise.metadata as metadata_module
 from shardwise import (
     MetadataFormatError,
     RemoteDevice,
@@ -816,22 +814,3 @@ def test_an_integer_copy_never_requires_grad(dtype: torch.dtype) -> None:
     assert source.to(dtype).requires_grad is False
     assert keeps_requires_grad(True, dtype) is False
     assert keeps_requires_grad(True, dtype, new_leaf=True) is False
-
-
-def test_the_former_private_codec_names_are_the_public_ones() -> None:
-    # The checkpoint modules imported these private names; they stay aliases of the codec's
-    # public names until every importer has switched.
-    pairs = {
-        "_DTYPES": codec.DTYPES,
-        "_LAYOUTS": codec.LAYOUTS,
-        "_MEMORY_FORMATS": codec.MEMORY_FORMATS,
-        "_MEMORY_FORMAT_NAMES": codec.MEMORY_FORMAT_NAMES,
-        "_check_keys": codec.check_keys,
-        "_int_list": codec.int_list,
-        "_wrap": codec.wrap,
-        "_unwrap": codec.unwrap,
-    }
-    for name, public in pairs.items():
-        assert getattr(metadata_module, name) is public, name
-    assert metadata_module.dtype_name is codec.dtype_name
-    assert metadata_module.JSON_VERSION == codec.JSON_VERSION == 1

@@ -17,30 +17,19 @@ from typing import Any
 
 import torch
 
-from shardwise import _boxes
-from shardwise._boxes import Box, byte_view
+from shardwise._boxes import Box
 from shardwise.checkpoint._dtensor import local_shape_and_offset
 from shardwise.checkpoint._json import TAGS, json_problem, tagged, untag
 from shardwise.metadata import TensorProperties
 
-# byte_view and narrow_to (shardwise._boxes) and untag (checkpoint._json) stay importable
-# from here for the modules that still import them from here.
 __all__ = [
     "LocalBox",
     "TensorValue",
-    "byte_view",
     "describe_object",
     "describe_tensor",
     "is_tensor_value",
-    "narrow_to",
     "storage_key",
-    "untag",
 ]
-
-
-def narrow_to(tensor: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
-    """:func:`shardwise._boxes.narrow_to` taking the box as one pair (kept for the reader)."""
-    return _boxes.narrow_to(tensor, origin, *box)
 
 
 @dataclass(slots=True)
@@ -66,12 +55,19 @@ class TensorValue:
         dtype: Element type.
         properties: Tensor properties to record.
         boxes: The boxes this rank holds.
+        layout: How the value is laid out over the ranks, when a rule says so (see
+            ``docs/design/scale.md`` §2): ``("whole",)`` for a plain tensor (replicated on
+            every rank that has the key), ``("mesh", device_mesh, placements)`` for a DTensor
+            whose placements are all ``"R"``/``"S<dim>"`` (for a ``ChunkShardingSpec``
+            ShardedTensor, ``device_mesh`` is ``(shape, global ranks)``); ``None``: only the
+            boxes tell.
     """
 
     size: tuple[int, ...] | None
     dtype: torch.dtype
     properties: TensorProperties
     boxes: list[LocalBox]
+    layout: tuple[Any, ...] | None = None
 
 
 def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
@@ -160,7 +156,10 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
     tensor = value.detach()
     properties = TensorProperties(dtype=tensor.dtype, requires_grad=value.requires_grad)
     full = LocalBox((0,) * tensor.dim(), tuple(tensor.size()), tensor)
-    return TensorValue(tuple(tensor.size()), tensor.dtype, properties, [full])
+    return TensorValue(tuple(tensor.size()), tensor.dtype, properties, [full], _WHOLE)
+
+
+_WHOLE = ("whole",)
 
 
 def _describe_sharded(value: Any) -> TensorValue:
@@ -171,7 +170,26 @@ def _describe_sharded(value: Any) -> TensorValue:
         for shard in value.local_shards()
     ]
     properties = value.metadata().tensor_properties
-    return TensorValue(tuple(value.size()), properties.dtype, _plain(properties), boxes)
+    size = tuple(value.size())
+    layout = _chunk_layout(value, len(size))
+    return TensorValue(size, properties.dtype, _plain(properties), boxes, layout)
+
+
+def _chunk_layout(value: Any, ndim: int) -> tuple[Any, ...] | None:
+    """``("mesh", (shape, global ranks), ("S<dim>",))`` of a ShardedTensor of a
+    ``ChunkShardingSpec`` whose chunks are on distinct ranks (one chunk each, in placement
+    order: a one-dim mesh), else ``None``."""
+    chunk_spec = _loaded_type("shardwise.sharding_spec.chunk", "ChunkShardingSpec")
+    spec = value.sharding_spec()
+    if chunk_spec is None or not isinstance(spec, chunk_spec) or not ndim:
+        return None
+    dim: Any = getattr(spec, "dim", None)
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        return None
+    ranks = tuple(shard.placement.rank() for shard in value.metadata().shards_metadata)
+    if None in ranks or len(set(ranks)) != len(ranks):
+        return None
+    return ("mesh", ((len(ranks),), ranks), (f"S{dim % ndim}",))
 
 
 def _plain(properties: TensorProperties) -> TensorProperties:
@@ -196,6 +214,7 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
         )
     local = value._local_tensor
     size = tuple(value.size())
+    layout = None
     if _is_local_shards(local):
         boxes = _wrapper_boxes(local)
         dtype = boxes[0].tensor.dtype if boxes else value.dtype
@@ -212,8 +231,26 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
                 found = compute_local_shape_and_global_offset(value.size(), mesh, value.placements)
             shape, offsets = found
             boxes = [LocalBox(tuple(offsets), tuple(shape), local.detach())]
+        layout = _mesh_layout(value)
     properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
-    return TensorValue(size, dtype, properties, boxes)
+    return TensorValue(size, dtype, properties, boxes, layout)
+
+
+def _mesh_layout(value: Any) -> tuple[Any, ...] | None:
+    """``("mesh", device_mesh, placements)`` of a DTensor placed by exactly ``Shard`` (a
+    dim >= 0) and ``Replicate`` (as ``"S<dim>"``/``"R"``), else ``None``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = []
+    for placement in value.placements:
+        kind = type(placement)
+        if kind is Replicate:
+            placements.append("R")
+        elif kind is Shard and placement.dim >= 0:
+            placements.append(f"S{placement.dim}")
+        else:
+            return None
+    return ("mesh", value.device_mesh, tuple(placements))
 
 
 @dataclass(slots=True)

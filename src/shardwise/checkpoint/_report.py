@@ -22,11 +22,15 @@ def job_bar(comm: collectives.Comm, total: int, description: str, key: str) -> J
 
 
 def exchange_with_bar(
-    comm: collectives.Comm, work: Callable[[], _T], bar: JobProgress | None
-) -> tuple[_T, list[Any]]:
+    comm: collectives.Comm,
+    work: Callable[[], _T],
+    bar: JobProgress | None,
+    dst: int | None = None,
+) -> tuple[_T, list[Any] | None]:
     """``comm.exchange_or_raise(work)`` for the step of a job that ``bar`` (if any) counts:
     each rank's last bytes are counted when its ``work`` ends, and the bar ends full only
-    when every rank succeeded."""
+    when every rank succeeded. With ``dst``, ``comm.gather_or_raise(work, dst=dst)``: the
+    results only on group rank ``dst`` (``None`` elsewhere)."""
 
     def counted() -> _T:
         try:
@@ -36,7 +40,11 @@ def exchange_with_bar(
                 bar.finish()
 
     try:
-        result = comm.exchange_or_raise(counted)
+        result: tuple[_T, list[Any] | None] = (
+            comm.exchange_or_raise(counted)
+            if dst is None
+            else comm.gather_or_raise(counted, dst=dst)
+        )
     except BaseException:
         if bar is not None:
             bar.close(succeeded=False)

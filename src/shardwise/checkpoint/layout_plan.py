@@ -220,6 +220,7 @@ def plan_save(
     local: Mapping[int, Mapping[str, Sequence[Box]]],
     world_size: int,
     preassigned: Mapping[int, int] | None = None,
+    skip: Collection[str] = (),
 ) -> SavePlan:
     """Plan a save from the distinct tables of its ranks.
 
@@ -230,6 +231,8 @@ def plan_save(
         local: Per rank, its own boxes of each key with a ``local`` layout.
         world_size: Ranks in the group.
         preassigned: Bytes already given to a rank (object blobs).
+        skip: Keys checked like the others but written by no rank (tied tensors: another
+            key's data); they keep their number, so the others' numbers do not move.
 
     Raises:
         ValueError: Tables disagree on a key's facts, a layout names a mesh or rank that
@@ -267,18 +270,26 @@ def plan_save(
     rules: dict[int, tuple[Mesh, dict[Any, Any]]] = {}
     for number, row in enumerate(rows.values()):
         kind = row.layout[0]
+        written = row.key not in skip
         if kind == "mesh":
-            plan.grids[row.key] = _grid(row, meshes, world_size, number, rules)
+            grid = _grid(row, meshes, world_size, number, rules)
+            if written:
+                plan.grids[row.key] = grid
         elif kind == "whole":
-            whole.append((number, row.key))
+            if written:
+                whole.append((number, row.key))
         elif kind == "boxes":
             boxes = [((tuple(o), tuple(s)), r) for o, s, r in row.layout[1]]
             _check_boxes(row, [box for box, _ in boxes], [r for _, r in boxes], world_size)
-            plan.chunks[row.key] = boxes
-            for box, rank in boxes:
-                plan.loads[rank] += math.prod(box[1]) * row.itemsize
+            if written:
+                plan.chunks[row.key] = boxes
+                for box, rank in boxes:
+                    plan.loads[rank] += math.prod(box[1]) * row.itemsize
         elif kind == "local":
-            plan.chunks[row.key] = _assign_local(row, holding(row.key), local, plan.loads)
+            loads = plan.loads if written else list(plan.loads)
+            assigned = _assign_local(row, holding(row.key), local, loads)
+            if written:
+                plan.chunks[row.key] = assigned
         else:
             raise ValueError(f"cannot save {row.key!r}: unknown layout {kind!r}")
     _assign_whole(plan, [(number, key, holding(key)) for number, key in whole], everyone)

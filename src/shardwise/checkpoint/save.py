@@ -2,15 +2,18 @@
 
 Order of work (see ``docs/format.md`` for the files):
 
-1. Each rank describes what it holds (no copies) and validates it; one JSON exchange gives every
-   rank the same global view and the same verdict (a bad value on one rank raises on all).
-2. A pure plan dedups replicated chunks and balances bytes across ranks.
+1. Each rank describes what it holds (no copies) and validates it, as a table of layouts
+   (``_save_tables``); the coordinator gathers every rank's envelope (a digest, or the table
+   when it differs from the coordinator's) and every rank gets the same verdict (a bad value
+   on one rank raises on all).
+2. The coordinator plans (dedups replicated chunks, balances bytes across ranks) and sends
+   each rank only what it writes.
 3. Each rank writes its chunks into one safetensors file under a temporary name, straight from
    tensor memory, checksumming as it goes; then fsyncs and renames it.
-4. The byte ranges and block checksums are exchanged; the coordinator writes the sealed index
+4. The byte ranges and block checksums go to the coordinator, which writes the sealed index
    to a temporary name, fsyncs it and renames it to ``shardwise.json`` — the commit point —
-   then removes the data files that the index it replaced named and the new one does not
-   (never any other file). Nobody returns before the commit.
+   then tells every rank, and removes the data files that the index it replaced named and
+   the new one does not (never any other file). Nobody returns before the commit.
 
 Writes never follow a link below the checkpoint: ``data/`` must be a real directory, and files
 are created fresh (``O_EXCL | O_NOFOLLOW``) under temporary names and renamed.
@@ -25,7 +28,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +37,7 @@ import torch
 from shardwise import __version__ as _version
 from shardwise import collectives
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import data_writer, planner
+from shardwise.checkpoint import _save_outcome, _save_tables, data_writer, planner
 from shardwise.checkpoint._items import (
     LocalBox,
     ObjectValue,
@@ -68,7 +71,7 @@ from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.state_dict import display_key, flatten
 from shardwise.checkpoint.storage import Storage, UnsafePathError, open_shared_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
-from shardwise.metadata import TensorProperties, dtype_name
+from shardwise.metadata import TensorProperties
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -148,22 +151,6 @@ def _describe_or_error(
         error = CheckpointError(f"cannot stage the state dict: {type(err).__name__}: {err}")
         error.__cause__ = err
         return _Snapshot({}, {}), error
-
-
-def _plan_entries(snapshot: _Snapshot) -> list[dict[str, Any]]:
-    entries = []
-    for fqn, value in snapshot.tensors.items():
-        entries.append(
-            {
-                "fqn": fqn,
-                "dtype": dtype_name(value.dtype),
-                "size": None if value.size is None else list(value.size),
-                "properties": value.properties.to_dict(),
-                "itemsize": value.dtype.itemsize,
-                "chunks": [[list(box.offsets), list(box.sizes)] for box in value.boxes],
-            }
-        )
-    return entries
 
 
 def _build_index(
@@ -266,6 +253,14 @@ def _remove_leftovers(storage: Storage, index: Index) -> None:
             logger.warning("could not remove %s: %s", path, err)
 
 
+def _group_rank_of(comm: collectives.Comm) -> Callable[[int], int]:
+    """The save group's rank of a global rank (-1 when it is not a member)."""
+    if comm.group is None:
+        return lambda rank: 0 if rank == 0 else -1
+    members = {rank: number for number, rank in enumerate(collectives.global_ranks(comm.group))}
+    return lambda rank: members.get(rank, -1)
+
+
 def _save_snapshot(
     snapshot: _Snapshot,
     path: str,
@@ -274,62 +269,95 @@ def _save_snapshot(
     local_error: BaseException | None = None,
 ) -> Metadata:
     """Steps 2 to 4 of a save (see the module's docstring), on every rank of ``comm``; a
-    ``local_error`` of step 1 is raised on this rank and shared with the others."""
+    ``local_error`` of step 1 is raised on this rank and shared with the others.
+
+    The exchanges (``docs/design/scale.md`` §2): the coordinator broadcasts its table's
+    digest; every rank sends it its envelope (the table only when the digests differ) and
+    the verdict comes back; the coordinator plans and sends each rank what it writes; each
+    rank writes and sends it its file's facts; the coordinator builds, checks and commits the
+    index and sends every rank the outcome. No rank but the coordinator receives anything
+    O(ranks) or O(other ranks' entries)."""
     started = time.monotonic()
     coordinator_rank = options.coordinator_rank
+    coordinating = comm.rank == coordinator_rank
     storage: Storage | None = None
     lock: SaveLock | None = None
+    table: _save_tables.RankTable | None = None
+    table_error: BaseException | None = local_error
+    if coordinating and table_error is None:
+        try:
+            table = _save_tables.rank_table(snapshot.tensors, comm.rank, _group_rank_of(comm))
+        except Exception as err:
+            table_error = err
+    # Exchange 1a: the coordinator's digest (a rank whose table has it sends no table).
+    try:
+        coordinator_digest = comm.broadcast_json(
+            None if table is None else table.digest, coordinator_rank
+        )
+    except CheckpointTimeoutError as failure:
+        if table_error is None:
+            raise
+        # What this rank must fix comes first (as gather_or_raise does with it).
+        table_error.add_note(f"It was not shared with the other ranks: {failure}")
+        raise table_error from None
+    save_id = ""
+    blob_bytes = 0
 
-    def local_plan() -> dict[str, Any]:
-        nonlocal storage, lock
-        if local_error is not None:
-            raise local_error
+    def envelope() -> dict[str, Any]:
+        nonlocal storage, lock, table, save_id, blob_bytes
+        if table_error is not None:
+            raise table_error
         storage = open_shared_storage(path, options.storage_options, comm.world_size)
-        plan: dict[str, Any] = {
-            "tensors": _plan_entries(snapshot),
-            "aliases": snapshot.aliases,
-            "progress": options.progress,
-        }
-        if comm.rank == coordinator_rank:
+        if table is None:
+            table = _save_tables.rank_table(snapshot.tensors, comm.rank, _group_rank_of(comm))
+        sent: dict[str, Any] = {"digest": table.digest, "local": table.local}
+        if table.empty:
+            sent["empty"] = table.empty
+        if table.digest != coordinator_digest:
+            sent["table"] = table.to_json()
+        if snapshot.aliases:
+            sent["aliases"] = snapshot.aliases
+        if comm.rank == 0:
+            sent["progress"] = options.progress
+        if coordinating:
             # One save at a time per path, taken before anything is written (see lock.py).
-            plan["save_id"] = secrets.token_hex(8)
+            save_id = secrets.token_hex(8)
             storage.makedirs(storage.root)
-            taken = SaveLock(storage, plan["save_id"])
+            taken = SaveLock(storage, save_id)
             taken.acquire()
             lock = taken  # only a lock this save holds is released by it
-            # JSON values travel as text (they go into the index); blobs as their length.
-            plan["objects"] = {
-                fqn: [obj.encoding, obj.payload.decode() if obj.encoding in TEXT_ENCODINGS else ""]
-                for fqn, obj in snapshot.objects.items()
-            }
-            plan["blob_bytes"] = sum(
+            blob_bytes = sum(
                 len(obj.payload)
                 for obj in snapshot.objects.values()
                 if obj.encoding not in TEXT_ENCODINGS
             )
-        return plan
+        return sent
 
     try:
-        _, plans = comm.exchange_or_raise(local_plan)
-        coordinator_plan = plans[coordinator_rank]
-        save_id = coordinator_plan["save_id"]
+        # Exchange 1b: every rank's envelope on the coordinator, the verdict on every rank.
+        _, envelopes = comm.gather_or_raise(envelope, dst=coordinator_rank)
+        assert storage is not None and table is not None
+        planned: _save_tables.CoordinatorPlan | None = None
 
-        def global_plan() -> tuple[
-            dict[str, planner.TensorPlan], dict[str, str], list[list[planner.WriteAssignment]]
-        ]:
-            merged = planner.merge_tensor_plans([plan["tensors"] for plan in plans])
-            # A tied tensor is written once; the index names its other keys (aliases).
-            aliases = planner.agree_aliases([plan["aliases"] for plan in plans], merged)
-            written = {fqn: plan for fqn, plan in merged.items() if fqn not in aliases}
-            blob_bytes = {coordinator_rank: coordinator_plan["blob_bytes"]}
-            return written, aliases, planner.assign_writers(written, comm.world_size, blob_bytes)
+        def plan() -> list[dict[str, Any]]:
+            nonlocal planned
+            assert envelopes is not None
+            planned = _save_tables.plan_from_tables(
+                table, envelopes, comm.world_size, {coordinator_rank: blob_bytes}
+            )
+            common = {
+                "save_id": save_id,
+                "progress": envelopes[0].get("progress", False),
+                "total": planned.total,
+            }
+            return [{**assignment, **common} for assignment in planned.assignments]
 
-        # Pure in the exchanged plans: every rank reaches the same verdict without talking.
-        merged, aliases, assignments = global_plan()
-        assert storage is not None
-        mine = assignments[comm.rank]
+        # Exchange 2: each rank's assignment (or the plan's error, on every rank).
+        assignment = comm.scatter_or_raise(plan, src=coordinator_rank)
+        save_id = assignment["save_id"]
+        mine = _save_tables.own_writes(table, snapshot.tensors, assignment, comm.rank)
         blobs = []
-        if comm.rank == coordinator_rank:
+        if coordinating:
             blobs = [
                 (fqn, obj)
                 for fqn, obj in snapshot.objects.items()
@@ -369,58 +397,60 @@ def _save_snapshot(
 
         # Rank 0 asked for a bar: it shows the whole job's bytes, which every rank counts.
         bar: JobProgress | None = None
-        if plans[0]["progress"]:
-            total = sum(item.nbytes for items in assignments for item in items)
-            bar = job_bar(comm, total, f"saving {path}", f"save/{save_id}")
-        _, written = exchange_with_bar(comm, write, bar)
-        # Only the coordinator's objects are saved; every rank builds the same index from its plan.
-        objects = {
-            fqn: ObjectValue(encoding, text.encode())
-            for fqn, (encoding, text) in coordinator_plan["objects"].items()
-        }
-
-        # Every rank builds the same index, and says so before the coordinator commits it:
-        # a rank that fails or dies up to here leaves nothing committed.
-        def agree() -> tuple[bytes, Index]:
-            built = _build_index(merged, aliases, objects, written, comm.world_size, save_id, path)
-            if comm.rank == coordinator_rank:
-                # What is committed must read back as what every rank built (the decoder
-                # validates everything a reader checks).
-                if decode_index(built[0]) != built[1]:
-                    raise CheckpointError("the index of this save does not read back as built")
-                data_writer.check_visible(storage, built[1], path)
-            return built
-
-        data, index = comm.exchange_or_raise(agree, lambda _: None)[0]
+        if assignment["progress"]:
+            bar = job_bar(comm, assignment["total"], f"saving {path}", f"save/{save_id}")
+        # Exchange 3: each rank's file facts on the coordinator.
+        _, written = exchange_with_bar(comm, write, bar, dst=coordinator_rank)
         committed = False
+        built: tuple[bytes, Index] | None = None
 
-        def commit() -> None:
-            nonlocal committed
-            if comm.rank == coordinator_rank:
-                _commit(storage, data, options.sync_files, save_id)
-                committed = True
+        def commit() -> dict[str, Any]:
+            nonlocal committed, built
+            assert planned is not None and written is not None
+            objects = {fqn: obj for fqn, obj in snapshot.objects.items()}
+            data, index = _build_index(
+                planned.tensor_plans(),
+                planned.aliases,
+                objects,
+                written,
+                comm.world_size,
+                save_id,
+                path,
+            )
+            # What is committed must read back as built (the decoder validates everything a
+            # reader checks), and every data file it names must be visible here.
+            if decode_index(data) != index:
+                raise CheckpointError("the index of this save does not read back as built")
+            data_writer.check_visible(storage, index, path)
+            _commit(storage, data, options.sync_files, save_id)
+            committed = True
+            built = data, index
+            return _save_outcome.outcome(data, index)
 
         try:
-            comm.exchange_or_raise(commit, lambda _: None)
+            # Exchange 4: the outcome (and a small index) on every rank.
+            outcome = comm.broadcast_or_raise(commit, src=coordinator_rank)
         except CheckpointTimeoutError as err:
             if not committed:
                 raise
-            # A rank died after agreeing to the commit: the checkpoint is complete and loads.
+            # A rank died after sending its file: the checkpoint is complete and loads.
             raise CheckpointTimeoutError(
                 f"the checkpoint at {path} was committed (it is complete and loads), but "
                 f"{err.bare_message}",
                 file=path,
             ) from err
-        if comm.rank == coordinator_rank:
-            try:
-                _remove_leftovers(storage, index)
-            except OSError as err:
-                # The checkpoint is committed and complete; stale files only cost space.
-                logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
-            nbytes = len(data) + sum(size or 0 for size in index.files.values())
-            count = len(index.files)
-            files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
-            log_done(logger, "saved", path, nbytes, time.monotonic() - started, files)
+        if built is None:
+            return _save_outcome.returned_metadata(outcome, path, options.storage_options, save_id)
+        data, index = built
+        try:
+            _remove_leftovers(storage, index)
+        except OSError as err:
+            # The checkpoint is committed and complete; stale files only cost space.
+            logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
+        nbytes = len(data) + sum(size or 0 for size in index.files.values())
+        count = len(index.files)
+        files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
+        log_done(logger, "saved", path, nbytes, time.monotonic() - started, files)
         return index.to_metadata()
     finally:
         if lock is not None:
@@ -500,7 +530,7 @@ def _stage(snapshot: _Snapshot) -> _Snapshot:
         target = snapshot.aliases.get(fqn)
         if target is not None:  # the same local data as an earlier key: staged once
             tensors[fqn] = TensorValue(
-                value.size, value.dtype, value.properties, tensors[target].boxes
+                value.size, value.dtype, value.properties, tensors[target].boxes, value.layout
             )
             continue
         boxes = []
@@ -509,7 +539,7 @@ def _stage(snapshot: _Snapshot) -> _Snapshot:
             staged = torch.empty(source.size(), dtype=source.dtype, device="cpu", pin_memory=pin)
             staged.copy_(source)
             boxes.append(LocalBox(box.offsets, box.sizes, staged))
-        tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes)
+        tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes, value.layout)
     return _Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)
 
 

@@ -7,10 +7,11 @@ and keeps the rank/group-rank translation (a classic source of bugs) in one spot
 
 Every collective is bounded by its process group's timeout: the backend raises once it passes.
 For the checkpoint layer (:class:`Comm`, and the ``operation`` keyword of the JSON exchanges:
-:func:`exchange_or_raise`, :func:`gather_or_raise`, :func:`all_gather_json`,
-:func:`gather_json`, :func:`scatter_json`, :func:`broadcast_json`) that failure becomes a
-:class:`~shardwise.errors.CheckpointTimeoutError` that names the call, the timeout and the
-ranks that did not arrive; elsewhere the backend's own error propagates.
+:func:`exchange_or_raise`, :func:`gather_or_raise`, :func:`scatter_or_raise`,
+:func:`broadcast_or_raise`, :func:`all_gather_json`, :func:`gather_json`, :func:`scatter_json`,
+:func:`broadcast_json`) that failure becomes a :class:`~shardwise.errors.CheckpointTimeoutError`
+that names the call, the timeout and the ranks that did not arrive; elsewhere the backend's
+own error propagates.
 
 The package's modules, by concept: :mod:`.groups` (groups and ranks), :mod:`.failures`
 (timeouts and errors shared across ranks), :mod:`.exchange` (JSON and verdicts),
@@ -21,10 +22,12 @@ from shardwise.collectives.comm import Comm, SharedCounter
 from shardwise.collectives.exchange import (
     all_gather_json,
     broadcast_json,
+    broadcast_or_raise,
     exchange_or_raise,
     gather_json,
     gather_or_raise,
     scatter_json,
+    scatter_or_raise,
 )
 from shardwise.collectives.failures import RemoteError, describe_error, rebuild_error
 from shardwise.collectives.groups import (
@@ -62,6 +65,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast_json",
+    "broadcast_or_raise",
     "comm_device",
     "describe_error",
     "exchange_or_raise",
@@ -80,6 +84,7 @@ __all__ = [
     "rpc_initialized",
     "rpc_worker_id",
     "scatter_json",
+    "scatter_or_raise",
     "send_recv_bytes",
     "to_group_rank",
 ]

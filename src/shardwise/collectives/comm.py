@@ -15,10 +15,12 @@ from torch.distributed.distributed_c10d import Store
 from shardwise.collectives.exchange import (
     all_gather_json,
     broadcast_json,
+    broadcast_or_raise,
     exchange_or_raise,
     gather_json,
     gather_or_raise,
     scatter_json,
+    scatter_or_raise,
 )
 from shardwise.collectives.failures import ANY_OPERATION
 from shardwise.collectives.groups import group_rank, group_world_size, is_initialized, resolve_group
@@ -100,6 +102,19 @@ class Comm:
             local = compute()
             return local, [json.loads(json.dumps(encode(local)))]
         return gather_or_raise(self.group, compute, encode, dst=dst, operation=self.operation)
+
+    def scatter_or_raise(self, compute: Callable[[], Sequence[object]], src: int = 0) -> Any:
+        """:func:`scatter_or_raise` over this group (plain call in a single process)."""
+        if self.group is None:
+            (value,) = compute()
+            return json.loads(json.dumps(value))
+        return scatter_or_raise(self.group, compute, src=src, operation=self.operation)
+
+    def broadcast_or_raise(self, compute: Callable[[], object], src: int = 0) -> Any:
+        """:func:`broadcast_or_raise` over this group (plain call in a single process)."""
+        if self.group is None:
+            return json.loads(json.dumps(compute()))
+        return broadcast_or_raise(self.group, compute, src=src, operation=self.operation)
 
     def counter(self, key: str) -> SharedCounter | None:
         """A count every rank of this group adds to and any rank reads, without a collective,

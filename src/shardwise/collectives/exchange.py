@@ -25,6 +25,8 @@ __all__ = [
     "gather_json",
     "gather_or_raise",
     "scatter_json",
+    "scatter_or_raise",
+    "broadcast_or_raise",
 ]
 
 T = TypeVar("T")
@@ -262,6 +264,83 @@ def gather_or_raise(
     if verdict is not None:
         raise rebuild_error(verdict["error"], verdict["rank"])
     return local, None if gathered is None else [entry["ok"] for entry in gathered]  # type: ignore[return-value]
+
+
+def scatter_or_raise(
+    process_group: ProcessGroup,
+    compute: Callable[[], Sequence[object]],
+    *,
+    src: int = 0,
+    operation: str | None = None,
+) -> Any:
+    """Run ``compute`` on group rank ``src`` only, and send each rank ``r`` its ``values[r]``
+    (:func:`scatter_json`), or the error it raised: then every rank raises, ``src`` its own
+    exception and the others one of the same type and message (as :func:`exchange_or_raise`
+    does). A decision one rank takes for all (the coordinator's plan), in O(own) per rank.
+
+    Args:
+        compute: Called on ``src`` only; one JSON-able value per group rank.
+
+    Returns:
+        This rank's value.
+    """
+    world = group_world_size(process_group)
+
+    def send(values: Sequence[object] | None, failure: dict[str, Any] | None) -> Any:
+        envelopes = None
+        if failure is not None:
+            envelopes = [failure] * world
+        elif values is not None:
+            envelopes = [{"ok": value} for value in values]
+        return scatter_json(envelopes, process_group, src, operation=operation)
+
+    return _decided(process_group, compute, src, send)
+
+
+def broadcast_or_raise(
+    process_group: ProcessGroup,
+    compute: Callable[[], object],
+    *,
+    src: int = 0,
+    operation: str | None = None,
+) -> Any:
+    """Run ``compute`` on group rank ``src`` only and give every rank its JSON-able result
+    (:func:`broadcast_json`), or the error it raised: then every rank raises, ``src`` its own
+    exception and the others one of the same type and message.
+
+    Returns:
+        ``compute``'s result, on every rank.
+    """
+
+    def send(value: object, failure: dict[str, Any] | None) -> Any:
+        envelope = failure if failure is not None else {"ok": value}
+        return broadcast_json(envelope, process_group, src, operation=operation)
+
+    return _decided(process_group, compute, src, send)
+
+
+def _decided(
+    process_group: ProcessGroup,
+    compute: Callable[[], T],
+    src: int,
+    send: Callable[[T | None, dict[str, Any] | None], Any],
+) -> Any:
+    """Run ``compute`` on ``src``, ``send`` its result or its failure's description (every
+    rank calls it; only ``src``'s arguments count), and raise a received failure (``src``
+    its own error) or return the received ``"ok"`` value."""
+    error: BaseException | None = None
+    result: T | None = None
+    failure: dict[str, Any] | None = None
+    if group_rank(process_group) == src:
+        try:
+            result = compute()
+        except Exception as err:
+            error = err
+            failure = {"error": describe_error(err), "rank": src}
+    received = _shared(error, lambda: send(result, failure))
+    if "error" in received:
+        raise rebuild_error(received["error"], received["rank"])
+    return received["ok"]
 
 
 def _attempt(

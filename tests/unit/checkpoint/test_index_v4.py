@@ -5,6 +5,7 @@ that refuses malformed rows with a ``CheckpointFormatError`` saying what is wron
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -414,7 +415,9 @@ def test_any_edit_of_a_v4_index_is_read_or_refused_as_a_format_error(
         try:
             for step in path[:-1]:
                 parent = parent[step]
-            parent[path[-1]] = value
+            # A copy: the same list placed twice (then edited) would make the document
+            # circular, which no JSON text can be.
+            parent[path[-1]] = copy.deepcopy(value)
         except (KeyError, IndexError, TypeError):
             continue  # an earlier edit removed the place
     try:

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import metadata as dcp
 
+import shardwise._codec
 import shardwise.metadata
 from shardwise.checkpoint import (
     BytesStorageMetadata,
@@ -624,7 +625,7 @@ def test_index_writer_names_the_key_of_an_inconsistent_entry() -> None:
 
 # -- property: any metadata survives the JSON round trip -------------------------------------
 
-_DTYPES = sorted(shardwise.metadata._DTYPES.values(), key=str)
+_DTYPES = sorted(shardwise._codec.DTYPES.values(), key=str)
 _JSON_SCALARS = (
     st.none()
     | st.booleans()

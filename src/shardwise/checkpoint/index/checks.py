@@ -10,8 +10,9 @@ import math
 import re
 from typing import Any, NoReturn
 
+from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
 from shardwise.checkpoint import planner
-from shardwise.checkpoint._items import untag
+from shardwise.checkpoint._json import untag
 from shardwise.checkpoint.index.names import (
     ENCODINGS,
     FIRST_DATA_BYTE,
@@ -24,7 +25,7 @@ from shardwise.checkpoint.index.names import (
 from shardwise.checkpoint.index.records import ObjectRecord, TensorRecord
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.errors import CheckpointFormatError
-from shardwise.metadata import _DTYPES, _LAYOUTS, _MEMORY_FORMATS, TensorProperties
+from shardwise.metadata import TensorProperties
 
 __all__ = ["ENCODINGS", "decode_text", "fail", "load_json_value"]
 
@@ -276,19 +277,19 @@ def properties_of(row: object) -> TensorProperties:
     dtype, layout, requires_grad, memory_format, pin_memory = row_of(row, 5, "a properties entry")
     if (
         not isinstance(dtype, str)
-        or dtype not in _DTYPES
+        or dtype not in DTYPES
         or not isinstance(layout, str)
-        or layout not in _LAYOUTS
+        or layout not in LAYOUTS
         or not isinstance(memory_format, str)
-        or memory_format not in _MEMORY_FORMATS
+        or memory_format not in MEMORY_FORMATS
         or type(requires_grad) is not bool
         or type(pin_memory) is not bool
     ):
         fail(f"malformed or unknown tensor properties {row!r}")
     return TensorProperties(
-        dtype=_DTYPES[dtype],
-        layout=_LAYOUTS[layout],
+        dtype=DTYPES[dtype],
+        layout=LAYOUTS[layout],
         requires_grad=requires_grad,
-        memory_format=_MEMORY_FORMATS[memory_format],
+        memory_format=MEMORY_FORMATS[memory_format],
         pin_memory=pin_memory,
     )

@@ -10,6 +10,7 @@ from typing import Any
 
 import xxhash
 
+from shardwise._codec import MEMORY_FORMAT_NAMES, dtype_name
 from shardwise.checkpoint.index.names import (
     ALIASES_VERSION,
     BLOCK_SIZE,
@@ -20,7 +21,7 @@ from shardwise.checkpoint.index.names import (
     paused_gc,
 )
 from shardwise.checkpoint.index.records import Index, ObjectRecord, SaveFacts, TensorRecord
-from shardwise.metadata import _MEMORY_FORMAT_NAMES, TensorProperties, dtype_name
+from shardwise.metadata import TensorProperties
 
 __all__ = ["PropertyTable", "build_index", "document_of", "encode_index", "object_rows", "seal"]
 
@@ -84,7 +85,7 @@ class PropertyTable:
                 dtype_name(p.dtype),
                 str(p.layout).removeprefix("torch."),
                 p.requires_grad,
-                _MEMORY_FORMAT_NAMES[p.memory_format],
+                MEMORY_FORMAT_NAMES[p.memory_format],
                 p.pin_memory,
             )
             number = self.rows.setdefault(row, len(self.rows))

@@ -1,0 +1,89 @@
+"""What every rank of a save learns once the coordinator committed the index, and what it
+returns: the index itself when it is small, else a :class:`Metadata` that reads the committed
+index from storage only if it is walked, so that no rank but the coordinator receives a
+version 2/3 index's chunk list (``docs/design/scale.md``, *Wired*)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any, cast
+
+from shardwise.checkpoint.index import Index, decode_index
+from shardwise.checkpoint.load import read_metadata
+from shardwise.checkpoint.metadata import STORAGE_TYPES, Metadata, StorageMeta
+from shardwise.errors import CheckpointError
+
+__all__ = ["outcome", "returned_metadata"]
+
+# The largest index the coordinator sends every rank with the outcome of a save (a version 2
+# index is O(chunks): above this, each rank's return value reads it only if it is walked).
+SENT_INDEX_BYTES = 4 << 20
+
+
+def outcome(data: bytes, index: Index) -> dict[str, Any]:
+    """What the coordinator tells every rank once the index is committed: the index itself
+    when it is small, else the facts of the :class:`Metadata` that each rank's return value
+    reads from storage if it is ever walked (no rank receives a large chunk list)."""
+    if len(data) <= SENT_INDEX_BYTES:
+        return {"index": data.decode()}
+    metadata = index.to_metadata()
+    return {"planner_data": metadata.planner_data, "version": metadata.version}
+
+
+def returned_metadata(
+    received: Mapping[str, Any], path: str, storage_options: Any, save_id: str
+) -> Metadata:
+    """A non-coordinator rank's return value, from the ``received`` outcome (see
+    :func:`outcome`)."""
+    text = received.get("index")
+    if text is not None:
+        return decode_index(text.encode()).to_metadata()
+    loaded: list[Metadata] = []
+
+    def load() -> Metadata:
+        if not loaded:
+            found = read_metadata(path, storage_options=storage_options)
+            if found.storage_meta is None or found.storage_meta.save_id != save_id:
+                raise CheckpointError(
+                    f"the checkpoint at {path} was replaced by a later save since this one "
+                    "returned; read its metadata with read_metadata",
+                    file=path,
+                )
+            loaded.append(found)
+        return loaded[0]
+
+    return Metadata(
+        state_dict_metadata=cast(
+            "dict[str, STORAGE_TYPES]", _OnFirstUse(lambda: load().state_dict_metadata)
+        ),
+        planner_data=received["planner_data"],
+        storage_data=_OnFirstUse(lambda: load().storage_data),
+        storage_meta=StorageMeta(checkpoint_id=path, save_id=save_id),
+        version=received["version"],
+    )
+
+
+class _OnFirstUse(MutableMapping[Any, Any]):
+    """A mapping that is ``source()``'s, fetched on first use (a committed index's entries,
+    read from storage only if someone walks them)."""
+
+    def __init__(self, source: Callable[[], MutableMapping[Any, Any]]) -> None:
+        self._source = source
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._source()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._source()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._source()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._source())
+
+    def __len__(self) -> int:
+        return len(self._source())
+
+    def __reduce__(self) -> tuple[type[dict[Any, Any]], tuple[dict[Any, Any]]]:
+        return dict, (dict(self.items()),)

@@ -1,0 +1,550 @@
+"""The scale save protocol's two halves (``docs/design/scale.md`` §2, *Wired*).
+
+**A rank** describes each key by a :class:`~.layout_plan.TableRow` whose layout is the same on
+every rank that holds it (:func:`rank_table`), checks its own boxes against that layout
+before anything is exchanged (a box the rule does not give it makes the key ``local`` on this
+rank: never a wrong index), and later turns the coordinator's short assignment into the list
+of chunks it writes (:func:`own_writes`). All of it is O(its own entries).
+
+**The coordinator** merges the distinct tables (ranks with equal tables send only a digest),
+reconciles a key that some ranks describe as ``local`` after a failed check, agrees on tied
+tensors, and plans with :func:`~.layout_plan.plan_save` (:func:`plan_from_tables`); it then
+has every chunk's box and writer for the version 2/3 index (:meth:`CoordinatorPlan.tensor_plans`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from shardwise._boxes import Box
+from shardwise.checkpoint import planner
+from shardwise.checkpoint._items import TensorValue
+from shardwise.checkpoint.index.layouts import Grid
+from shardwise.checkpoint.layout_plan import Mesh, SavePlan, TableRow, mesh_grid, plan_save
+from shardwise.checkpoint.planner import TensorPlan, WriteAssignment
+from shardwise.metadata import dtype_name
+
+__all__ = ["CoordinatorPlan", "RankTable", "own_writes", "plan_from_tables", "rank_table"]
+
+# A ``local`` layout whose size only the union of every rank's boxes tells (a standalone
+# LocalShardsWrapper): the coordinator fills in the bounding size.
+_UNSIZED = ("local", "bounds")
+_LOCAL = ("local",)
+
+
+@dataclass(slots=True)
+class RankTable:
+    """One rank's description of what it holds (see the module docstring).
+
+    Attributes:
+        rows: One row per tensor key, in state-dict order.
+        meshes: The meshes the ``mesh`` rows name, as group ranks.
+        local: This rank's boxes of each ``local`` key, ``[[offsets, sizes], ...]``.
+        cells: For each ``mesh`` key, this rank's grid cell (``None``: it holds no element).
+        empty: The empty box this rank holds of a ``mesh`` key whose cell it has none of (an
+            empty shard past the end, ceil rule): a version 2/3 index lists it, as a 0-byte
+            chunk that one of its holders writes.
+        digest: xxh3-128 of ``rows`` and ``meshes``.
+    """
+
+    rows: list[TableRow]
+    meshes: list[Mesh]
+    local: dict[str, list[list[list[int]]]]
+    cells: dict[str, tuple[int, ...] | None]
+    empty: dict[str, list[list[int]]] = field(default_factory=dict)
+    digest: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The table as the coordinator receives it when its digest differs."""
+        return {
+            "rows": [row.to_json() for row in self.rows],
+            "meshes": [[list(shape), list(ranks)] for shape, ranks in self.meshes],
+        }
+
+
+def _digest(rows: Sequence[TableRow], meshes: Sequence[Mesh]) -> str:
+    text = json.dumps(
+        [[row.to_json() for row in rows], [[list(s), list(r)] for s, r in meshes]],
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    return str(xxhash.xxh3_128_hexdigest(text.encode()))
+
+
+def own_cell(
+    grid: Grid, mesh: Mesh, placements: Sequence[str], rank: int, position: int | None = None
+) -> tuple[int, ...] | None:
+    """The grid cell group rank ``rank`` holds on ``mesh`` (``None``: none, or an empty
+    shard past the end of a dim). ``position``: the rank's place in the mesh's ranks, when
+    the caller knows it (-1: not there)."""
+    shape, ranks = mesh
+    if position is None:
+        position = ranks.index(rank) if rank in ranks else -1
+    if position < 0:
+        return None
+    coordinate = [0] * len(shape)
+    for axis in range(len(shape) - 1, -1, -1):
+        position, coordinate[axis] = divmod(position, shape[axis])
+    cell = [0] * len(grid.size)
+    for axis, placement in enumerate(placements):
+        if placement != "R":
+            cell[int(placement[1:])] = coordinate[axis]
+    if any(k >= count for k, count in zip(cell, grid.counts, strict=True)):
+        return None
+    return tuple(cell)
+
+
+class _Meshes:
+    """The meshes of one rank's table, numbered in order of first use, with a grid rule
+    cache per mesh (the affine check runs once per distinct grid shape, not per key)."""
+
+    def __init__(self, group_rank_of: Callable[[int], int]) -> None:
+        self._group_rank_of = group_rank_of
+        self.meshes: list[Mesh] = []
+        self._numbers: dict[Mesh, int] = {}
+        self._by_object: dict[int, tuple[Any, int | None]] = {}
+        self.rules: list[dict[Any, Any]] = []
+        #: Per mesh, this rank's place in its ranks (-1: not there), found once.
+        self.positions: list[int] = []
+
+    def number(self, device_mesh: Any, rank: int) -> int | None:
+        """The number of ``device_mesh`` (a DeviceMesh, or ``(shape, global ranks)``;
+        ``None``: a rank outside the save's group)."""
+        known = self._by_object.get(id(device_mesh))
+        if known is not None and known[0] is device_mesh:
+            return known[1]
+        if isinstance(device_mesh, tuple):
+            shape, global_ranks = device_mesh
+        else:
+            shape, global_ranks = device_mesh.mesh.shape, device_mesh.mesh.flatten().tolist()
+        ranks = tuple(self._group_rank_of(int(r)) for r in global_ranks)
+        number = None
+        if all(r >= 0 for r in ranks):
+            mesh = (tuple(int(n) for n in shape), ranks)
+            number = self._numbers.get(mesh)
+            if number is None:
+                number = self._numbers[mesh] = len(self.meshes)
+                self.meshes.append(mesh)
+                self.rules.append({})
+                self.positions.append(ranks.index(rank) if rank in ranks else -1)
+        self._by_object[id(device_mesh)] = (device_mesh, number)
+        return number
+
+
+def _row(key: str, value: TensorValue, size: Sequence[int], layout: tuple[Any, ...]) -> TableRow:
+    return TableRow(
+        key,
+        dtype_name(value.dtype),
+        value.dtype.itemsize,
+        tuple(size),
+        value.properties.to_dict(),
+        layout,
+    )
+
+
+def rank_table(
+    tensors: Mapping[str, TensorValue], rank: int, group_rank_of: Callable[[int], int]
+) -> RankTable:
+    """This rank's table (O(its entries)): plain tensors ``whole``, DTensors ``mesh`` when
+    their rule gives this rank exactly the boxes it holds, anything else ``local`` with its
+    boxes.
+
+    Args:
+        tensors: What this rank holds.
+        rank: This rank's rank in the save's group.
+        group_rank_of: The save group's rank of a global rank (-1: not a member).
+    """
+    meshes = _Meshes(group_rank_of)
+    table = RankTable([], [], {}, {})
+    for key, value in tensors.items():
+        layout = value.layout
+        if layout is not None and layout[0] == "whole" and value.size is not None:
+            table.rows.append(_row(key, value, value.size, ("whole",)))
+            continue
+        if layout is not None and layout[0] == "mesh" and value.size is not None:
+            found = _mesh_row(key, value, layout, rank, meshes)
+            if found is not None:
+                row, cell = found
+                table.rows.append(row)
+                table.cells[key] = cell
+                if cell is None and value.boxes:
+                    table.empty[key] = [list(value.boxes[0].offsets), list(value.boxes[0].sizes)]
+                continue
+        size = value.size
+        table.rows.append(
+            _row(key, value, () if size is None else size, _UNSIZED if size is None else _LOCAL)
+        )
+        table.local[key] = [[list(box.offsets), list(box.sizes)] for box in value.boxes]
+    table.meshes = meshes.meshes
+    table.digest = _digest(table.rows, table.meshes)
+    return table
+
+
+def _mesh_row(
+    key: str, value: TensorValue, layout: tuple[Any, ...], rank: int, meshes: _Meshes
+) -> tuple[TableRow, tuple[int, ...] | None] | None:
+    """The ``mesh`` row of a DTensor and this rank's cell, or ``None`` when its boxes are not
+    what the rule gives this rank (then it is described as ``local``)."""
+    assert value.size is not None
+    _, device_mesh, placements = layout
+    number = meshes.number(device_mesh, rank)
+    if number is None:
+        return None
+    mesh = meshes.meshes[number]
+    grid = mesh_grid(value.size, mesh, placements, rules=meshes.rules[number])
+    if grid is None:
+        return None
+    cell = own_cell(grid, mesh, placements, rank, meshes.positions[number])
+    filled = [box for box in value.boxes if math.prod(box.sizes)]
+    if cell is None:
+        if filled or len(value.boxes) > 1:
+            return None
+    elif len(value.boxes) != 1 or value.boxes[0].box != grid.box(cell):
+        return None
+    return _row(key, value, value.size, ("mesh", number, list(placements))), cell
+
+
+def own_writes(
+    table: RankTable,
+    tensors: Mapping[str, TensorValue],
+    assignment: Mapping[str, Any],
+    rank: int,
+) -> list[WriteAssignment]:
+    """What this rank writes: its grid cells (derived from its own rows and the rule: the
+    replica of a replicated cell is chosen by the key's number in the plan), and the
+    ``whole`` keys and ``local`` boxes the coordinator gave it, sorted by key and offsets
+    (the order inside its data file)."""
+    skip = set(assignment.get("demoted", ())) | set(assignment.get("aliases", ()))
+    numbers = assignment.get("numbers")
+    rules: list[dict[Any, Any]] = [{} for _ in table.meshes]
+    writes = []
+    for position, row in enumerate(table.rows):
+        if row.layout[0] != "mesh" or row.key in skip:
+            continue
+        cell = table.cells[row.key]
+        if cell is None:
+            continue
+        _, number, placements = row.layout
+        replica = position if numbers is None else numbers[position]
+        grid = mesh_grid(row.size, table.meshes[number], placements, replica, rules[number])
+        assert grid is not None  # checked when the table was built
+        if grid.file_of(cell) == rank:
+            offsets, sizes = grid.box(cell)
+            writes.append(WriteAssignment(row.key, offsets, sizes, math.prod(sizes) * row.itemsize))
+    for key in assignment.get("whole", ()):
+        value = tensors[key]
+        assert value.size is not None
+        size = tuple(value.size)
+        nbytes = math.prod(size) * value.dtype.itemsize
+        writes.append(WriteAssignment(key, (0,) * len(size), size, nbytes))
+    for key, offsets in assignment.get("chunks", ()):
+        value = tensors[key]
+        wanted = tuple(offsets)
+        box = next(box for box in value.boxes if box.offsets == wanted)
+        nbytes = math.prod(box.sizes) * value.dtype.itemsize
+        writes.append(WriteAssignment(key, box.offsets, box.sizes, nbytes))
+    writes.sort(key=lambda item: (item.fqn, item.offsets))
+    return writes
+
+
+# -- the coordinator ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CoordinatorPlan:
+    """The coordinator's plan of a save.
+
+    Attributes:
+        plan: Who writes what (:func:`~.layout_plan.plan_save`).
+        aliases: Tied keys -> the key they are tied to (not written).
+        assignments: What to tell each rank (``scatter_json``).
+        total: Bytes every rank writes together (tensor data; blobs apart).
+        empty: Per grid key, its empty boxes (shards past the end) and their writers.
+    """
+
+    plan: SavePlan
+    aliases: dict[str, str]
+    assignments: list[dict[str, Any]]
+    total: int
+    empty: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)
+
+    def tensor_plans(self) -> dict[str, TensorPlan]:
+        """Every written key with its boxes, each held by its writer: what the version 2/3
+        index lists (O(chunks): a grid's cells are enumerated)."""
+        plans = {}
+        for key, row in self.plan.rows.items():
+            if key in self.aliases:
+                continue
+            holders: dict[Box, list[int]]
+            grid = self.plan.grids.get(key)
+            if grid is not None:
+                holders = {}
+                for number in range(grid.num_cells):
+                    cell = grid.cell_at(number)
+                    holders[grid.box(cell)] = [grid.file_of(cell)]
+                for box, writer in self.empty.get(key, ()):
+                    holders.setdefault(box, [writer])
+            elif key in self.plan.whole:
+                holders = {((0,) * len(row.size), row.size): [self.plan.whole[key]]}
+            else:
+                holders = {box: [writer] for box, writer in self.plan.chunks[key]}
+            plans[key] = TensorPlan(key, row.dtype, row.size, row.properties, row.itemsize, holders)
+        return plans
+
+
+def _mesh_key(mesh: Sequence[Any]) -> Mesh:
+    shape, ranks = mesh
+    return tuple(int(n) for n in shape), tuple(int(r) for r in ranks)
+
+
+def plan_from_tables(
+    coordinator: RankTable,
+    envelopes: Sequence[Mapping[str, Any]],
+    world_size: int,
+    blob_bytes: Mapping[int, int],
+) -> CoordinatorPlan:
+    """Plan a save from every rank's envelope ``{"digest", "local", "table"?, "aliases"?,
+    "empty"?}`` (``"table"`` when its digest is not the coordinator's, ``"empty"`` its empty
+    shards of ``mesh`` keys), in group-rank order.
+
+    Raises:
+        ValueError: Ranks disagree about a key's facts, or its chunks do not tile it (the
+            message names the key), as :func:`~.layout_plan.plan_save` says.
+    """
+    # The distinct tables, the coordinator's first (so that a rank with its digest numbers
+    # keys by their position in its own table), with their ranks and meshes in one list.
+    meshes: list[Mesh] = []
+    mesh_numbers: dict[Mesh, int] = {}
+
+    def renumber(rows: list[TableRow], own: Sequence[Mesh]) -> list[TableRow]:
+        mapping = []
+        for mesh in own:
+            mesh = _mesh_key(mesh)
+            if mesh not in mesh_numbers:
+                mesh_numbers[mesh] = len(meshes)
+                meshes.append(mesh)
+            mapping.append(mesh_numbers[mesh])
+        if all(number == position for position, number in enumerate(mapping)):
+            return list(rows)
+        return [
+            TableRow(
+                r.key,
+                r.dtype,
+                r.itemsize,
+                r.size,
+                r.properties,
+                ("mesh", mapping[r.layout[1]], r.layout[2]),
+            )
+            if r.layout[0] == "mesh"
+            else r
+            for r in rows
+        ]
+
+    tables: list[list[TableRow]] = [renumber(coordinator.rows, coordinator.meshes)]
+    holders: list[list[int]] = [[]]
+    table_of: dict[str, int] = {coordinator.digest: 0}
+    rank_tables = []
+    for rank, envelope in enumerate(envelopes):
+        number = table_of.get(envelope["digest"])
+        if number is None:
+            sent = envelope["table"]
+            rows = [TableRow.from_json(row) for row in sent["rows"]]
+            number = table_of[envelope["digest"]] = len(tables)
+            tables.append(renumber(rows, sent["meshes"]))
+            holders.append([])
+        holders[number].append(rank)
+        rank_tables.append(number)
+    local: dict[int, dict[str, list[Box]]] = {}
+    for rank, envelope in enumerate(envelopes):
+        if envelope["local"]:
+            local[rank] = {
+                key: [(tuple(o), tuple(s)) for o, s in boxes]
+                for key, boxes in envelope["local"].items()
+            }
+    empty: dict[str, dict[Box, list[int]]] = {}
+    for rank, envelope in enumerate(envelopes):
+        for key, (offsets, sizes) in envelope.get("empty", {}).items():
+            empty.setdefault(key, {}).setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
+    demoted = _reconcile(tables, holders, meshes, local, empty)
+    _fill_sizes(tables, local)
+    aliases = _agree_aliases(tables, holders, meshes, local, envelopes, world_size)
+    plan = plan_save(tables, holders, meshes, local, world_size, blob_bytes, skip=aliases)
+    numbers = {key: number for number, key in enumerate(plan.rows)}
+    per_table_numbers: list[list[int] | None] = [
+        None if number == 0 else [numbers[row.key] for row in table]
+        for number, table in enumerate(tables)
+    ]
+    assignments = plan.assignments()
+    # The empty boxes of grid keys, each written (0 bytes) by its lowest holder.
+    empties: dict[str, list[tuple[Box, int]]] = {}
+    for key, boxes in empty.items():
+        grid = plan.grids.get(key)
+        if grid is not None:
+            # A tensor with no element has empty cells: an empty box that is one of them is
+            # written as that cell.
+            cells = set()
+            if not math.prod(grid.size):
+                cells = {grid.box(grid.cell_at(n)) for n in range(grid.num_cells)}
+            empties[key] = [(box, min(ranks)) for box, ranks in boxes.items() if box not in cells]
+            for (offsets, _), writer in empties[key]:
+                assignments[writer]["chunks"].append([key, list(offsets)])
+    for rank, assignment in enumerate(assignments):
+        table_numbers = per_table_numbers[rank_tables[rank]]
+        if table_numbers is not None:
+            assignment["numbers"] = table_numbers
+        if rank in demoted:
+            assignment["demoted"] = sorted(demoted[rank])
+        if aliases:
+            assignment["aliases"] = sorted(aliases)
+    total = sum(plan.loads) - sum(blob_bytes.values())
+    total += sum(
+        math.prod(plan.rows[key].size) * plan.rows[key].itemsize
+        for key in plan.grids
+        if key not in aliases
+    )
+    return CoordinatorPlan(plan, aliases, assignments, total, empties)
+
+
+def _reconcile(
+    tables: list[list[TableRow]],
+    holders: Sequence[Sequence[int]],
+    meshes: Sequence[Mesh],
+    local: dict[int, dict[str, list[Box]]],
+    empty: Mapping[str, Mapping[Box, Sequence[int]]],
+) -> dict[int, set[str]]:
+    """Make ``local`` for every table a key that some ranks describe as ``mesh`` and others
+    as ``local`` (their own boxes failed the rule's check), the facts being equal: the mesh
+    ranks' boxes come from the rule, which they checked. Returns, per rank, the keys it
+    described as ``mesh`` that are now ``local`` (it writes what the plan says instead)."""
+    demoted: dict[int, set[str]] = {}
+    if len(tables) < 2:
+        return demoted
+    first: dict[str, TableRow] = {}
+    conflicts: set[str] = set()
+    for table in tables:
+        for row in table:
+            known = first.setdefault(row.key, row)
+            if known is not row and known != row:
+                conflicts.add(row.key)
+    for key in conflicts:
+        found = sorted(
+            (
+                (holders[n][0], n, i, row)
+                for n, table in enumerate(tables)
+                for i, row in enumerate(table)
+                if row.key == key
+            ),
+            key=lambda item: item[0],
+        )
+        first_rank, _, _, first_row = found[0]
+        for rank, _, _, row in found[1:]:
+            if (row.dtype, row.size) != (first_row.dtype, first_row.size):
+                raise ValueError(
+                    f"cannot save {key!r}: rank {first_rank} has dtype {first_row.dtype} and "
+                    f"size {list(first_row.size)}, rank {rank} has dtype {row.dtype} and size "
+                    f"{list(row.size)}"
+                )
+        # The first rank's properties win (as they always have). Layouts that differ (a rank
+        # whose boxes failed its rule's check, a plain tensor on one rank and a wrapper on
+        # another) make the key ``local``: every rank's boxes by its own layout.
+        demote = len({json.dumps(row.layout) for *_, row in found}) > 1
+        for _, n, i, row in found:
+            layout = row.layout
+            if demote and layout[0] != "local":
+                empties = {r: box for box, ranks in empty.get(key, {}).items() for r in ranks}
+                for rank in holders[n]:
+                    boxes = _boxes_of(row, rank, meshes, local)
+                    if not boxes and rank in empties:
+                        boxes = [empties[rank]]
+                    local.setdefault(rank, {})[key] = boxes
+                    if layout[0] == "mesh":
+                        demoted.setdefault(rank, set()).add(key)
+                layout = _LOCAL
+            table = tables[n]
+            table[i] = TableRow(
+                key, row.dtype, row.itemsize, row.size, first_row.properties, layout
+            )
+    return demoted
+
+
+def _fill_sizes(
+    tables: list[list[TableRow]], local: Mapping[int, Mapping[str, Sequence[Box]]]
+) -> None:
+    """Give an unsized ``local`` key the bounding size of every rank's filled boxes."""
+    unsized = {row.key for table in tables for row in table if tuple(row.layout) == _UNSIZED}
+    if not unsized:
+        return
+    bounds: dict[str, list[int]] = {}
+    for boxes in local.values():
+        for key, held in boxes.items():
+            if key not in unsized:
+                continue
+            for offsets, sizes in held:
+                if not math.prod(sizes):
+                    continue
+                stops = [o + s for o, s in zip(offsets, sizes, strict=True)]
+                known = bounds.get(key)
+                bounds[key] = stops if known is None else list(map(max, known, stops))
+    for n, table in enumerate(tables):
+        tables[n] = [
+            TableRow(r.key, r.dtype, r.itemsize, tuple(bounds.get(r.key, [])), r.properties, _LOCAL)
+            if tuple(r.layout) == _UNSIZED
+            else r
+            for r in table
+        ]
+
+
+def _agree_aliases(
+    tables: Sequence[Sequence[TableRow]],
+    holders: Sequence[Sequence[int]],
+    meshes: Sequence[Mesh],
+    local: Mapping[int, Mapping[str, Sequence[Box]]],
+    envelopes: Sequence[Mapping[str, Any]],
+    world_size: int,
+) -> dict[str, str]:
+    """:func:`planner.agree_aliases` on the keys some rank sees tied, with their holders
+    derived from the layouts (O(ranks) per such key; tied keys are few)."""
+    per_rank = [envelope.get("aliases") or {} for envelope in envelopes]
+    involved = {key for aliases in per_rank for pair in aliases.items() for key in pair}
+    if not involved:
+        return {}
+    found: dict[str, tuple[TableRow, list[int]]] = {}
+    for n, table in enumerate(tables):
+        for row in table:
+            if row.key in involved:
+                entry = found.setdefault(row.key, (row, []))
+                entry[1].extend(holders[n])
+    merged = {}
+    for key, (row, ranks) in found.items():
+        boxes: dict[Box, list[int]] = {}
+        for rank in sorted(ranks):
+            for box in _boxes_of(row, rank, meshes, local):
+                boxes.setdefault(box, []).append(rank)
+        merged[key] = TensorPlan(key, row.dtype, row.size, row.properties, row.itemsize, boxes)
+    return planner.agree_aliases(per_rank, merged)
+
+
+def _boxes_of(
+    row: TableRow,
+    rank: int,
+    meshes: Sequence[Mesh],
+    local: Mapping[int, Mapping[str, Sequence[Box]]],
+) -> list[Box]:
+    """The boxes of ``row``'s key that ``rank`` holds, by its layout."""
+    kind = row.layout[0]
+    if kind == "whole":
+        return [((0,) * len(row.size), row.size)]
+    if kind == "mesh":
+        _, number, placements = row.layout
+        grid = mesh_grid(row.size, meshes[number], placements)
+        cell = None if grid is None else own_cell(grid, meshes[number], placements, rank)
+        return [] if grid is None or cell is None else [grid.box(cell)]
+    if kind == "boxes":
+        return [(tuple(o), tuple(s)) for o, s, r in row.layout[1] if r == rank]
+    return [(tuple(o), tuple(s)) for o, s in local.get(rank, {}).get(row.key, ())]
