@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shardwise._codec import check_keys
+from shardwise.checkpoint._json import json_problem
 from shardwise.errors import CheckpointFormatError, MetadataFormatError
 
 __all__ = [
@@ -122,26 +123,9 @@ def check_chunk_bounds(
 
 def check_json_value(value: object, where: str) -> None:
     """Refuse values that JSON would not give back unchanged (tuples, NaN, non-str keys...)."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise TypeError(f"{where}: {value!r} has no JSON form")
-        return
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            check_json_value(item, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where}: JSON object keys must be strings, got {key!r}")
-            check_json_value(item, f"{where}[{key!r}]")
-        return
-    raise TypeError(
-        f"{where}: {type(value).__name__} is not JSON-able (use None, bool, int, float, str, "
-        f"list or dict with str keys)"
-    )
+    problem = json_problem(value, where, finite=True)
+    if problem is not None:
+        raise TypeError(problem)
 
 
 def _reject_constant(name: str) -> Any:
