@@ -203,18 +203,24 @@ def test_a_file_truncated_between_the_passes_raises_a_checkpoint_error(
             reader.fill(jobs, targets)
 
 
+def _record_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every ``DataFiles.read_into`` from now on, in order (reads still happen)."""
+    lengths: list[int] = []
+    read_into = _data_files.DataFiles.read_into
+
+    def recording(files: Any, file: str, offset: int, buffer: memoryview, key: Any) -> None:
+        lengths.append(len(buffer))
+        read_into(files, file, offset, buffer, key)
+
+    monkeypatch.setattr(_data_files.DataFiles, "read_into", recording)
+    return lengths
+
+
 def test_large_reads_are_cut_into_pieces_for_the_threads(
     saved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _tune(monkeypatch, read_run_bytes=256 << 10)
-    sizes: list[int] = []
-    read_into = _data_files.DataFiles.read_into
-
-    def recording(files: Any, file: str, offset: int, buffer: memoryview, key: Any) -> None:
-        sizes.append(len(buffer))
-        read_into(files, file, offset, buffer, key)
-
-    monkeypatch.setattr(_data_files.DataFiles, "read_into", recording)
+    sizes = _record_reads(monkeypatch)
     state = _blank()
     ckpt.load(state, saved, verify=False)
     _assert_loaded(state)
@@ -310,14 +316,7 @@ def test_small_tensors_side_by_side_are_read_together(
     }
     ckpt.save(saved, tmp_path / "c")
     state = {key: torch.zeros_like(value) for key, value in saved.items()}
-    reads: list[int] = []
-    read_into = _data_files.DataFiles.read_into
-
-    def recording(files: Any, file: str, offset: int, buffer: memoryview, key: Any) -> None:
-        reads.append(len(buffer))
-        read_into(files, file, offset, buffer, key)
-
-    monkeypatch.setattr(_data_files.DataFiles, "read_into", recording)
+    reads = _record_reads(monkeypatch)
     for verify in (True, False):
         for value in state.values():
             value.zero_()
