@@ -22,15 +22,17 @@ from shardwise.checkpoint.storage import (
     Storage,
     UnsafePathError,
 )
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointStorageError
 
 __all__ = ["HOT_BYTES", "DataFiles", "Read", "hot_buffer"]
 
 #: Bytes a thread reads at a time into its reused buffer (:func:`hot_buffer`) when it only
-#: looks at them once (to hash them, or to copy a part out): one checksum block, which stays
-#: in the cache until it is used. Measured on 300 MiB from tmpfs: 28 ms in reused 1 MiB
+#: looks at them once (to hash them, or to copy a part out): by default one checksum block,
+#: which stays in the cache until it is used (``TUNING.hot_buffer_bytes``, fixed at import:
+#: each thread's buffer is made once). Measured on 300 MiB from tmpfs: 28 ms in reused 1 MiB
 #: pieces, 37 ms in 256 KiB pieces, 49 ms reading each 8 MiB run into a new buffer.
-HOT_BYTES = 1 << 20
+HOT_BYTES = TUNING.hot_buffer_bytes
 
 _local = threading.local()
 

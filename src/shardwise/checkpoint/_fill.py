@@ -41,17 +41,6 @@ from shardwise.checkpoint.tuning import TUNING
 
 __all__ = ["Job", "fill"]
 
-# A unit of work whose tasks are smaller than this on average runs on the calling thread
-# (measured on 10,000 tensors of 0.25 to 4 KiB copied from kept bytes: 22 ms of GIL hand-offs
-# per load on the I/O threads).
-_SMALL_TASK = 64 << 10
-# The shortest contiguous run of a strided read that is scattered straight into its
-# destination (:class:`_Rows`); shorter ones go through a thread's buffer. Measured in loads
-# of column blocks of row chunks from tmpfs (256 MiB, two I/O threads; scattered against
-# through the buffer): 0.79x for 4 KiB runs, 0.98x for 8 KiB, 1.05x for 16 KiB, 1.19x for
-# 32 KiB, 1.47x for 48 KiB runs: below about 16 KiB a buffer per run (built in Python, under
-# the GIL) costs more than the copy it saves.
-_SCATTER_RUN = 16 << 10
 # Buffers per scatter read (the kernel takes up to 1,024 in one ``preadv``).
 _SCATTER_BUFFERS = 1024
 
@@ -215,7 +204,7 @@ def _thread_worth(unit: list[_Task]) -> int:
     bytes, unless its tasks are small ones, whose Python work (under the GIL) outweighs the
     copies a thread would overlap; those stay on the calling thread (0)."""
     length = _unit_length(unit)
-    return length if length >= _SMALL_TASK * len(unit) else 0
+    return length if length >= TUNING.small_task_bytes * len(unit) else 0
 
 
 def _gathered(reads: list[Read]) -> list[Read | _Gather]:
@@ -229,7 +218,7 @@ def _gathered(reads: list[Read]) -> list[Read | _Gather]:
         group.clear()
 
     for read in reads:
-        if read.length >= _SMALL_TASK:
+        if read.length >= TUNING.small_task_bytes:
             flush()
             tasks.append(read)
             continue
@@ -269,10 +258,10 @@ class _Rows:
     file, e.g. a column block of row-wise chunks), into a contiguous destination of the saved
     dtype, read from the first to the last element (gaps included) in one of two ways:
 
-    - **scattered** (``run`` set: contiguous runs of at least :data:`_SCATTER_RUN` bytes, from
-      the file): one ``preadv`` puts each run straight into its place in the destination and
-      each gap between two runs into this thread's reused buffer (read through, never looked
-      at). No copy at all.
+    - **scattered** (``run`` set: contiguous runs of at least ``TUNING.scatter_run_bytes``
+      bytes, from the file): one ``preadv`` puts each run straight into its place in the
+      destination and each gap between two runs into this thread's reused buffer (read
+      through, never looked at). No copy at all.
     - otherwise into this thread's reused buffer, and copied out at once, while in the cache
       (short runs, where a buffer per run costs more than a copy; or from the kept bytes).
 
@@ -385,7 +374,7 @@ def _scatter_run(
     destination: torch.Tensor, sizes: Sequence[int], strides: Sequence[int]
 ) -> int | None:
     """The bytes of each contiguous run of a strided read of ``sizes`` with byte ``strides``
-    into ``destination`` when it is worth scattering (runs of :data:`_SCATTER_RUN` bytes or
+    into ``destination`` when it is worth scattering (runs of ``TUNING.scatter_run_bytes`` bytes or
     more, gaps that fit a thread's buffer, a destination whose memory holds its values as
     they are); else None."""
     if destination.is_conj() or destination.is_neg():
@@ -393,7 +382,7 @@ def _scatter_run(
     itemsize = destination.element_size()
     dims = _contiguous_dims(sizes, strides, itemsize)
     run = itemsize * math.prod(sizes[len(sizes) - dims :])
-    if run < _SCATTER_RUN or dims == len(sizes) or strides[0] - run > HOT_BYTES:
+    if run < TUNING.scatter_run_bytes or dims == len(sizes) or strides[0] - run > HOT_BYTES:
         return None
     return run
 

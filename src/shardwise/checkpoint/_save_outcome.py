@@ -11,13 +11,14 @@ from typing import Any, cast
 from shardwise.checkpoint.index import Index, decode_index
 from shardwise.checkpoint.load import read_metadata
 from shardwise.checkpoint.metadata import STORAGE_TYPES, Metadata, StorageMeta
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointError
 
 __all__ = ["outcome", "returned_metadata"]
 
 # The largest index the coordinator sends every rank with the outcome of a save (a version 2
 # index is O(chunks): above this, each rank's return value reads it only if it is walked).
-SENT_INDEX_BYTES = 4 << 20
+SENT_INDEX_BYTES = TUNING.sent_index_bytes
 
 
 def outcome(data: bytes, index: Index) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardwise._boxes import Box, intersect
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.sharding_spec._internals import (
     check_tensor,
     validate_non_overlapping_shards_metadata,
@@ -36,8 +37,9 @@ __all__ = [
 #: What one more read call costs, in bytes read: :func:`plan_reads` reads a gap between two
 #: needed runs rather than issue another read when the gap is smaller. Measured on local
 #: files: a positioned read with its bookkeeping costs about as much as copying 64 KiB (so a
-#: column block of a narrow tensor is one read, not one read per row).
-READ_COST = 64 << 10
+#: column block of a narrow tensor is one read, not one read per row). From
+#: ``TUNING.read_cost_bytes``.
+READ_COST = TUNING.read_cost_bytes
 
 
 def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
