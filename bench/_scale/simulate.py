@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from _scale.model import ITEMSIZE, Tensor, box_of, plan_entries, snapshot_of
+from _scale.model import ITEMSIZE, Tensor, box_of, plan_entries
 from shardwise.checkpoint import planner
 from shardwise.checkpoint.format import FileEntry, chunk_key, layout_file
 from shardwise.checkpoint.index import (
@@ -213,7 +213,8 @@ def _own_entries(tensors: Sequence[Tensor], ranks: int, rank: int) -> list[FileE
 
 def own_work(tensors: Sequence[Tensor], ranks: int, rank: int) -> dict[str, float]:
     """The steps one rank does for itself alone, over the whole state: describing its chunks
-    (``save._plan_entries`` of its snapshot) and sending them, and laying out its data file
+    (the former ``save._plan_entries``, as :func:`~_scale.model.plan_entries` builds them)
+    and sending them, and laying out its data file
     (``format.layout_file``)."""
     with paused_gc():  # as save runs
         return _own_work(tensors, ranks, rank)
@@ -221,8 +222,7 @@ def own_work(tensors: Sequence[Tensor], ranks: int, rank: int) -> dict[str, floa
 
 def _own_work(tensors: Sequence[Tensor], ranks: int, rank: int) -> dict[str, float]:
     clock: dict[str, float] = {}
-    snapshot = snapshot_of(tensors, ranks, rank)
-    entries = timed(clock, "own: _plan_entries", lambda: save_module._plan_entries(snapshot))
+    entries = timed(clock, "own: _plan_entries", lambda: plan_entries(tensors, ranks, rank))
     plan = {"tensors": entries, "aliases": {}, "progress": False}
     timed(clock, "own: plan json.dumps", lambda: json.dumps({"ok": plan}).encode())
     files = _own_entries(tensors, ranks, rank)
