@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
+import os
+import sys
 import time
+import traceback
+import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 def run_world(target: Callable[..., Any], config: Any, world_size: int) -> dict[str, Any]:
@@ -54,3 +63,50 @@ def remove_dir(path: str, rank: int) -> None:
 
     dist.barrier()
     fresh_dir(path, rank)
+
+
+def run_rank(
+    rank: int,
+    config: Any,
+    world_size: int,
+    timeout_seconds: int,
+    body: Callable[[], dict[str, Any]],
+) -> None:
+    """One rank's process: a gloo group on 127.0.0.1:``config.port`` with one compute thread
+    (as torchrun sets it with several ranks per machine), ``body`` run in it, and its result
+    written by rank 0 to ``config.results``. Any failure ends the process at once: a peer may
+    be blocked in a collective, so nothing waits for it."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(config.port)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_seconds)
+    )
+    try:
+        payload = body()
+        if rank == 0:
+            with open(config.results, "w") as file:
+                json.dump(payload, file)
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rotate(items: list[str], shift: int) -> list[str]:
+    """``items`` rotated left by ``shift``: each repetition starts with another method, so no
+    method always runs first (cold) or last."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def freeze_gc() -> None:
+    """Collect once and freeze what survives: later collections (before every measurement)
+    then skip the long-lived objects of torch and of the state (a full one costs ~0.5 s)."""
+    gc.collect()
+    gc.freeze()

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import os
 import re
 import sys
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardwise as sw
 import shardwise.checkpoint as swckpt
-from _launch import fresh_dir, remove_dir
+from _launch import freeze_gc, fresh_dir, remove_dir, rotate, run_rank
 
 WORLD_SIZE = 2
 RAW = "raw"
@@ -455,12 +451,12 @@ class Runner:
             order = storages if rep % 2 == 0 else storages[::-1]
             for storage, root in order:
                 if "big" in config.cases:
-                    self.big(storage, root, rep, _rotate([RAW, SHARDWISE, *dcps], rep))
+                    self.big(storage, root, rep, rotate([RAW, SHARDWISE, *dcps], rep))
                 if "small" in config.cases:
-                    self.small(storage, root, rep, _rotate([SHARDWISE, *dcps], rep))
+                    self.small(storage, root, rep, rotate([SHARDWISE, *dcps], rep))
                 if "async" in config.cases:
                     self.asynchronous(
-                        storage, root, rep, _rotate(["memcpy", SHARDWISE, self.loading_dcp], rep)
+                        storage, root, rep, rotate(["memcpy", SHARDWISE, self.loading_dcp], rep)
                     )
             if self.rank == 0:
                 label = "warm-up" if rep == 0 else f"rep {rep}/{config.reps}"
@@ -471,44 +467,20 @@ class Runner:
                 )
 
 
-def _rotate(items: list[str], shift: int) -> list[str]:
-    shift %= len(items)
-    return items[shift:] + items[:shift]
-
-
 def main(rank: int, config: Config) -> None:
     """Entry point of one rank (spawned by ``bench/checkpoint.py``)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(config.port)
-    # One compute thread per rank, as torchrun sets it with several ranks per machine.
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=600)
-    )
-    try:
+
+    def body() -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         data = Data(config, mesh, rank)
-        # Later collections (before every measurement) then skip the ~10^5 long-lived objects
-        # of torch and of the data; a full collection costs ~0.5 s here.
-        gc.collect()
-        gc.freeze()
+        freeze_gc()
         runner = Runner(config, data, rank)
         runner.run()
-        if rank == 0:
-            payload = {
-                "records": [asdict(record) for record in runner.records],
-                "local_bytes": data.local_bytes,
-                "small_bytes": data.small_bytes,
-                "shape": [data.rows_total, data.cols_total],
-            }
-            with open(config.results, "w") as file:
-                json.dump(payload, file)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # a peer may be blocked in a collective: do not wait for it
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return {
+            "records": [asdict(record) for record in runner.records],
+            "local_bytes": data.local_bytes,
+            "small_bytes": data.small_bytes,
+            "shape": [data.rows_total, data.cols_total],
+        }
+
+    run_rank(rank, config, WORLD_SIZE, 600, body)

@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import cProfile
 import functools
-import gc
 import importlib
 import io
-import json
 import os
 import pstats
 import re
 import sys
 import threading
 import time
-import traceback
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise.checkpoint as swckpt
 from _ckpt.worker import measure, measure_async
-from _launch import fresh_dir, remove_dir
+from _launch import freeze_gc, fresh_dir, remove_dir, rotate, run_rank
 from _training import state as training
 from _training.model import ModelShape
 
@@ -428,11 +423,6 @@ def sampled(operation: Callable[[], object], top: int) -> str:
 # -- driver -------------------------------------------------------------------------------------
 
 
-def _rotate(items: list[str], shift: int) -> list[str]:
-    shift %= len(items)
-    return items[shift:] + items[:shift]
-
-
 class Runner:
     """Runs the interleaved repetitions on one rank; rank 0 collects the records."""
 
@@ -463,7 +453,7 @@ class Runner:
         self.records.append(Record(step.case, method, rep, seconds, mem))
 
     def save_load(self, state: training.TrainingState, rep: int, prefix: str) -> None:
-        for method in _rotate([RAW, SHARDWISE, *self.dcps], rep):
+        for method in rotate([RAW, SHARDWISE, *self.dcps], rep):
             path = self._fresh_dir(f"{prefix}{method}")
             for step in save_load_steps(method, state, path, self.rank, prefix):
                 self._run(method, rep, step, state)
@@ -471,7 +461,7 @@ class Runner:
 
     def asynchronous(self, state: training.TrainingState, rep: int) -> None:
         tensors = state.local_tensors
-        for method in _rotate([MEMCPY, SHARDWISE, *self.dcps], rep):
+        for method in rotate([MEMCPY, SHARDWISE, *self.dcps], rep):
             if method == MEMCPY:
                 # What staging must at least cost: a fresh copy of every local tensor.
                 seconds, mem = measure(lambda: [t.clone() for t in tensors])
@@ -516,7 +506,7 @@ class Runner:
         big.fill()
         small = training.build(config.small, mesh, per_layer=False, steps=2)
         small.fill()
-        _freeze()
+        freeze_gc()
         self._progress("building the models", began)
         for rep in range(0 if config.profile_only else config.reps + 1):
             # rep 0 is the warm-up (and checks every value)
@@ -587,11 +577,11 @@ class Runner:
         config = self.config
         began = time.perf_counter()
         big = training.build(config.big, mesh, per_layer=True, steps=0)
-        _freeze()
+        freeze_gc()
         self._progress("building the model", began)
         paths = {method: os.path.join(config.root, name) for method, name in RESHARD_DIRS.items()}
         for rep in range(0 if config.profile_only else config.reps + 1):
-            for method in _rotate([SHARDWISE, DCP], rep):
+            for method in rotate([SHARDWISE, DCP], rep):
                 self._run(method, rep, load_step(method, big, paths[method]), big)
             self._progress("warm-up" if rep == 0 else f"rep {rep}/{config.reps}", began)
         for method in config.profile:
@@ -628,44 +618,21 @@ def _describe(state: training.TrainingState, shape: ModelShape) -> dict[str, Any
     }
 
 
-def _freeze() -> None:
-    # Later collections (before every measurement) then skip the long-lived objects of torch
-    # and of the state; a full collection costs ~0.5 s here.
-    gc.collect()
-    gc.freeze()
-
-
 def main(rank: int, config: Config) -> None:
     """Entry point of one rank (spawned by ``bench/training_state.py``)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(config.port)
-    # One compute thread per rank, as torchrun sets it with several ranks per machine.
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=config.world_size, timeout=timedelta(seconds=900)
-    )
-    try:
+
+    def body() -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (config.world_size,))
         runner = Runner(config, rank)
         if config.phase == "main":
             described = runner.main_world(mesh)
         else:
             described = runner.reshard_world(mesh)
-        if rank == 0:
-            payload = {
-                "records": [asdict(record) for record in runner.records],
-                "states": described,
-                "checks": runner.checks,
-                "profiles": runner.profiles,
-            }
-            with open(config.results, "w") as file:
-                json.dump(payload, file)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # a peer may be blocked in a collective: do not wait for it
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return {
+            "records": [asdict(record) for record in runner.records],
+            "states": described,
+            "checks": runner.checks,
+            "profiles": runner.profiles,
+        }
+
+    run_rank(rank, config, config.world_size, 900, body)
