@@ -342,9 +342,17 @@ def _save_snapshot(
         def plan() -> list[dict[str, Any]]:
             nonlocal planned
             assert envelopes is not None
-            planned = _save_tables.plan_from_tables(
-                table, envelopes, comm.world_size, {coordinator_rank: blob_bytes}
-            )
+            try:
+                planned = _save_tables.plan_from_tables(
+                    table, envelopes, comm.world_size, {coordinator_rank: blob_bytes}
+                )
+            except (KeyError, IndexError, TypeError, AttributeError) as err:
+                # Planning itself raises ValueError only: anything else is an envelope of
+                # another shape than this rank's (another shardwise on some rank).
+                raise CheckpointError(
+                    f"a rank sent a malformed save plan ({type(err).__name__}: {err}); "
+                    "do all ranks run the same shardwise version?"
+                ) from err
             common = {
                 "save_id": save_id,
                 "progress": envelopes[0].get("progress", False),

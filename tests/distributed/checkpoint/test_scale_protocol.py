@@ -269,3 +269,31 @@ def test_chunk_sharded_tensors_are_planned_by_their_rule(tmp_path: Path) -> None
         ((0, 6), (4, 0)),
     ]
     assert torch.equal(ckpt.load_tensor(tmp_path / "c", "st"), full)
+
+
+@distributed(world_size=WORLD, timeout=90)
+def test_a_malformed_plan_from_a_rank_fails_the_save_everywhere(tmp_path: Path) -> None:
+    # Rank 2 sends a table without rows (as another shardwise version might): every rank
+    # raises the same CheckpointError and nothing is committed.
+    rank = dist.get_rank()
+    state = {"plain": torch.arange(7.0) + rank, "w": torch.ones(3)}
+    real = tables_module.rank_table
+
+    def other_shape(*args: Any) -> Any:
+        table = real(*args)
+        table.digest = "0" * 32  # not the coordinator's: the table travels
+        return table
+
+    def no_rows(table: Any) -> dict[str, Any]:
+        return {"meshes": []}
+
+    changes = [
+        (tables_module, "rank_table", other_shape),
+        (tables_module.RankTable, "to_json", no_rows),
+    ]
+    with (
+        _Patched(*(changes if rank == 2 else [])),
+        pytest.raises(ckpt.CheckpointError, match="a rank sent a malformed save plan"),
+    ):
+        ckpt.save(state, tmp_path / "c")
+    assert not (tmp_path / "c" / "shardwise.json").exists()
