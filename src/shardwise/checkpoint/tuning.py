@@ -14,6 +14,7 @@ it on), so ranks agree on every value without exchanging them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -124,6 +125,8 @@ class Tuning:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if not math.isfinite(value):
+                raise ValueError(f"{_PREFIX}{field.name.upper()} must be finite, got {value}")
             if not value > 0:
                 raise ValueError(f"{_PREFIX}{field.name.upper()} must be positive, got {value}")
         if self.write_piece_bytes % (1 << 20):

@@ -52,6 +52,8 @@ def test_byte_suffixes() -> None:
         ("SHARDWISE_LOCK_STALE_SECONDS", "soon", "must be a number of seconds, got 'soon'"),
         ("SHARDWISE_LOCK_STALE_SECONDS", "-1", "SHARDWISE_LOCK_STALE_SECONDS must be positive"),
         ("SHARDWISE_WRITE_PIECE_BYTES", "1000", "must be a multiple of 1 MiB"),
+        ("SHARDWISE_LOCK_STALE_SECONDS", "inf", "must be finite, got inf"),
+        ("SHARDWISE_LOCK_HEARTBEAT_SECONDS", "nan", "must be finite, got nan"),
     ],
 )
 def test_bad_values_name_the_variable(variable: str, value: str, message: str) -> None:
