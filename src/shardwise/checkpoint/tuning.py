@@ -122,6 +122,11 @@ class Tuning:
     """``shardwise consolidate`` reads, casts and writes this many bytes of a tensor at a
     time: the memory a tensor needs beyond itself."""
 
+    layout_index_chunks: int = 65_536
+    """A save of more chunks than this writes index version 4 (a layout per tensor, per-file
+    checksums: the index grows with keys and files, not chunks); smaller saves keep versions
+    2/3 (one row per chunk), which every earlier reader reads."""
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
