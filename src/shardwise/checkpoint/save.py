@@ -192,7 +192,10 @@ def _build_index(
             records.append(ObjectRecord(fqn, value.encoding, text=value.payload.decode()))
         else:
             records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
-    facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, path)
+    # The index is UTF-8: a lone surrogate in the path (a file name's undecodable bytes, as
+    # Python decodes them) is recorded escaped.
+    text = path.encode("utf-8", "backslashreplace").decode()
+    facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, text)
     ordered = sorted(tensors, key=lambda record: record.fqn)
     records.sort(key=lambda record: record.fqn)
     data = encode_index(facts, files, ordered, records, aliases=aliases)

@@ -129,9 +129,24 @@ def _check_part(part: object, path: tuple[str | int, ...]) -> str | int:
             f"state_dict keys must be strings or ints, found {part!r} "
             f"({type(part).__name__}) in {where}"
         )
-    if isinstance(part, str) and _SEPARATOR in part:
-        raise TypeError(f"state_dict keys must not contain NUL characters, found {part!r}")
+    if isinstance(part, str):
+        if _SEPARATOR in part:
+            raise TypeError(f"state_dict keys must not contain NUL characters, found {part!r}")
+        if not part.isascii() and not _is_text(part):
+            # A lone surrogate (e.g. a file name decoded with surrogateescape) has no UTF-8
+            # form, so the index could not name the key.
+            raise TypeError(
+                f"state_dict keys must be valid Unicode text, found {part!r} (a lone surrogate)"
+            )
     return part
+
+
+def _is_text(part: str) -> bool:
+    try:
+        part.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def flatten(state_dict: Mapping[str, Any]) -> Flat:

@@ -553,3 +553,30 @@ def test_quantized_tensors_are_refused_before_anything_is_written(tmp_path: Path
     with pytest.raises(TypeError, match="cannot checkpoint 'q': it is a quantized tensor"):
         ckpt.save({"w": torch.ones(2), "q": quantized}, tmp_path / "c")
     assert not (tmp_path / "c" / "shardwise.json").exists()
+
+
+@pytest.mark.parametrize(
+    "state_dict",
+    [
+        {"w\udcff": torch.ones(2)},  # a tensor's key
+        {"opt": {"k\ud800": 1}},  # a nested object's key
+    ],
+)
+def test_keys_that_are_not_text_are_refused_before_anything_is_written(
+    tmp_path: Path, state_dict: dict[str, Any]
+) -> None:
+    # A lone surrogate has no UTF-8 form: the index could not name the key.
+    with pytest.raises(TypeError, match="state_dict keys must be valid Unicode text"):
+        ckpt.save(state_dict, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_directory_name_that_is_not_utf8_saves_and_loads(tmp_path: Path) -> None:
+    # os.fsdecode(b"\xff") is "\udcff": the index records the path escaped, and commits.
+    path = tmp_path / os.fsdecode(b"run-\xff")
+    ckpt.save({"w": torch.arange(3.0)}, path)
+    loaded = {"w": torch.zeros(3)}
+    ckpt.load(loaded, path)
+    assert torch.equal(loaded["w"], torch.arange(3.0))
+    saved = json.loads((path / "shardwise.json").read_bytes())
+    assert saved["save"]["checkpoint_id"].endswith("run-\\udcff")
