@@ -25,6 +25,7 @@ import xxhash
 from shardwise._boxes import Box
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import TensorValue
+from shardwise.checkpoint._json import compact
 from shardwise.checkpoint.index.layouts import Grid
 from shardwise.checkpoint.layout_plan import Mesh, SavePlan, TableRow, mesh_grid, plan_save
 from shardwise.checkpoint.planner import TensorPlan, WriteAssignment
@@ -69,12 +70,11 @@ class RankTable:
 
 
 def _digest(rows: Sequence[TableRow], meshes: Sequence[Mesh]) -> str:
-    text = json.dumps(
+    text = compact(
         [[row.to_json() for row in rows], [[list(s), list(r)] for s, r in meshes]],
-        separators=(",", ":"),
         sort_keys=True,
     )
-    return str(xxhash.xxh3_128_hexdigest(text.encode()))
+    return str(xxhash.xxh3_128_hexdigest(text))
 
 
 def own_cell(

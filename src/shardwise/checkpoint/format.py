@@ -24,6 +24,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from shardwise.checkpoint._json import compact
+
 __all__ = [
     "ALIGNMENT",
     "MAX_HEADER_BYTES",
@@ -177,7 +179,7 @@ def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileL
         }
         relative.append((position, position + entry.nbytes))
         position += entry.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = compact(header)
     padding = (-(_LENGTH_BYTES + len(text))) % ALIGNMENT
     text += b" " * padding
     start = _LENGTH_BYTES + len(text)

@@ -20,7 +20,6 @@ the index lists one file per rank, in rank order.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import Any
 import xxhash
 
 from shardwise._boxes import Box
+from shardwise.checkpoint._json import compact
 from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps
 from shardwise.checkpoint.planner import check_tiling
 
@@ -166,8 +166,8 @@ class TableRow:
 def table_digest(rows: Sequence[TableRow]) -> str:
     """The digest of a table (xxh3_128 of its JSON): ranks whose digest is the coordinator's
     send only the digest, not the table."""
-    text = json.dumps([row.to_json() for row in rows], separators=(",", ":"), sort_keys=True)
-    return str(xxhash.xxh3_128_hexdigest(text.encode()))
+    text = compact([row.to_json() for row in rows], sort_keys=True)
+    return str(xxhash.xxh3_128_hexdigest(text))
 
 
 @dataclass(slots=True)

@@ -4,13 +4,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import xxhash
 
 from shardwise._codec import MEMORY_FORMAT_NAMES, dtype_name
+from shardwise.checkpoint._json import compact
 from shardwise.checkpoint.index.names import (
     ALIASES_VERSION,
     BLOCK_SIZE,
@@ -180,8 +180,8 @@ def _encode(
 def seal(document: Mapping[str, Any]) -> bytes:
     """``document`` (a version-2 index without its last key) as compact JSON ending with its
     seal, ``"index_checksum":"<xxh3_64 of every byte before it>"}``."""
-    # Raw UTF-8 (ensure_ascii=False): the reader then refuses every \uD8xx escape outright.
-    text = json.dumps(document, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    prefix = (text[:-1] + ",").encode()
+    # Raw UTF-8: the reader then refuses every \uD8xx escape outright.
+    text = compact(document)
+    prefix = text[:-1] + b","
     digest = xxhash.xxh3_64_hexdigest(prefix).encode()
     return prefix + SEAL_KEY + digest + b'"}'
