@@ -58,7 +58,7 @@ def mesh_grid(
     mesh: Mesh,
     placements: Sequence[str],
     replica: int = 0,
-    rules: dict[Any, tuple[int, tuple[int, ...]] | None] | None = None,
+    rules: dict[Any, Any] | None = None,
 ) -> Grid | None:
     """The grid of a tensor of ``size`` laid out on ``mesh`` by ``placements``, with file
     number = group rank, or ``None`` when it is not one.
@@ -69,11 +69,33 @@ def mesh_grid(
     so that a caller spreads replicated tensors over the replicas by passing each key's
     number. ``None`` when a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or
     the ranks of the cells are not affine in the cell coordinates (a mesh over a permuted
-    rank list): such a tensor is saved by its boxes. ``rules`` (one dict per mesh, kept by
-    the caller) remembers the rule per cell counts, so that the affine check, O(mesh ranks),
-    runs once per distinct shape of grid rather than once per tensor.
+    rank list): such a tensor is saved by its boxes.
+
+    ``rules`` (one dict per mesh, kept by the caller) remembers, per mesh, the rule of each
+    distinct grid shape (the affine check is O(mesh ranks)) and the grid of each distinct
+    ``(size, placements, replica)``: the keys of a model repeat a few shapes, so most calls
+    are one lookup (grids are immutable, so sharing them is safe).
     """
     shape, ranks = mesh
+    placements = tuple(placements)
+    size = tuple(size)
+    if rules is None:
+        return _mesh_grid(size, shape, ranks, placements, replica, None)
+    memo = ("grid", size, placements, replica)
+    found = rules.get(memo, rules)  # the dict itself: not there
+    if found is rules:
+        found = rules[memo] = _mesh_grid(size, shape, ranks, placements, replica, rules)
+    return found  # type: ignore[no-any-return]
+
+
+def _mesh_grid(
+    size: tuple[int, ...],
+    shape: Sequence[int],
+    ranks: Sequence[int],
+    placements: tuple[str, ...],
+    replica: int,
+    rules: dict[Any, Any] | None,
+) -> Grid | None:
     dims = _sharded_dims(placements, len(size))
     if dims is None or len(placements) != len(shape) or math.prod(shape) != len(ranks):
         return None
@@ -82,13 +104,14 @@ def mesh_grid(
         if dim >= 0:
             parts[dim] = shape[axis]
     steps = ceil_grid_steps(size, parts)
-    probe = Grid(tuple(size), steps, 0, (0,) * len(size))
+    probe = Grid(size, steps, 0, (0,) * len(size))
     axis_strides = [math.prod(shape[axis + 1 :]) for axis in range(len(shape))]
     replicas = [axis for axis, dim in enumerate(dims) if dim < 0]
     choice = replica % max(1, math.prod(shape[axis] for axis in replicas))
     coordinate = [0] * len(shape)
+    rest = choice
     for axis in reversed(replicas):
-        choice, coordinate[axis] = divmod(choice, shape[axis])
+        rest, coordinate[axis] = divmod(rest, shape[axis])
 
     def rank_of(cell: Sequence[int]) -> int:
         position = coordinate[:]
@@ -97,14 +120,14 @@ def mesh_grid(
                 position[axis] = cell[dim]
         return ranks[sum(c * s for c, s in zip(position, axis_strides, strict=True))]
 
-    key = (tuple(placements), probe.counts, choice)
+    key = ("rule", placements, probe.counts, choice)
     if rules is not None and key in rules:
         rule = rules[key]
     else:
         rule = _rule(probe, rank_of)
         if rules is not None:
             rules[key] = rule
-    return None if rule is None else Grid(tuple(size), steps, rule[0], rule[1])
+    return None if rule is None else Grid(size, steps, rule[0], rule[1])
 
 
 def _rule(

@@ -79,6 +79,26 @@ def test_mesh_grid_cells_are_the_ranks_torch_chunk_shards(layout) -> None:
         assert seen == set(itertools.product(*(range(n) for n in grid.counts)))
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    layouts=st.lists(_layouts(), min_size=1, max_size=12),
+    mesh_shape=st.sampled_from([(4,), (2, 2), (2, 3), (3, 2, 2)]),
+)
+def test_mesh_grid_with_a_rules_cache_is_mesh_grid_without(layouts, mesh_shape) -> None:
+    # One cache per mesh, shared by every key in any order (as rank_table, own_writes and
+    # plan_save keep it): each answer is the uncached one. The cache once keyed rules by
+    # what was left of the replica choice after it was taken apart, so every replica got
+    # the first one's writers: ranks whose keys came in another order disagreed.
+    mesh = (mesh_shape, tuple(range(math.prod(mesh_shape))))
+    rules: dict = {}
+    for size, _, dims, replica in layouts:
+        dims = dims[: len(mesh_shape)] + [-1] * (len(mesh_shape) - len(dims))
+        placements = ["R" if d < 0 else f"S{d}" for d in dims]
+        expected = mesh_grid(size, mesh, placements, replica)
+        assert mesh_grid(size, mesh, placements, replica, rules) == expected
+        assert mesh_grid(size, mesh, placements, replica, rules) == expected  # memo hit
+
+
 def test_mesh_grid_of_common_layouts() -> None:
     fsdp: Mesh = ((4,), (0, 1, 2, 3))
     assert mesh_grid((10, 3), fsdp, ["S0"]) == Grid((10, 3), (3, 3), 0, (1, 0))
