@@ -81,11 +81,15 @@ def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
         if tensor.numel() == 0:
             continue
         try:
+            # The address of its first element (the storage's plus the offset) with the
+            # strides: the same elements in the same order (read through the same lazy
+            # conjugation or negation).
             where: Any = (
-                tensor.untyped_storage().data_ptr(),
-                tensor.storage_offset(),
-                tuple(tensor.stride()),
-                str(tensor.device),
+                tensor.data_ptr(),
+                tensor.stride(),
+                tensor.device,
+                tensor.is_conj(),
+                tensor.is_neg(),
             )
         except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: by identity
             where = ("object", id(tensor))
@@ -137,8 +141,7 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
     if _is_local_shards(value):
         boxes = _wrapper_boxes(value)
         dtype = boxes[0].tensor.dtype if boxes else torch.get_default_dtype()
-        properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
-        return TensorValue(None, dtype, properties, boxes)
+        return TensorValue(None, dtype, _properties(dtype, value.requires_grad), boxes)
     return _describe_plain(fqn, value)
 
 
@@ -154,12 +157,26 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
             "int_repr() and quantization parameters instead"
         )
     tensor = value.detach()
-    properties = TensorProperties(dtype=tensor.dtype, requires_grad=value.requires_grad)
-    full = LocalBox((0,) * tensor.dim(), tuple(tensor.size()), tensor)
-    return TensorValue(tuple(tensor.size()), tensor.dtype, properties, [full], _WHOLE)
+    size = tuple(tensor.size())
+    dtype = tensor.dtype
+    full = LocalBox((0,) * len(size), size, tensor)
+    return TensorValue(size, dtype, _properties(dtype, value.requires_grad), [full], _WHOLE)
 
 
 _WHOLE = ("whole",)
+# The properties a description records, one object per distinct value: a state dict holds
+# thousands of tensors of a few kinds, and later steps (tables, the index) work per distinct
+# object. Nothing writes to a description's properties.
+_PROPERTIES: dict[tuple[torch.dtype, bool], TensorProperties] = {}
+
+
+def _properties(dtype: torch.dtype, requires_grad: bool) -> TensorProperties:
+    requires_grad = bool(requires_grad)
+    key = (dtype, requires_grad)
+    found = _PROPERTIES.get(key)
+    if found is None:
+        found = _PROPERTIES[key] = TensorProperties(dtype=dtype, requires_grad=requires_grad)
+    return found
 
 
 def _describe_sharded(value: Any) -> TensorValue:
@@ -194,7 +211,7 @@ def _chunk_layout(value: Any, ndim: int) -> tuple[Any, ...] | None:
 
 def _plain(properties: TensorProperties) -> TensorProperties:
     # Pinning and memory format describe where the saver kept the data, not the data.
-    return TensorProperties(dtype=properties.dtype, requires_grad=properties.requires_grad)
+    return _properties(properties.dtype, properties.requires_grad)
 
 
 def _is_local_shards(value: object) -> bool:
@@ -203,11 +220,14 @@ def _is_local_shards(value: object) -> bool:
 
 
 def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
-    # Only called with a DTensor, whose modules are then imported already (see _loaded_type).
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if any(isinstance(placement, Partial) for placement in value.placements):
+    placements = value.placements
+    try:
+        known = _PLACEMENTS.get(placements, _PLACEMENTS)  # the dict itself: not there
+    except TypeError:  # a placement type that is not hashable
+        known = _placement_names(placements)
+    if known is _PLACEMENTS:
+        known = _PLACEMENTS[placements] = _placement_names(placements)
+    if known is _PARTIAL:
         raise ValueError(
             f"cannot checkpoint {fqn!r}: its DTensor has a Partial placement; reduce it first "
             "(e.g. dtensor.redistribute(placements=[Replicate()]))"
@@ -226,31 +246,42 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
             boxes = []
         else:
             # The closed form covers Shard/Replicate; torch's function everything else.
-            found = local_shape_and_offset(size, mesh.shape, coordinate, value.placements)
+            found = local_shape_and_offset(size, mesh.shape, coordinate, placements)
             if found is None:
-                found = compute_local_shape_and_global_offset(value.size(), mesh, value.placements)
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                found = compute_local_shape_and_global_offset(value.size(), mesh, placements)
             shape, offsets = found
             boxes = [LocalBox(tuple(offsets), tuple(shape), local.detach())]
-        layout = _mesh_layout(value)
-    properties = TensorProperties(dtype=dtype, requires_grad=value.requires_grad)
-    return TensorValue(size, dtype, properties, boxes, layout)
+        layout = None if known is None else ("mesh", mesh, known)
+    return TensorValue(size, dtype, _properties(dtype, value.requires_grad), boxes, layout)
 
 
-def _mesh_layout(value: Any) -> tuple[Any, ...] | None:
-    """``("mesh", device_mesh, placements)`` of a DTensor placed by exactly ``Shard`` (a
-    dim >= 0) and ``Replicate`` (as ``"S<dim>"``/``"R"``), else ``None``."""
-    from torch.distributed.tensor import Replicate, Shard
+# The placements of the DTensors met, by value (a few distinct tuples per model; placement
+# types compare by class and fields, so a _StridedShard is not a Shard): their names for a
+# ``mesh`` layout, ``None`` when they are not only Shard/Replicate, or _PARTIAL.
+_PLACEMENTS: dict[Any, Any] = {}
+_PARTIAL = ("Partial",)
 
-    placements = []
-    for placement in value.placements:
+
+def _placement_names(placements: Any) -> tuple[str, ...] | None:
+    """``("S<dim>"/"R", ...)`` of placements that are exactly ``Shard`` (a dim >= 0) and
+    ``Replicate``; ``_PARTIAL`` when one is ``Partial``; else ``None``."""
+    # Only called with a DTensor's placements, whose module is then imported already.
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if any(isinstance(placement, Partial) for placement in placements):
+        return _PARTIAL
+    names = []
+    for placement in placements:
         kind = type(placement)
         if kind is Replicate:
-            placements.append("R")
+            names.append("R")
         elif kind is Shard and placement.dim >= 0:
-            placements.append(f"S{placement.dim}")
+            names.append(f"S{placement.dim}")
         else:
             return None
-    return ("mesh", value.device_mesh, tuple(placements))
+    return tuple(names)
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import xxhash
 
 from shardwise._boxes import Box
@@ -138,14 +139,26 @@ class _Meshes:
 
 
 def _row(key: str, value: TensorValue, size: Sequence[int], layout: tuple[Any, ...]) -> TableRow:
-    return TableRow(
-        key,
-        dtype_name(value.dtype),
-        value.dtype.itemsize,
-        tuple(size),
-        value.properties.to_dict(),
-        layout,
-    )
+    facts = _facts_of(value)
+    return TableRow(key, facts[0], facts[1], tuple(size), facts[2], layout)
+
+
+# A description's properties are one object per distinct value (``_items._properties``): their
+# JSON form is computed once per object, not per key (the object is kept with it, so its id
+# cannot be reused while the entry stands).
+_FACTS: dict[tuple[int, torch.dtype], tuple[Any, str, int, dict[str, Any]]] = {}
+
+
+def _facts_of(value: TensorValue) -> tuple[str, int, dict[str, Any]]:
+    properties = value.properties
+    key = (id(properties), value.dtype)
+    known = _FACTS.get(key)
+    if known is None or known[0] is not properties:
+        if len(_FACTS) > 256:  # only shared objects repeat; never grow without bound
+            _FACTS.clear()
+        dtype = value.dtype
+        known = _FACTS[key] = (properties, dtype_name(dtype), dtype.itemsize, properties.to_dict())
+    return known[1], known[2], known[3]
 
 
 def rank_table(

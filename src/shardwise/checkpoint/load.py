@@ -94,6 +94,12 @@ def _check_target(
     fqn: str, described: TensorValue, record: TensorRecord, allow_dtype_cast: bool
 ) -> None:
     saved_dtype = record.dtype
+    if any(box.tensor.is_meta for box in described.boxes):
+        raise CheckpointMismatchError(
+            "cannot load into a tensor on the meta device, which holds no data; materialize "
+            "it first (e.g. module.to_empty(device=...)) or load into a tensor on a real device",
+            key=fqn,
+        )
     if described.size is not None and tuple(described.size) != record.size:
         raise CheckpointMismatchError(
             f"size mismatch: the checkpoint has size {list(record.size)}, the state dict "

@@ -110,7 +110,13 @@ def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
         fqn = display_key(key)
         try:
             if is_tensor_value(value):
-                tensors[key] = describe_tensor(fqn, value)
+                described = tensors[key] = describe_tensor(fqn, value)
+                if any(box.tensor.is_meta for box in described.boxes):
+                    raise ValueError(
+                        f"cannot checkpoint {fqn!r}: it is on the meta device, which holds no "
+                        "data; materialize it first (e.g. module.to_empty(device=...) and "
+                        "initialize it)"
+                    )
             else:
                 objects[key] = describe_object(fqn, value, allow_pickle)
         except (TypeError, ValueError):

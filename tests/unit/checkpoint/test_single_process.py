@@ -580,3 +580,15 @@ def test_a_directory_name_that_is_not_utf8_saves_and_loads(tmp_path: Path) -> No
     assert torch.equal(loaded["w"], torch.arange(3.0))
     saved = json.loads((path / "shardwise.json").read_bytes())
     assert saved["save"]["checkpoint_id"].endswith("run-\\udcff")
+
+
+def test_meta_tensors_are_refused_on_save_and_as_load_targets(tmp_path: Path) -> None:
+    # A meta tensor holds no data: saving one used to fail in the write step with a pinned
+    # memory error; loading into one copied nothing and reported success.
+    with pytest.raises(ValueError, match="cannot checkpoint 'm': it is on the meta device"):
+        ckpt.save({"w": torch.ones(2), "m": torch.empty(3, device="meta")}, tmp_path / "c")
+    assert not (tmp_path / "c" / "shardwise.json").exists()
+    ckpt.save({"m": torch.ones(3)}, tmp_path / "d")
+    with pytest.raises(ckpt.CheckpointMismatchError, match="meta device") as caught:
+        ckpt.load({"m": torch.empty(3, device="meta")}, tmp_path / "d")
+    assert caught.value.key == "m"
