@@ -56,20 +56,26 @@ def is_stateful(value: object) -> bool:
     )
 
 
-def _internal_key(path: tuple[str | int, ...]) -> str:
-    parts: list[str] = []
-    ints: list[str] = []
-    segments = 0
-    for part in path:
-        if isinstance(part, str):
-            parts.append(part)
-            segments += part.count(".") + 1
-        else:
-            ints.append(str(segments))
-            parts.append(str(part))
-            segments += 1
-    key = ".".join(parts)
-    return f"{key}{_SEPARATOR}{','.join(ints)}" if ints else key
+# The internal key of a path, built a part at a time as a walk goes down (O(1) per part, not
+# O(depth) per leaf): (dotted key, the positions of int parts, dotted segments so far).
+_KeyState = tuple[str, tuple[str, ...], int]
+_ROOT: _KeyState = ("", (), 0)
+
+
+def _extend(state: _KeyState, part: str | int, first: bool) -> _KeyState:
+    """``state`` of a path followed by ``part`` (``first``: the path was empty)."""
+    dotted, ints, segments = state
+    if isinstance(part, str):
+        return (part if first else f"{dotted}.{part}", ints, segments + part.count(".") + 1)
+    text = str(part)
+    return (text if first else f"{dotted}.{text}", (*ints, str(segments)), segments + 1)
+
+
+def _key_of(state: _KeyState) -> str:
+    """The internal key of a path's state: its dotted key, then NUL and the positions of
+    its int parts when it has some."""
+    dotted, ints, _ = state
+    return f"{dotted}{_SEPARATOR}{','.join(ints)}" if ints else dotted
 
 
 @dataclass(slots=True)
@@ -159,7 +165,7 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
     """
     flat = Flat()
 
-    def visit(value: Any, path: tuple[str | int, ...]) -> None:
+    def visit(value: Any, path: tuple[str | int, ...], state: _KeyState) -> None:
         if len(path) > _MAX_DEPTH:
             raise TypeError(
                 f"the state dict is nested deeper than {_MAX_DEPTH} levels at "
@@ -168,19 +174,21 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
         node = _node(flat, value) if path else value
         children = _children(node) if path else iter(value.items())
         if children is None:
-            key = _internal_key(path)
+            key = _key_of(state)
             if key in flat.leaves:
                 raise ValueError(
                     f"state_dict keys [{display_key(key)!r}] appear twice after flattening"
                 )
             flat.leaves[key] = node
             return
+        first = not path
         for part, child in children:
-            visit(child, (*path, _check_part(part, path)))
+            part = _check_part(part, path)
+            visit(child, (*path, part), _extend(state, part, first))
         if path and is_stateful(value):
             flat.statefuls.append((value, flat.state_of(value)))
 
-    visit(state_dict, ())
+    visit(state_dict, (), _ROOT)
     return flat
 
 
@@ -190,11 +198,11 @@ def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[st
     rebuilt (``type(t)(...)``, so namedtuples stay namedtuples) and assigned into their parent,
     and every Stateful object gets ``load_state_dict`` of its filled dict."""
 
-    def rebuild(value: Any, path: tuple[str | int, ...]) -> Any:
+    def rebuild(value: Any, path: tuple[str | int, ...], state: _KeyState) -> Any:
         container = _node(flat, value) if path else value
         children = _children(container) if path else iter(value.items())
         if children is None:
-            key = _internal_key(path)
+            key = _key_of(state)
             if key not in values:
                 return value
             if container is not value:  # an empty state dict of a Stateful object
@@ -202,7 +210,11 @@ def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[st
                 return value
             return values[key]
         items = list(children)
-        new_items = [(part, rebuild(child, (*path, part))) for part, child in items]
+        first = not path
+        new_items = [
+            (part, rebuild(child, (*path, part), _extend(state, part, first)))
+            for part, child in items
+        ]
         if isinstance(container, tuple):
             if all(new is old for (_, new), (_, old) in zip(new_items, items, strict=True)):
                 return value
@@ -213,6 +225,6 @@ def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[st
                 container[part] = new
         return value
 
-    rebuild(state_dict, ())
+    rebuild(state_dict, (), _ROOT)
     for stateful, state in flat.statefuls:
         stateful.load_state_dict(state)
