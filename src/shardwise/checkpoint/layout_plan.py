@@ -81,10 +81,22 @@ def mesh_grid(
     size = tuple(size)
     if rules is None:
         return _mesh_grid(size, shape, ranks, placements, replica, None)
-    memo = ("grid", size, placements, replica)
+    # Replicas that choose the same writers share a grid: the choice, not the number, is
+    # the memo's key (every key of a fully sharded mesh has choice 0).
+    kinds = ("replicas", placements, len(size))
+    count = rules.get(kinds)
+    if count is None:
+        dims = _sharded_dims(placements, len(size))
+        count = rules[kinds] = (
+            1
+            if dims is None or len(dims) != len(shape)
+            else math.prod(shape[axis] for axis, dim in enumerate(dims) if dim < 0)
+        )
+    choice = replica % count
+    memo = ("grid", size, placements, choice)
     found = rules.get(memo, rules)  # the dict itself: not there
     if found is rules:
-        found = rules[memo] = _mesh_grid(size, shape, ranks, placements, replica, rules)
+        found = rules[memo] = _mesh_grid(size, shape, ranks, placements, choice, rules)
     return found  # type: ignore[no-any-return]
 
 
