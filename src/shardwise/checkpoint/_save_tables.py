@@ -8,8 +8,9 @@ of chunks it writes (:func:`own_writes`). All of it is O(its own entries).
 
 **The coordinator** merges the distinct tables (ranks with equal tables send only a digest),
 reconciles a key that some ranks describe as ``local`` after a failed check, agrees on tied
-tensors, and plans with :func:`~.layout_plan.plan_save` (:func:`plan_from_tables`); it then
-has every chunk's box and writer for the version 2/3 index (:meth:`CoordinatorPlan.tensor_plans`).
+tensors, plans with :func:`~.layout_plan.plan_save` (:func:`plan_from_tables`) and chooses the
+index version by the count of chunks; it then has every chunk's box and writer for a version
+2/3 index (:meth:`CoordinatorPlan.tensor_plans`), or the layouts of version 4 (``_save_v4``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import xxhash
 
 from shardwise._boxes import Box
-from shardwise.checkpoint import planner
+from shardwise.checkpoint import planner, tuning
 from shardwise.checkpoint._items import TensorValue
 from shardwise.checkpoint._json import compact
 from shardwise.checkpoint.index.layouts import Grid
@@ -32,7 +33,14 @@ from shardwise.checkpoint.layout_plan import Mesh, SavePlan, TableRow, mesh_grid
 from shardwise.checkpoint.planner import TensorPlan, WriteAssignment
 from shardwise.metadata import dtype_name
 
-__all__ = ["CoordinatorPlan", "RankTable", "own_writes", "plan_from_tables", "rank_table"]
+__all__ = [
+    "CoordinatorPlan",
+    "RankTable",
+    "own_file_writes",
+    "own_writes",
+    "plan_from_tables",
+    "rank_table",
+]
 
 # A ``local`` layout whose size only the union of every rank's boxes tells (a standalone
 # LocalShardsWrapper): the coordinator fills in the bounding size.
@@ -229,14 +237,29 @@ def own_writes(
     assignment: Mapping[str, Any],
     rank: int,
 ) -> list[WriteAssignment]:
+    """What this rank writes, in the order of its data file (see :func:`own_file_writes`)."""
+    return own_file_writes(table, tensors, assignment, rank)[0]
+
+
+def own_file_writes(
+    table: RankTable,
+    tensors: Mapping[str, TensorValue],
+    assignment: Mapping[str, Any],
+    rank: int,
+) -> tuple[list[WriteAssignment], int | None]:
     """What this rank writes: its grid cells (derived from its own rows and the rule: the
     replica of a replicated cell is chosen by the key's number in the plan), and the
-    ``whole`` keys and ``local`` boxes the coordinator gave it, sorted by key and offsets
-    (the order inside its data file)."""
+    ``whole`` keys and ``local`` boxes the coordinator gave it, in the order of its data file,
+    with the number of grid cells that lead it.
+
+    For a version 2/3 index (no ``"layout"`` in the assignment) everything is sorted by key
+    and offsets, and the count is ``None``. For version 4 the grid cells come first, sorted
+    by key (the order of the index's ``tensors`` rows; a rank holds at most one cell of a
+    key), then the other entries sorted likewise (``docs/format.md``, *Version 4*)."""
     skip = set(assignment.get("demoted", ())) | set(assignment.get("aliases", ()))
     numbers = assignment.get("numbers")
     rules: list[dict[Any, Any]] = [{} for _ in table.meshes]
-    writes = []
+    cells = []
     for position, row in enumerate(table.rows):
         if row.layout[0] != "mesh" or row.key in skip:
             continue
@@ -249,21 +272,27 @@ def own_writes(
         assert grid is not None  # checked when the table was built
         if grid.file_of(cell) == rank:
             offsets, sizes = grid.box(cell)
-            writes.append(WriteAssignment(row.key, offsets, sizes, math.prod(sizes) * row.itemsize))
+            cells.append(WriteAssignment(row.key, offsets, sizes, math.prod(sizes) * row.itemsize))
+    others = []
     for key in assignment.get("whole", ()):
         value = tensors[key]
         assert value.size is not None
         size = tuple(value.size)
         nbytes = math.prod(size) * value.dtype.itemsize
-        writes.append(WriteAssignment(key, (0,) * len(size), size, nbytes))
+        others.append(WriteAssignment(key, (0,) * len(size), size, nbytes))
     for key, offsets in assignment.get("chunks", ()):
         value = tensors[key]
         wanted = tuple(offsets)
         box = next(box for box in value.boxes if box.offsets == wanted)
         nbytes = math.prod(box.sizes) * value.dtype.itemsize
-        writes.append(WriteAssignment(key, box.offsets, box.sizes, nbytes))
-    writes.sort(key=lambda item: (item.fqn, item.offsets))
-    return writes
+        others.append(WriteAssignment(key, box.offsets, box.sizes, nbytes))
+
+    def order(item: WriteAssignment) -> tuple[str, tuple[int, ...]]:
+        return item.fqn, item.offsets
+
+    if not assignment.get("layout"):
+        return sorted(cells + others, key=order), None
+    return sorted(cells, key=order) + sorted(others, key=order), len(cells)
 
 
 # -- the coordinator ----------------------------------------------------------------------------
@@ -278,7 +307,11 @@ class CoordinatorPlan:
         aliases: Tied keys -> the key they are tied to (not written).
         assignments: What to tell each rank (``scatter_json``).
         total: Bytes every rank writes together (tensor data; blobs apart).
-        empty: Per grid key, its empty boxes (shards past the end) and their writers.
+        empty: Per grid key, its empty boxes (shards past the end) and their writers
+            (versions 2/3 only).
+        layout: Whether the save writes index version 4: it has more chunks (grid cells,
+            whole tensors, boxes, empty boxes) than ``TUNING.layout_index_chunks``. Every
+            assignment then carries ``"layout": true``.
     """
 
     plan: SavePlan
@@ -286,10 +319,11 @@ class CoordinatorPlan:
     assignments: list[dict[str, Any]]
     total: int
     empty: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)
+    layout: bool = False
 
     def tensor_plans(self) -> dict[str, TensorPlan]:
         """Every written key with its boxes, each held by its writer: what the version 2/3
-        index lists (O(chunks): a grid's cells are enumerated)."""
+        index lists (O(chunks): a grid's cells are enumerated; never called for version 4)."""
         plans = {}
         for key, row in self.plan.rows.items():
             if key in self.aliases:
@@ -405,9 +439,18 @@ def plan_from_tables(
             if not math.prod(grid.size):
                 cells = {grid.box(grid.cell_at(n)) for n in range(grid.num_cells)}
             empties[key] = [(box, min(ranks)) for box, ranks in boxes.items() if box not in cells]
-            for (offsets, _), writer in empties[key]:
-                assignments[writer]["chunks"].append([key, list(offsets)])
+    # The version: 4 (layouts) above the tunable's count of chunks. Version 4 lists no empty
+    # boxes past the end of a grid (they are not cells); versions 2/3 list them, 0 bytes each.
+    num_chunks = plan.num_chunks + sum(len(boxes) for boxes in empties.values())
+    layout = num_chunks > tuning.TUNING.layout_index_chunks
+    if layout:
+        empties = {}
+    for key, written in empties.items():
+        for (offsets, _), writer in written:
+            assignments[writer]["chunks"].append([key, list(offsets)])
     for rank, assignment in enumerate(assignments):
+        if layout:
+            assignment["layout"] = True
         table_numbers = per_table_numbers[rank_tables[rank]]
         if table_numbers is not None:
             assignment["numbers"] = table_numbers
@@ -421,7 +464,7 @@ def plan_from_tables(
         for key in plan.grids
         if key not in aliases
     )
-    return CoordinatorPlan(plan, aliases, assignments, total, empties)
+    return CoordinatorPlan(plan, aliases, assignments, total, empties, layout)
 
 
 def _reconcile(

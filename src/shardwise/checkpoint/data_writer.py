@@ -3,9 +3,11 @@
 
 The file is a safetensors file laid out before the first byte is written. Entries go
 straight from tensor memory to the file, each 1 MiB block checksummed right before it is
-written, while it is in cache; small entries are gathered into one buffer to save system
-calls, GPU tensors are copied to the host through one reused pinned buffer. Every size here
-is a tunable of :mod:`shardwise.checkpoint.tuning`.
+written, while it is in cache: the blocks of each entry (index versions 2/3), or those of the
+whole data section, hashed as a stream across entries (version 4: no per-entry checksums).
+Small entries are gathered into one buffer to save system calls, GPU tensors are copied to
+the host through one reused pinned buffer. Every size here is a tunable of
+:mod:`shardwise.checkpoint.tuning`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import xxhash
 
 from shardwise._boxes import byte_view
 from shardwise._progress import JobProgress
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import LocalBox, ObjectValue, TensorValue
 from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
-from shardwise.checkpoint.index import DATA_DIR, Index, block_checksums, data_file_name
+from shardwise.checkpoint.index import BLOCK_SIZE, DATA_DIR, Index, block_checksums, data_file_name
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointDataError
@@ -47,17 +50,53 @@ def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
         ) from err
 
 
-class _ChecksummingWriter:
-    """Writes entries to a file, gathering small writes, and returns each entry's block
-    checksums (see ``docs/format.md``)."""
+class _FileBlocks:
+    """The block checksums of a stream of bytes (a version-4 file's data section): xxh3_64 of
+    each ``block_size`` bytes, hashed as the bytes go by (one block of zero bytes when none
+    did)."""
 
-    def __init__(self, writer: Writer) -> None:
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self._block_size = block_size
+        self._state = xxhash.xxh3_64()
+        self._filled = 0
+        self._sums: list[str] = []
+
+    def update(self, data: memoryview | bytes | bytearray) -> None:
+        view = memoryview(data).cast("B")
+        position = 0
+        while position < len(view):
+            take = min(len(view) - position, self._block_size - self._filled)
+            self._state.update(view[position : position + take])
+            position += take
+            self._filled += take
+            if self._filled == self._block_size:
+                self._sums.append(self._state.hexdigest())
+                self._state.reset()
+                self._filled = 0
+
+    def checksums(self) -> str:
+        """Every block's checksum, concatenated (the last block may be short)."""
+        if self._filled or not self._sums:
+            return "".join(self._sums) + self._state.hexdigest()
+        return "".join(self._sums)
+
+
+class _ChecksummingWriter:
+    """Writes entries to a file, gathering small writes, and checksums them: each entry's
+    blocks (versions 2/3: :meth:`entry` returns them), or, with ``file_blocks``, the blocks of
+    the whole data section as it streams by (version 4: :meth:`entry` returns ``""``). See
+    ``docs/format.md``."""
+
+    def __init__(self, writer: Writer, file_blocks: _FileBlocks | None = None) -> None:
         self._writer = writer
         self._pending = bytearray()
-        self.bytes_written = 0
+        self._file_blocks = file_blocks
+        # Leading bytes of the pending buffer that no checksum covers (the header).
+        self._unsummed = 0
 
-    def raw(self, data: bytes) -> None:
+    def header(self, data: bytes) -> None:
         self._pending += data
+        self._unsummed += len(data)
 
     def entry(self, tensor: torch.Tensor) -> str:
         if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
@@ -67,20 +106,29 @@ class _ChecksummingWriter:
             self._pending += view
             if len(self._pending) >= TUNING.write_buffer_bytes:
                 self.flush()
-            return block_checksums(view)
+            return "" if self._file_blocks is not None else block_checksums(view)
         self.flush()
         sums = []
         piece_bytes = TUNING.write_piece_bytes
         for start in range(0, len(view), piece_bytes):
             piece = view[start : start + piece_bytes]
-            sums.append(block_checksums(piece))
+            sums.append(self._summed(piece))
             self._writer.write(piece)
-        self.bytes_written += len(view)
         return "".join(sums)
 
     def blob(self, payload: bytes) -> str:
         self._pending += payload
-        return block_checksums(payload)
+        if len(self._pending) >= TUNING.write_buffer_bytes:
+            self.flush()
+        return "" if self._file_blocks is not None else block_checksums(payload)
+
+    def _summed(self, piece: memoryview) -> str:
+        """Checksum ``piece`` (about to be written): its own blocks' checksums, or ``""``
+        once it is in the file's."""
+        if self._file_blocks is None:
+            return block_checksums(piece)
+        self._file_blocks.update(piece)
+        return ""
 
     def _staged_entry(self, tensor: torch.Tensor) -> str:  # pragma: no cover - needs a GPU
         # Copy device memory to the host in bounded pieces (a multiple of the block size)
@@ -94,15 +142,18 @@ class _ChecksummingWriter:
             target = staging[: piece.numel()]
             target.copy_(piece, non_blocking=False)
             view = byte_view(target)
-            sums.append(block_checksums(view))
+            sums.append(self._summed(view))
             self._writer.write(view)
-            self.bytes_written += len(view)
+        if self._file_blocks is not None:
+            return ""
         return "".join(sums) or block_checksums(b"")
 
     def flush(self) -> None:
         if self._pending:
+            if self._file_blocks is not None:
+                self._file_blocks.update(memoryview(self._pending)[self._unsummed :])
+            self._unsummed = 0
             self._writer.write(self._pending)
-            self.bytes_written += len(self._pending)
             self._pending = bytearray()
 
 
@@ -134,15 +185,25 @@ def write_data_file(
     blobs: list[tuple[str, ObjectValue]],
     sync_files: bool,
     progress: JobProgress | None,
+    *,
+    grid_cells: int | None = None,
 ) -> dict[str, Any]:
     """Write this rank's data file: the chunks ``assignments`` names (their data taken from
     ``tensors``), then the ``blobs``.
 
+    Args:
+        grid_cells: ``None`` for a version 2/3 index. For version 4, how many of
+            ``assignments`` (leading) are grid cells, in the file's order: their byte ranges
+            are not reported (readers derive them), and the file is written even when it
+            holds nothing, since grid file numbers are group ranks.
+
     Returns:
-        ``{"file": [name, size], "entries": {key: [begin, end, block checksums]}}``, empty
-        when this rank writes nothing.
+        Versions 2/3: ``{"file": [name, size], "entries": {key: [begin, end, block
+        checksums]}}``, empty when this rank writes nothing. Version 4: ``{"file": [name,
+        size], "data_start", "checksums": the data section's block checksums, "grid_bytes":
+        bytes of the grid cells, "begins": {key: begin} of the other entries and blobs}``.
     """
-    if not assignments and not blobs:
+    if not assignments and not blobs and grid_cells is None:
         return {}
     name = data_file_name(rank, save_id)
     entries = []
@@ -160,9 +221,10 @@ def write_data_file(
     staging = f"{final}.tmp" if storage.atomic_rename else final
     writer = open_fresh(storage, staging, rank)
     written: dict[str, list[Any]] = {}
+    file_blocks = None if grid_cells is None else _FileBlocks()
     try:
-        out = _ChecksummingWriter(writer)
-        out.raw(layout.header)
+        out = _ChecksummingWriter(writer, file_blocks)
+        out.header(layout.header)
         for item, entry, (begin, end) in zip(assignments, entries, layout.ranges, strict=False):
             tensor = _find_box(tensors[item.fqn], item.offsets).tensor
             written[entry.key] = [begin, end, out.entry(tensor.detach())]
@@ -181,7 +243,19 @@ def write_data_file(
         storage.rename(staging, final)
         if sync_files:
             storage.sync_dir(storage.join(DATA_DIR))
-    return {"file": [name, layout.size], "entries": written}
+    if file_blocks is None:
+        return {"file": [name, layout.size], "entries": written}
+    assert grid_cells is not None
+    data_start = len(layout.header)
+    grid_end = layout.ranges[grid_cells - 1][1] if grid_cells else data_start
+    others = zip(entries[grid_cells:], layout.ranges[grid_cells:], strict=True)
+    return {
+        "file": [name, layout.size],
+        "data_start": data_start,
+        "checksums": file_blocks.checksums(),
+        "grid_bytes": grid_end - data_start,
+        "begins": {entry.key: begin for entry, (begin, _) in others},
+    }
 
 
 def check_visible(storage: Storage, index: Index, path: str) -> None:

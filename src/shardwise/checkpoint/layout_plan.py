@@ -226,7 +226,7 @@ class SavePlan:
     @property
     def num_chunks(self) -> int:
         """Chunks the save writes: grid cells, whole tensors, boxes (a save of more than
-        ``index.GRID_THRESHOLD`` is written as version 4)."""
+        ``TUNING.layout_index_chunks`` is written as version 4)."""
         cells = sum(grid.num_cells for grid in self.grids.values())
         return cells + len(self.whole) + sum(len(boxes) for boxes in self.chunks.values())
 

@@ -11,9 +11,11 @@ Order of work (see ``docs/format.md`` for the files):
 3. Each rank writes its chunks into one safetensors file under a temporary name, straight from
    tensor memory, checksumming as it goes; then fsyncs and renames it.
 4. The byte ranges and block checksums go to the coordinator, which writes the sealed index
-   to a temporary name, fsyncs it and renames it to ``shardwise.json`` — the commit point —
-   then tells every rank, and removes the data files that the index it replaced named and
-   the new one does not (never any other file). Nobody returns before the commit.
+   (version 4, by layouts, for a save of more chunks than ``TUNING.layout_index_chunks``:
+   see ``_save_v4``) to a temporary name, fsyncs it and renames it to ``shardwise.json`` —
+   the commit point — then tells every rank, and removes the data files that the index it
+   replaced named and the new one does not (never any other file). Nobody returns before the
+   commit.
 
 Writes never follow a link below the checkpoint: ``data/`` must be a real directory, and files
 are created fresh (``O_EXCL | O_NOFOLLOW``) under temporary names and renamed.
@@ -37,7 +39,7 @@ import torch
 from shardwise import __version__ as _version
 from shardwise import collectives
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import _save_outcome, _save_tables, data_writer, planner
+from shardwise.checkpoint import _save_outcome, _save_tables, _save_v4, data_writer, planner
 from shardwise.checkpoint._items import (
     LocalBox,
     ObjectValue,
@@ -198,14 +200,18 @@ def _build_index(
             records.append(ObjectRecord(fqn, value.encoding, text=value.payload.decode()))
         else:
             records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
-    # The index is UTF-8: a lone surrogate in the path (a file name's undecodable bytes, as
-    # Python decodes them) is recorded escaped.
-    text = path.encode("utf-8", "backslashreplace").decode()
-    facts = SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, text)
+    facts = _save_facts(world_size, save_id, path)
     ordered = sorted(tensors, key=lambda record: record.fqn)
     records.sort(key=lambda record: record.fqn)
     data = encode_index(facts, files, ordered, records, aliases=aliases)
     return data, build_index(facts, files, ordered, records, aliases)
+
+
+def _save_facts(world_size: int, save_id: str, path: str) -> SaveFacts:
+    # The index is UTF-8: a lone surrogate in the path (a file name's undecodable bytes, as
+    # Python decodes them) is recorded escaped.
+    text = path.encode("utf-8", "backslashreplace").decode()
+    return SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, text)
 
 
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
@@ -372,7 +378,9 @@ def _save_snapshot(
         # Exchange 2: each rank's assignment (or the plan's error, on every rank).
         assignment = comm.scatter_or_raise(plan, src=coordinator_rank)
         save_id = assignment["save_id"]
-        mine = _save_tables.own_writes(table, snapshot.tensors, assignment, comm.rank)
+        mine, grid_cells = _save_tables.own_file_writes(
+            table, snapshot.tensors, assignment, comm.rank
+        )
         blobs = []
         if coordinating:
             blobs = [
@@ -402,6 +410,7 @@ def _save_snapshot(
                     blobs,
                     options.sync_files,
                     bar,
+                    grid_cells=grid_cells,
                 )
             except CheckpointError:
                 raise
@@ -425,19 +434,23 @@ def _save_snapshot(
             nonlocal committed, built
             assert planned is not None and written is not None
             objects = {fqn: obj for fqn, obj in snapshot.objects.items()}
-            data, index = _build_index(
-                planned.tensor_plans(),
-                planned.aliases,
-                objects,
-                written,
-                comm.world_size,
-                save_id,
-                path,
-            )
             # What is committed must read back as built (the decoder validates everything a
             # reader checks), and every data file it names must be visible here.
-            if decode_index(data) != index:
-                raise CheckpointError("the index of this save does not read back as built")
+            if planned.layout:
+                facts = _save_facts(comm.world_size, save_id, path)
+                data, index = _save_v4.build_layout_index(planned, objects, written, facts)
+            else:
+                data, index = _build_index(
+                    planned.tensor_plans(),
+                    planned.aliases,
+                    objects,
+                    written,
+                    comm.world_size,
+                    save_id,
+                    path,
+                )
+                if decode_index(data) != index:
+                    raise CheckpointError("the index of this save does not read back as built")
             data_writer.check_visible(storage, index, path)
             _commit(storage, data, options.sync_files, save_id)
             committed = True

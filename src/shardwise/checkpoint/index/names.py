@@ -26,11 +26,9 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 BLOCK_SIZE = 1 << 20
 #: Readers refuse larger indexes (16 MiB describe a 1 TB checkpoint).
 MAX_INDEX_BYTES = 1 << 30
-# Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
-#: The version written when a save has more chunks than ``GRID_THRESHOLD`` (layouts).
+#: The version written when a save has more chunks than ``TUNING.layout_index_chunks``
+#: (layouts; smaller saves keep versions 2/3, one row per chunk).
 LAYOUT_VERSION = 4
-#: Saves of at most this many chunks keep versions 2/3 (one row per chunk).
-GRID_THRESHOLD = 65_536
 # Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
 MAX_INT = 1 << 62
 MAX_DIMS = 64

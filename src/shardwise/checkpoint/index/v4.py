@@ -3,7 +3,8 @@ and block checksums per data file instead of per chunk (see ``docs/format.md``, 
 
 Its size grows with keys and files, not with chunks: 1,024 ranks x 10,000 FSDP-sharded
 tensors is 1.8 MiB instead of 443 MiB (``docs/design/scale.md``). A writer uses it only above
-:data:`~.names.GRID_THRESHOLD` chunks; readers read it always.
+``TUNING.layout_index_chunks`` chunks (:mod:`shardwise.checkpoint.tuning`); readers read it
+always.
 """
 
 from __future__ import annotations

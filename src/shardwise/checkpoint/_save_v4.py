@@ -1,0 +1,154 @@
+"""The coordinator's version-4 index (``docs/format.md``, *Version 4*): built from the plan's
+layouts and each rank's file facts, in O(keys + files + entries outside grids), never
+enumerating a grid's cells.
+
+Every rank of the group wrote a data file (possibly holding nothing), so the index's
+``files`` are in group-rank order and a grid's file numbers, which are group ranks
+(:func:`~.layout_plan.mesh_grid`), are positions in it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardwise.checkpoint._items import ObjectValue
+from shardwise.checkpoint._save_tables import CoordinatorPlan
+from shardwise.checkpoint.format import bytes_key, chunk_key
+from shardwise.checkpoint.index import (
+    TEXT_ENCODINGS,
+    Index,
+    ObjectRecord,
+    SaveFacts,
+    decode_index,
+)
+from shardwise.checkpoint.index.layouts import Grid, LayoutChunks
+from shardwise.checkpoint.index.v4 import FileFacts, LayoutRecord, encode_v4
+from shardwise.checkpoint.planner import SavedChunk
+from shardwise.errors import CheckpointError
+from shardwise.metadata import TensorProperties
+
+__all__ = ["build_layout_index"]
+
+
+def build_layout_index(
+    planned: CoordinatorPlan,
+    objects: Mapping[str, ObjectValue],
+    written: Sequence[Mapping[str, Any]],
+    facts: SaveFacts,
+) -> tuple[bytes, Index]:
+    """The sealed version-4 index of this save and the index it reads back as.
+
+    Args:
+        planned: The coordinator's plan (``planned.layout`` is set).
+        objects: The coordinator's objects (blobs are in its file).
+        written: Each rank's file facts (:func:`~.data_writer.write_data_file` with
+            ``grid_cells``), in group-rank order.
+        facts: Who wrote the checkpoint.
+
+    Raises:
+        CheckpointError: The index does not read back as built, or the ranks' files do not
+            hold the grid cells the plan gives them (a bug, never committed).
+    """
+    plan = planned.plan
+    files = {
+        part["file"][0]: FileFacts(part["file"][1], part["data_start"], part["checksums"])
+        for part in written
+    }
+    where: dict[str, tuple[str, int]] = {}
+    for name, part in zip(files, written, strict=True):
+        for key, begin in part["begins"].items():
+            where[key] = (name, begin)
+
+    def stored(
+        key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int
+    ) -> SavedChunk:
+        file, begin = where[key]
+        return SavedChunk(offsets, sizes, file, begin, begin + nbytes, "")
+
+    records = []
+    properties: dict[tuple[Any, ...], TensorProperties] = {}  # few distinct ones
+    grid_bytes = 0
+    for key, row in plan.rows.items():
+        if key in planned.aliases:
+            continue
+        layout: Grid | tuple[SavedChunk, ...]
+        grid = plan.grids.get(key)
+        if grid is not None:
+            layout = grid
+            grid_bytes += math.prod(row.size) * row.itemsize
+        elif key in plan.whole:
+            zeros = (0,) * len(row.size)
+            nbytes = math.prod(row.size) * row.itemsize
+            layout = (stored(chunk_key(key, zeros), zeros, row.size, nbytes),)
+        else:
+            boxes = sorted(box for box, _ in plan.chunks[key])
+            layout = tuple(
+                stored(chunk_key(key, o), o, s, math.prod(s) * row.itemsize) for o, s in boxes
+            )
+        known = tuple(row.properties.items())
+        props = properties.get(known)
+        if props is None:
+            props = properties[known] = TensorProperties.from_dict(row.properties)
+        records.append(LayoutRecord(key, props, row.size, layout))
+    records.sort(key=lambda record: record.fqn)
+    object_records = []
+    for fqn, value in objects.items():
+        if value.encoding in TEXT_ENCODINGS:
+            object_records.append(ObjectRecord(fqn, value.encoding, text=value.payload.decode()))
+        else:
+            blob = stored(bytes_key(fqn), (), (), len(value.payload))
+            object_records.append(ObjectRecord(fqn, value.encoding, blob=blob))
+    object_records.sort(key=lambda record: record.fqn)
+    if sum(part["grid_bytes"] for part in written) != grid_bytes:
+        raise CheckpointError(
+            "the data files of this save do not hold the grid cells its plan gives them"
+        )
+    data = encode_v4(facts, files, records, object_records, aliases=planned.aliases)
+    index = decode_index(data)
+    _check_read_back(index, files, records, object_records, planned.aliases, written)
+    return data, index
+
+
+def _check_read_back(
+    index: Index,
+    files: Mapping[str, FileFacts],
+    records: Sequence[LayoutRecord],
+    objects: Sequence[ObjectRecord],
+    aliases: Mapping[str, str],
+    written: Sequence[Mapping[str, Any]],
+) -> None:
+    """What is committed must read back as built (the decoder validated everything a reader
+    checks up front): compared in O(keys + files + entries outside grids), a grid by its rule,
+    not cell by cell; and each file's grid cells end where its other entries begin, as a
+    reader will check when it reads the file."""
+    same = (
+        index.format_version == 4
+        and index.files == {name: facts.size for name, facts in files.items()}
+        and index.data_starts == {name: facts.data_start for name, facts in files.items()}
+        and index.file_checksums == {name: facts.checksums for name, facts in files.items()}
+        and index.aliases == dict(aliases)
+        and index.objects == {record.fqn: record for record in objects}
+        and len(index.tensors) == len(records) + len(aliases)
+    )
+    for record in records if same else ():
+        found = index.tensors.get(record.fqn)
+        same = found is not None and (found.properties, found.size) == (
+            record.properties,
+            record.size,
+        )
+        if same and found is not None:
+            chunks = found.chunks
+            if isinstance(record.layout, Grid):
+                same = isinstance(chunks, LayoutChunks) and chunks.grid == record.layout
+            else:
+                same = tuple(chunks) == tuple(record.layout)
+        if not same:
+            break
+    for name, part in zip(files, written, strict=True):
+        ends = [begin for begin in part["begins"].values()]
+        end = min(ends) if ends else files[name].size
+        same = same and part["data_start"] + part["grid_bytes"] == end
+    if not same:
+        raise CheckpointError("the index of this save does not read back as built")

@@ -1,0 +1,215 @@
+"""``save`` writing index version 4 in one process (layouts, block checksums per data file):
+chosen above ``TUNING.layout_index_chunks`` chunks (lowered here), read back by every reader,
+refused when a data file is corrupt; versions 2/3 below it. The multi-rank cases (grids over
+DTensor meshes, file numbers = group ranks) are in ``tests/distributed/checkpoint``."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import _save_tables, data_writer, tuning
+from shardwise.checkpoint._items import describe_tensor
+from shardwise.checkpoint.index import INDEX_NAME, block_checksums
+from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.cli import main
+from shardwise.errors import CheckpointDataError
+from shardwise.local_shards import LocalShardsWrapper
+
+
+def _lower(monkeypatch: pytest.MonkeyPatch, chunks: int) -> None:
+    lowered = dataclasses.replace(tuning.TUNING, layout_index_chunks=chunks)
+    monkeypatch.setattr(tuning, "TUNING", lowered)
+
+
+@pytest.fixture
+def layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save of more than one chunk writes version 4."""
+    _lower(monkeypatch, 1)
+
+
+def _values() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(6, 5, generator=generator)
+    return {
+        "model": {
+            "weight": weight,
+            "tied": weight,  # the same tensor: an alias
+            "bias": torch.randn(5, generator=generator).double(),
+            "scale": torch.tensor(1.5),
+            "none": torch.zeros(0, 3),
+            "codes": torch.randint(0, 255, (40,), generator=generator, dtype=torch.uint8),
+        },
+        "wrapper": LocalShardsWrapper(
+            [torch.ones(2, 3), torch.full((2, 3), 2.0), torch.zeros(0, 3)],
+            [(0, 0), (2, 0), (4, 0)],
+        ),
+        "step": 12,
+        "rng": b"\x00\x01 random state " * 300,
+        "buffer": io.BytesIO(b"in a BytesIO"),
+    }
+
+
+def _blank() -> dict[str, Any]:
+    return {
+        "model": {
+            "weight": torch.full((6, 5), 7.0),
+            "tied": torch.full((6, 5), 7.0),
+            "bias": torch.full((5,), 7.0, dtype=torch.float64),
+            "scale": torch.tensor(7.0),
+            "none": torch.zeros(0, 3),
+            "codes": torch.full((40,), 7, dtype=torch.uint8),
+        },
+        "wrapper": torch.full((4, 3), 7.0),
+        "step": 0,
+        "rng": b"",
+        "buffer": io.BytesIO(),
+    }
+
+
+def _document(path: Path) -> dict[str, Any]:
+    return json.loads((path / INDEX_NAME).read_bytes())
+
+
+def _check_loaded(state: dict[str, Any], values: dict[str, Any]) -> None:
+    for key, value in values["model"].items():
+        assert torch.equal(state["model"][key], value), key
+    assert torch.equal(state["wrapper"], torch.cat([torch.ones(2, 3), torch.full((2, 3), 2.0)]))
+    assert state["step"] == 12 and state["rng"] == values["rng"]
+    assert state["buffer"].getvalue() == b"in a BytesIO"
+
+
+def test_a_save_above_the_threshold_writes_version_4_and_reads_back(
+    tmp_path: Path, layouts: None
+) -> None:
+    values = _values()
+    returned = ckpt.save(values, tmp_path / "c")
+    document = _document(tmp_path / "c")
+    assert document["format_version"] == 4
+    assert document["checksum"]["scope"] == "file"
+    layouts_of = {row[0]: row[3][0] for row in document["tensors"]}
+    assert layouts_of == {
+        "model.weight": "whole",
+        "model.bias": "whole",
+        "model.scale": "whole",
+        "model.none": "whole",
+        "model.codes": "whole",
+        "wrapper": "chunks",
+    }
+    assert document["aliases"] == [["model.tied", "model.weight"]]
+    (name, size, data_start, sums) = document["files"][0]
+    assert size == (tmp_path / "c" / name).stat().st_size
+    data = (tmp_path / "c" / name).read_bytes()
+    assert sums == block_checksums(data[data_start:])  # one block here
+    assert returned == ckpt.read_metadata(tmp_path / "c")
+    assert returned.version == "4"
+
+    state = _blank()
+    ckpt.load(state, tmp_path / "c")
+    _check_loaded(state, values)
+    weight = values["model"]["weight"]
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "model.tied"), weight)
+    part = ckpt.load_tensor(tmp_path / "c", "model.weight", offsets=[2, 1], sizes=[3, 2])
+    assert torch.equal(part, weight[2:5, 1:3])
+
+
+def test_below_the_threshold_versions_2_and_3_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Five tensor chunks (the alias is not written) and the wrapper's three: 8 chunks.
+    _lower(monkeypatch, 8)
+    ckpt.save(_values(), tmp_path / "tied")
+    assert _document(tmp_path / "tied")["format_version"] == 3
+    ckpt.save({"w": torch.ones(3), "v": torch.zeros(2)}, tmp_path / "plain")
+    assert _document(tmp_path / "plain")["format_version"] == 2
+    _lower(monkeypatch, 7)
+    ckpt.save(_values(), tmp_path / "above")
+    assert _document(tmp_path / "above")["format_version"] == 4
+
+
+def test_async_save_writes_version_4_too(tmp_path: Path, layouts: None) -> None:
+    values = _values()
+    returned = ckpt.async_save(values, tmp_path / "c").result(timeout=60)
+    assert returned.version == "4" and returned == ckpt.read_metadata(tmp_path / "c")
+    state = _blank()
+    ckpt.load(state, tmp_path / "c")
+    _check_loaded(state, values)
+
+
+def test_the_default_threshold_keeps_version_2() -> None:
+    assert tuning.TUNING.layout_index_chunks == 65_536
+
+
+def test_many_small_tensors_and_blocks_across_entries(tmp_path: Path, layouts: None) -> None:
+    # 3 MiB and change of entries of every size: the file's blocks cut through entries.
+    values = {f"t{i:03d}": torch.arange(i * 97 % 5000, dtype=torch.float64) for i in range(200)}
+    values["large"] = torch.arange(300_000, dtype=torch.float32)
+    ckpt.save(values, tmp_path / "c")
+    name, size, data_start, sums = _document(tmp_path / "c")["files"][0]
+    data = (tmp_path / "c" / name).read_bytes()
+    assert len(data) == size and len(sums) == 16 * math.ceil((size - data_start) / (1 << 20))
+    assert sums == block_checksums(data[data_start:])
+    state = {key: torch.zeros_like(value) for key, value in values.items()}
+    ckpt.load(state, tmp_path / "c")
+    assert all(torch.equal(state[key], value) for key, value in values.items())
+
+
+def test_a_flipped_bit_is_refused_before_anything_is_copied(
+    tmp_path: Path, layouts: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    values = _values()
+    ckpt.save(values, tmp_path / "c")
+    assert main(["verify", str(tmp_path / "c")]) == 0
+    assert "OK" in capsys.readouterr().out
+    with CheckpointReader.open(tmp_path / "c") as reader:
+        chunk = reader.index.tensors["model.bias"].chunks[0]
+    target = tmp_path / "c" / chunk.file
+    data = bytearray(target.read_bytes())
+    data[chunk.begin + 3] ^= 0x04
+    target.write_bytes(bytes(data))
+    state = _blank()
+    with pytest.raises(CheckpointDataError) as caught:
+        ckpt.load(state, tmp_path / "c")
+    assert isinstance(caught.value, ckpt.ChecksumError)
+    assert torch.equal(state["model"]["weight"], torch.full((6, 5), 7.0))
+    assert torch.equal(state["wrapper"], torch.full((4, 3), 7.0)) and state["step"] == 0
+    assert main(["verify", str(tmp_path / "c")]) == 1
+    assert "CHECKSUM" in capsys.readouterr().out
+
+
+def test_file_blocks_hash_a_stream_as_one_buffer() -> None:
+    generator = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (20_000,), generator=generator, dtype=torch.uint8).numpy()
+    data = data.tobytes()
+    for cuts in ([], [1, 4096, 4097, 9000], list(range(0, 20_000, 333)), [8192, 12288]):
+        blocks = data_writer._FileBlocks(block_size=4096)
+        edges = [0, *cuts, len(data)]
+        for start, end in itertools.pairwise(edges):
+            blocks.update(memoryview(data)[start:end])
+        assert blocks.checksums() == block_checksums(data, 4096), cuts
+    exact = data_writer._FileBlocks(block_size=4096)
+    exact.update(data[:8192])
+    assert exact.checksums() == block_checksums(data[:8192], 4096)
+    assert data_writer._FileBlocks().checksums() == xxhash.xxh3_64_hexdigest(b"")
+
+
+def test_own_file_writes_put_grid_cells_first_in_layout_mode() -> None:
+    # Whole tensors only in one process: the order of the others is by key either way.
+    state = {"b": torch.zeros(2), "a": torch.zeros(3)}
+    tensors = {key: describe_tensor(key, value) for key, value in state.items()}
+    table = _save_tables.rank_table(tensors, 0, lambda r: r if r == 0 else -1)
+    assignment: dict[str, Any] = {"whole": ["b", "a"], "chunks": []}
+    writes, cells = _save_tables.own_file_writes(table, tensors, assignment, 0)
+    assert [w.fqn for w in writes] == ["a", "b"] and cells is None
+    writes, cells = _save_tables.own_file_writes(table, tensors, {**assignment, "layout": True}, 0)
+    assert [w.fqn for w in writes] == ["a", "b"] and cells == 0
