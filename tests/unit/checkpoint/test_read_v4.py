@@ -4,7 +4,9 @@ checkpoints whose data files are written here with the safetensors layout of ``f
 and whose index is the real encoder's; and every malformed one refused with a
 ``CheckpointError`` before a destination byte changes.
 
-`save` writes version 4 above `TUNING.layout_index_chunks` chunks (tests/unit/checkpoint/test_save_v4.py); these tests build version-4 checkpoints by hand, so :func:`_write_v4` lays out the files as the format says:
+``save`` writes version 4 above ``TUNING.layout_index_chunks`` chunks (``test_save_v4.py``);
+these tests build version-4 checkpoints by hand, so :func:`_write_v4` lays out the files as the
+format says:
 per file, the grid cells of every grid tensor in index order, each tensor's cells in row-major
 order, from the data section's start; then the ``whole``/``chunks`` entries and the blobs.
 """
