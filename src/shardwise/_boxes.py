@@ -8,11 +8,12 @@ hold them. Pure, and below every other module of the package (it imports only to
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Box", "byte_view", "intersect", "narrow_to", "region"]
+__all__ = ["Box", "borrowed_bytes", "byte_view", "intersect", "narrow_to", "region"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, sizes)`` of a region of a tensor's global index space."""
@@ -68,3 +69,25 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(bytearray())
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+# CPython's PyMemoryView_FromMemory (stable C API): a writable memoryview of raw memory.
+_memory_at = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+_WRITABLE = 0x200  # PyBUF_WRITE
+
+
+def borrowed_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU ``tensor`` as a writable memoryview, taken from its
+    address: a third of the cost of :func:`byte_view`, which counts for many small tensors.
+
+    The view does not keep the tensor alive: the caller holds the tensor for as long as it
+    uses the view. The tensor must hold its values as they are (no lazy conjugation or
+    negation).
+    """
+    assert tensor.is_cpu and tensor.is_contiguous()
+    if not tensor.numel():
+        return memoryview(bytearray())
+    view: memoryview = _memory_at(tensor.data_ptr(), tensor.nbytes, _WRITABLE)
+    return view

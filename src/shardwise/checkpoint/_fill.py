@@ -21,7 +21,6 @@ while the bytes are in the cache. Buffers in flight are bounded by ``TUNING.read
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 import sys
@@ -31,7 +30,7 @@ from typing import TypeAlias
 
 import torch
 
-from shardwise._boxes import byte_view, narrow_to
+from shardwise._boxes import borrowed_bytes, byte_view, narrow_to
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._data_files import HOT_BYTES, DataFiles, Read, hot_buffer
 from shardwise.checkpoint._items import LocalBox
@@ -142,13 +141,6 @@ def _destination(job: Job, target: LocalBox) -> torch.Tensor:
     return narrow_to(target.tensor, target.offsets, overlap[0], overlap[1])
 
 
-# CPython's PyMemoryView_FromMemory (stable C API): a writable memoryview of raw memory.
-_memory_at = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
-    ("PyMemoryView_FromMemory", ctypes.pythonapi)
-)
-_WRITABLE = 0x200  # PyBUF_WRITE
-
-
 def _memory_of(job: Job, destination: torch.Tensor) -> memoryview | None:
     """The memory of ``destination`` when ``job``'s bytes go there as they are (else None).
 
@@ -164,8 +156,7 @@ def _memory_of(job: Job, destination: torch.Tensor) -> memoryview | None:
         or destination.is_neg()
     ):
         return None
-    view: memoryview = _memory_at(destination.data_ptr(), destination.nbytes, _WRITABLE)
-    return view
+    return borrowed_bytes(destination)
 
 
 def _pieces(reads: list[Read], size: int) -> list[Read]:
@@ -352,7 +343,7 @@ class _Rows:
         gap_sizes = [after - before - run for before, after in itertools.pairwise(starts)]
         scratch = hot_buffer()
         gaps = {size: scratch[:size] for size in set(gap_sizes)}
-        memory: memoryview = _memory_at(destination.data_ptr(), destination.nbytes, _WRITABLE)
+        memory = borrowed_bytes(destination)
         buffers = [scratch[:0]] * (2 * len(starts) - 1)
         buffers[0::2] = [memory[at : at + run] for at in range(0, len(starts) * run, run)]
         buffers[1::2] = [gaps[size] for size in gap_sizes]

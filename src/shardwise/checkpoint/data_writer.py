@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import xxhash
 
-from shardwise._boxes import byte_view
+from shardwise._boxes import borrowed_bytes, byte_view
 from shardwise._progress import JobProgress
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import LocalBox, ObjectValue, TensorValue
@@ -85,27 +85,37 @@ class _ChecksummingWriter:
     """Writes entries to a file, gathering small writes, and checksums them: each entry's
     blocks (versions 2/3: :meth:`entry` returns them), or, with ``file_blocks``, the blocks of
     the whole data section as it streams by (version 4: :meth:`entry` returns ``""``). See
-    ``docs/format.md``."""
+    ``docs/format.md``.
+
+    Entries below ``TUNING.small_write_bytes`` wait and go out together in one vectored write
+    (``writev``): tiny ones copied into a shared buffer, the others straight from tensor
+    memory (no copy: measured 190 against 210 ms for 288 MiB of 576 KiB shards on tmpfs).
+    The tensors the views borrow are held (``_held``) until they are written.
+    """
 
     def __init__(self, writer: Writer, file_blocks: _FileBlocks | None = None) -> None:
         self._writer = writer
-        self._pending = bytearray()
+        self._parts: list[memoryview | bytearray] = []
+        self._tiny = bytearray()  # the tiny entries after the last part
+        self._held: list[torch.Tensor] = []
+        self._pending = 0  # bytes waiting
         self._file_blocks = file_blocks
-        # Leading bytes of the pending buffer that no checksum covers (the header).
+        # Leading bytes waiting that no checksum covers (the header).
         self._unsummed = 0
 
     def header(self, data: bytes) -> None:
-        self._pending += data
+        self._tiny += data
+        self._pending += len(data)
         self._unsummed += len(data)
 
     def entry(self, tensor: torch.Tensor) -> str:
         if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
             return self._staged_entry(tensor)
-        view = byte_view(tensor.contiguous())
+        # Values as they are: a lazily conjugated or negated view is resolved (a copy).
+        tensor = tensor.resolve_conj().resolve_neg().contiguous()
+        view = borrowed_bytes(tensor)
         if len(view) < TUNING.small_write_bytes:
-            self._pending += view
-            if len(self._pending) >= TUNING.write_buffer_bytes:
-                self.flush()
+            self._wait(view, tensor)
             return "" if self._file_blocks is not None else block_checksums(view)
         self.flush()
         sums = []
@@ -117,10 +127,23 @@ class _ChecksummingWriter:
         return "".join(sums)
 
     def blob(self, payload: bytes) -> str:
-        self._pending += payload
-        if len(self._pending) >= TUNING.write_buffer_bytes:
-            self.flush()
+        self._wait(memoryview(payload), None)
         return "" if self._file_blocks is not None else block_checksums(payload)
+
+    def _wait(self, view: memoryview, owner: torch.Tensor | None) -> None:
+        """Queue ``view`` (of ``owner``'s memory) for the next vectored write."""
+        if len(view) < _TINY_BYTES:
+            self._tiny += view
+        else:
+            if self._tiny:
+                self._parts.append(self._tiny)
+                self._tiny = bytearray()
+            self._parts.append(view)
+            if owner is not None:
+                self._held.append(owner)
+        self._pending += len(view)
+        if self._pending >= TUNING.write_buffer_bytes or len(self._parts) >= _MAX_PARTS:
+            self.flush()
 
     def _summed(self, piece: memoryview) -> str:
         """Checksum ``piece`` (about to be written): its own blocks' checksums, or ``""``
@@ -135,7 +158,7 @@ class _ChecksummingWriter:
         # through one reused pinned buffer.
         self.flush()
         sums = []
-        source = tensor.contiguous().reshape(-1).view(torch.uint8)
+        source = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         staging = _pinned_staging(min(TUNING.staging_bytes, max(source.numel(), 1)))
         for start in range(0, source.numel(), staging.numel()):
             piece = source[start : start + staging.numel()]
@@ -149,12 +172,31 @@ class _ChecksummingWriter:
         return "".join(sums) or block_checksums(b"")
 
     def flush(self) -> None:
-        if self._pending:
-            if self._file_blocks is not None:
-                self._file_blocks.update(memoryview(self._pending)[self._unsummed :])
-            self._unsummed = 0
-            self._writer.write(self._pending)
-            self._pending = bytearray()
+        if self._tiny:
+            self._parts.append(self._tiny)
+            self._tiny = bytearray()
+        if not self._parts:
+            return
+        if self._file_blocks is not None:
+            skip = self._unsummed
+            for part in self._parts:
+                if skip >= len(part):
+                    skip -= len(part)
+                    continue
+                self._file_blocks.update(memoryview(part)[skip:])
+                skip = 0
+        self._unsummed = 0
+        self._writer.write_vector(self._parts)
+        self._parts = []
+        self._held = []
+        self._pending = 0
+
+
+# Entries smaller than this are copied into one buffer rather than given a buffer of their
+# own in the vectored write (a copy of a few KiB costs less than an I/O vector entry).
+_TINY_BYTES = 16 << 10
+# At most this many buffers wait for one vectored write (the kernel's IOV_MAX is 1024).
+_MAX_PARTS = 1000
 
 
 _staging_lock = threading.Lock()

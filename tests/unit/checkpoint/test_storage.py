@@ -315,3 +315,43 @@ def test_fsspec_scatter_reads_read_once_and_copy(memory_url: str) -> None:
     path = storage.join("f")
     storage.replace_small(path, DATA)
     _check_vector(storage, path)
+
+
+def test_local_vector_writes_go_on_after_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writev may write fewer bytes than given (a signal, a full pipe) and takes at most
+    IOV_MAX buffers: the write goes on from where it stopped, inside a buffer or at the next,
+    and more buffers than IOV_MAX go out in several calls."""
+    real = os.writev
+    calls: list[int] = []
+
+    def short(fd: int, buffers: list[memoryview]) -> int:
+        assert len(buffers) <= 1024
+        limit = 1 + (len(calls) * 7919) % 5000
+        taken, left = [], limit
+        for buffer in buffers:
+            if left <= 0:
+                break
+            taken.append(buffer[:left])
+            left -= len(taken[-1])
+        calls.append(real(fd, taken))
+        return calls[-1]
+
+    monkeypatch.setattr(os, "writev", short)
+    storage = LocalStorage(tmp_path)
+    writer = storage.open_write(storage.join("f"))
+    parts = [DATA[i : i + n] for i, n in ((0, 3), (3, 0), (3, 10000), (10003, 1))]
+    parts += [bytes([i % 251]) * (i % 7) for i in range(1500)]  # more than IOV_MAX
+    writer.write_vector([memoryview(part) for part in parts])
+    writer.close(sync=False)
+    assert (tmp_path / "f").read_bytes() == b"".join(parts)
+    assert len(calls) > 5
+
+
+def test_fsspec_vector_writes(memory_url: str) -> None:
+    storage = FsspecStorage(memory_url)
+    writer = storage.open_write(storage.join("f"))
+    writer.write_vector([b"ab", memoryview(b""), bytearray(b"cde")])
+    writer.close(sync=False)
+    assert storage.read_small(storage.join("f"), 100) == b"abcde"

@@ -52,6 +52,10 @@ class _FsspecWriter:
         with self._storage.errors("write", self._path):
             self._file.write(memoryview(data).cast("B"))
 
+    def write_vector(self, parts: Sequence[memoryview | bytes | bytearray]) -> None:
+        for part in parts:
+            self.write(part)
+
     def close(self, sync: bool) -> None:
         # Object stores make a file visible atomically when it is closed; there is no fsync.
         with self._storage.errors("write", self._path):

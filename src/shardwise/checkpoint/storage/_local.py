@@ -64,6 +64,20 @@ class _LocalWriter:
         while view:
             view = view[os.write(self._fd, view) :]
 
+    def write_vector(self, parts: Sequence[memoryview | bytes | bytearray]) -> None:
+        views = [memoryview(part).cast("B") for part in parts if len(part)]
+        first = 0
+        while first < len(views):
+            # At most IOV_MAX buffers a call; a short write resumes where it stopped.
+            done = os.writev(self._fd, views[first : first + _IOV_MAX])
+            if not done:
+                raise OSError(errno.EIO, "writev wrote nothing", self._path)
+            while first < len(views) and done >= len(views[first]):
+                done -= len(views[first])
+                first += 1
+            if done:
+                views[first] = views[first][done:]
+
     def close(self, sync: bool) -> None:
         try:
             if sync:

@@ -34,6 +34,10 @@ class Writer(Protocol):
     def write(self, data: memoryview | bytes | bytearray) -> None:
         """Append ``data``."""
 
+    def write_vector(self, parts: Sequence[memoryview | bytes | bytearray]) -> None:
+        """Append ``parts`` in order (one system call where the storage has one: no copy
+        into a buffer first)."""
+
     def close(self, sync: bool) -> None:
         """Finish the file; with ``sync``, make it durable (fsync) first."""
 
