@@ -44,9 +44,10 @@ __all__ = ["Job", "fill"]
 _SCATTER_BUFFERS = 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Job:
-    """One read of saved bytes into a destination box.
+    """One read of saved bytes into a destination box (treated as immutable; not frozen,
+    which costs a fifth of a microsecond per field on construction, per job).
 
     Attributes:
         target: Index of the destination in the list given to :func:`fill`.

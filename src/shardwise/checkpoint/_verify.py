@@ -36,9 +36,11 @@ __all__ = ["Block", "chunk_blocks", "file_blocks", "section_blocks", "verify"]
 _HEX = 16
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Block:
-    """One checksummed block to read and check."""
+    """One checksummed block to read and check. Treated as immutable (and hashed by value);
+    not frozen because a load builds one per block it verifies, and frozen construction
+    costs four times as much."""
 
     file: str
     begin: int  # absolute, in the file
@@ -49,24 +51,27 @@ class Block:
     number: int
 
 
-def chunk_blocks(
-    block_size: int, key: str, chunk: SavedChunk, begin: int, end: int
-) -> Iterator[Block]:
+def chunk_blocks(block_size: int, key: str, chunk: SavedChunk, begin: int, end: int) -> list[Block]:
     """The blocks (of ``block_size``) of ``chunk`` that its bytes ``[begin, end)``
     (relative to the chunk) touch."""
     if end <= begin:
-        return
+        return []
+    sums, file, first, last = chunk.checksums, chunk.file, chunk.begin, chunk.end
+    blocks = []
     for number in range(begin // block_size, (end - 1) // block_size + 1):
-        start = chunk.begin + number * block_size
-        yield Block(
-            chunk.file,
-            start,
-            min(start + block_size, chunk.end),
-            chunk.checksums[number * _HEX : (number + 1) * _HEX],
-            key,
-            chunk,
-            number,
+        start = first + number * block_size
+        blocks.append(
+            Block(
+                file,
+                start,
+                min(start + block_size, last),
+                sums[number * _HEX : (number + 1) * _HEX],
+                key,
+                chunk,
+                number,
+            )
         )
+    return blocks
 
 
 def file_blocks(index: Index, key: str, chunk: SavedChunk, begin: int, end: int) -> Iterator[Block]:
@@ -174,20 +179,24 @@ def verify(
 def _runs(blocks: Iterable[Block]) -> list[list[Block]]:
     """``blocks`` without repeats, in file order, grouped into runs read together."""
     unique = {(block.file, block.begin): block for block in blocks}
-    ordered = sorted(unique.values(), key=lambda block: (block.file, block.begin))
     gap, run_bytes = TUNING.read_gap_bytes, TUNING.read_run_bytes
     runs: list[list[Block]] = []
-    for block in ordered:
-        last = runs[-1][-1] if runs else None
+    run: list[Block] = []
+    file, start, end = "", 0, 0  # of the current run: its file, first byte, last block's end
+    for place in sorted(unique):  # file order
+        block = unique[place]
         if (
-            last is not None
-            and last.file == block.file
-            and block.begin - last.end <= gap
-            and block.end - runs[-1][0].begin <= run_bytes
+            run
+            and block.file == file
+            and block.begin - end <= gap
+            and block.end - start <= run_bytes
         ):
-            runs[-1].append(block)
+            run.append(block)
         else:
-            runs.append([block])
+            run = [block]
+            runs.append(run)
+            file, start = block.file, block.begin
+        end = block.end
     return runs
 
 

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardwise._boxes import Box, intersect
+from shardwise.checkpoint._tiling import check_tiling
 from shardwise.checkpoint.tuning import TUNING
-from shardwise.sharding_spec._internals import (
-    check_tensor,
-    validate_non_overlapping_shards_metadata,
-)
 
 __all__ = [
     "READ_COST",
@@ -31,6 +28,7 @@ __all__ = [
     "flatten_state_dict",
     "merge_tensor_plans",
     "plan_reads",
+    "whole_reads",
 ]
 
 
@@ -208,52 +206,6 @@ def _validate_tiling(plan: TensorPlan) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Chunk:
-    """A box as the shard-layout checks read it (no validation of its own: cheap)."""
-
-    shard_offsets: tuple[int, ...]
-    shard_sizes: tuple[int, ...]
-
-    def __repr__(self) -> str:
-        return f"chunk(offsets={list(self.shard_offsets)}, sizes={list(self.shard_sizes)})"
-
-
-def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
-    """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, a box
-    with elements lies inside it, no two boxes share an element (an O(n log n) sweep), and
-    together they cover every element. Boxes without elements may lie anywhere (the ceil
-    rule puts trailing empty chunks past the end).
-
-    Raises:
-        ValueError: The boxes do not tile the tensor (the message says how).
-    """
-    if not boxes:
-        raise ValueError("there are no chunks")
-    ndim = len(size)
-    if not ndim and len(boxes) != 1:
-        raise ValueError("a 0-d tensor must be one chunk")
-    for offsets, sizes in boxes:
-        if len(offsets) != ndim or len(sizes) != ndim:
-            raise ValueError(
-                f"the chunk at offsets {list(offsets)} with sizes {list(sizes)} does not have "
-                f"the {ndim} dims of the tensor"
-            )
-    if len(boxes) == 1:
-        # One box (a replicated or unsharded tensor): the common case, checked without
-        # building shard metadata.
-        offsets, sizes = boxes[0]
-        if not any(offsets) and tuple(sizes) == tuple(size):
-            return
-    filled = [_Chunk(tuple(offsets), tuple(sizes)) for offsets, sizes in boxes if numel(sizes)]
-    if not filled:
-        if numel(size):
-            raise ValueError(f"the chunks hold no elements of a tensor of size {list(size)}")
-        return
-    validate_non_overlapping_shards_metadata(filled)
-    check_tensor(filled, list(size))
-
-
-@dataclass(frozen=True, slots=True)
 class WriteAssignment:
     """One chunk a rank writes."""
 
@@ -328,9 +280,11 @@ class SavedChunk:
         return self.end - self.begin
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ChunkRead:
-    """One read from a saved chunk into a target box.
+    """One read from a saved chunk into a target box. Treated as immutable (and hashed by
+    value); not frozen because a load builds one per chunk it reads, and frozen
+    construction costs four times as much.
 
     Attributes:
         chunk: Index of the saved chunk.
@@ -466,16 +420,25 @@ def plan_reads(
         only = chunks[0]
         if only.offsets == target[0] and only.sizes == target[1]:
             return [ChunkRead(0, only.begin, only.end - only.begin, target, True, None)]
+    target_offsets, target_sizes = target
+    indices = range(len(chunks)) if lookup is None else lookup.candidates(target)
+    if numel(target_sizes):
+        # A target that is a saved chunk (a load on the layout of the save): that chunk
+        # alone, found by comparing boxes rather than intersecting them. The chunks tile the
+        # tensor (the coverage count below assumes it too), so no other one overlaps it.
+        for index in indices:
+            chunk = chunks[index]
+            if chunk.offsets == target_offsets and chunk.sizes == target_sizes:
+                return [ChunkRead(index, chunk.begin, chunk.end - chunk.begin, target, True, None)]
     reads = []
     covered = 0
-    indices = range(len(chunks)) if lookup is None else lookup.candidates(target)
     for index in indices:
         chunk = chunks[index]
         box = (chunk.offsets, chunk.sizes)
-        if not target[0]:
+        if not target_offsets:
             overlap: Box | None = ((), ())
         else:
-            overlap = _intersect(target, box)
+            overlap = intersect(target_offsets, target_sizes, chunk.offsets, chunk.sizes)
         if overlap is None:
             continue
         covered += numel(overlap[1])
@@ -491,6 +454,21 @@ def plan_reads(
             f"saved chunks cover {covered} of the {numel(target[1])} elements of the box at "
             f"offsets {list(target[0])} with sizes {list(target[1])}"
         )
+    reads.sort(key=lambda read: (chunks[read.chunk].file, read.file_offset))
+    return reads
+
+
+def whole_reads(chunks: Sequence[SavedChunk]) -> list[ChunkRead]:
+    """:func:`plan_reads` of the whole tensor that ``chunks`` tile (as a decoded index's
+    do): every chunk with elements, read whole, in file order. No box is intersected: in a
+    tiling, each such chunk lies inside the tensor."""
+    reads = [
+        ChunkRead(
+            index, chunk.begin, chunk.end - chunk.begin, (chunk.offsets, chunk.sizes), True, None
+        )
+        for index, chunk in enumerate(chunks)
+        if numel(chunk.sizes)
+    ]
     reads.sort(key=lambda read: (chunks[read.chunk].file, read.file_offset))
     return reads
 

@@ -162,18 +162,28 @@ class CheckpointReader:
         dtype = record.dtype
         chunks = record.chunks
         lookup: planner.Candidates | None = None
-        if isinstance(chunks, LayoutChunks):
+        reads = None
+        if type(chunks) is not tuple and isinstance(chunks, LayoutChunks):  # (an ABC: slow)
             # A version-4 grid answers by arithmetic, and builds only the chunks it finds:
             # the begins of their cells come from the file order of each file touched,
             # whose packing is checked against the file's size when first built.
             lookup = chunks
+        elif (
+            len(chunks) > 1
+            and record.size
+            and box[1] == record.size
+            and len(box[0]) == len(box[1])
+            and not any(box[0])
+        ):  # the whole tensor (a key the state dict lacks, a consolidation): every chunk
+            reads = planner.whole_reads(chunks)
         elif len(chunks) > TUNING.lookup_chunks:
             lookup = self._lookups.get(fqn)
             if lookup is None:
                 lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])
                 self._lookups[fqn] = lookup
         try:
-            reads = planner.plan_reads(box, chunks, dtype.itemsize, lookup=lookup)
+            if reads is None:
+                reads = planner.plan_reads(box, chunks, dtype.itemsize, lookup=lookup)
         except CheckpointFormatError as err:  # grid cells that do not fill their file
             raise CheckpointFormatError(err.bare_message, key=fqn, file=self._index_url) from err
         except ValueError as err:  # the chunks tile the tensor: only a box outside it fails
@@ -201,9 +211,10 @@ class CheckpointReader:
 
     def job_blocks(self, jobs: Iterable[Job]) -> Iterable[Block]:
         """Every block the reads of ``jobs`` touch."""
+        blocks = self.blocks
         for job in jobs:
             relative = job.read.file_offset - job.chunk.begin
-            yield from self.blocks(job.key, job.chunk, relative, relative + job.read.nbytes)
+            yield from blocks(job.key, job.chunk, relative, relative + job.read.nbytes)
 
     def verify(
         self,

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
@@ -143,18 +144,24 @@ class Ranges:
         self._checksums: list[str] = []
 
     def add(self, chunk: SavedChunk, key: str) -> None:
-        self._checksums.append(chunk.checksums)
-        if chunk.begin < self._starts.get(chunk.file, FIRST_DATA_BYTE):
-            fail(f"a byte range starts at {chunk.begin}, inside the file's header", key)
-        size = self.files[chunk.file]
-        if size is not None and chunk.end > size:
-            fail(
-                f"the byte range [{chunk.begin}, {chunk.end}) ends past the declared size "
-                f"{size} of {chunk.file}",
-                key,
-            )
-        if chunk.end > chunk.begin:
-            self._ranges[chunk.file].append((chunk.begin, chunk.end, key))
+        self.add_all((chunk,), key)
+
+    def add_all(self, chunks: Iterable[SavedChunk], key: str) -> None:
+        """Add the byte ranges of ``chunks`` (in order: the first out of place raises)."""
+        starts, files, ranges = self._starts, self.files, self._ranges
+        for chunk in chunks:
+            self._checksums.append(chunk.checksums)
+            if chunk.begin < starts.get(chunk.file, FIRST_DATA_BYTE):
+                fail(f"a byte range starts at {chunk.begin}, inside the file's header", key)
+            size = files[chunk.file]
+            if size is not None and chunk.end > size:
+                fail(
+                    f"the byte range [{chunk.begin}, {chunk.end}) ends past the declared size "
+                    f"{size} of {chunk.file}",
+                    key,
+                )
+            if chunk.end > chunk.begin:
+                ranges[chunk.file].append((chunk.begin, chunk.end, key))
 
     def check(self) -> None:
         if HEX_DIGITS.fullmatch("".join(self._checksums)) is None:

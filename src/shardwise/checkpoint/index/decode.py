@@ -41,6 +41,7 @@ from shardwise.checkpoint.index.names import (
     FORMAT_VERSION,
     HEX,
     LAYOUT_VERSION,
+    MAX_DIMS,
     MAX_INDEX_BYTES,
     MAX_INT,
     SEAL_KEY,
@@ -134,32 +135,16 @@ def _decode_v2(document: dict[str, Any], version: int) -> Index:
     rows = document["tensors"]
     if type(rows) is not list:
         fail("tensors must be a list")
-    num_files = len(names)
     for row in rows:
-        # The hottest loop of a reader (one pass per chunk of the checkpoint): checks are
-        # written out rather than delegated, and a tensor of one whole chunk, the common
-        # case, skips the general tiling check.
         fqn, props, size, chunk_rows = decode_tensor_head(row, properties, tensors)
         itemsize = props.dtype.itemsize
         if type(chunk_rows) is not list:
             fail("chunks must be a list", fqn)
-        chunks = []
-        for chunk_row in chunk_rows:
-            offsets, sizes, file, begin, sums = row_of(chunk_row, 5, "a chunk", fqn)
-            if type(file) is not int or not 0 <= file < num_files:
-                fail(f"file index {file!r} does not exist", fqn)
-            begin = int_of(begin, "begin", fqn)
-            offsets = dims_of(offsets, "chunk offsets", fqn)
-            sizes = dims_of(sizes, "chunk sizes", fqn)
-            nbytes = math.prod(sizes) * itemsize
-            end = begin + nbytes
-            if type(sums) is not str or end >= MAX_INT:
-                fail("malformed chunk", fqn)
-            if len(sums) != max(1, -(-nbytes // block_size)) * HEX:
-                fail("malformed block checksums (one of 16 hex digits per block expected)", fqn)
-            chunk = SavedChunk(offsets, sizes, names[file], begin, end, sums)
-            ranges.add(chunk, fqn)
-            chunks.append(chunk)
+        chunks = _plain_chunks(chunk_rows, names, itemsize, block_size)
+        if chunks is None:  # a row is not as the writer writes it: find and name the fault
+            chunks = _chunks_one_by_one(fqn, chunk_rows, names, itemsize, block_size, ranges)
+        else:
+            ranges.add_all(chunks, fqn)
         check_chunks_tile(fqn, size, chunks)
         tensors[fqn] = TensorRecord(fqn, props, size, tuple(chunks))
 
@@ -171,3 +156,76 @@ def _decode_v2(document: dict[str, Any], version: int) -> Index:
     if version == ALIASES_VERSION:
         aliases = decode_aliases(document["aliases"], tensors, objects)
     return Index(version, block_size, files, tensors, objects, save=facts, aliases=aliases)
+
+
+def _plain_chunks(
+    rows: list[Any], names: list[str], itemsize: int, block_size: int
+) -> list[SavedChunk] | None:
+    """The chunks of a tensor's ``rows`` when every row is well formed, else ``None`` (and
+    :func:`_chunks_one_by_one` finds the first fault and words it).
+
+    The hottest loop of a reader, once per chunk of the checkpoint: it makes every check of
+    :func:`_chunks_one_by_one` but its byte ranges (left to the caller, in the same order),
+    written out without a call per field, and without side effects, so that failing here
+    changes nothing."""
+    chunks = []
+    num_files = len(names)
+    for row in rows:
+        if type(row) is not list or len(row) != 5:
+            return None
+        offsets, sizes, file, begin, sums = row
+        if (
+            type(file) is not int
+            or type(begin) is not int
+            or type(offsets) is not list
+            or type(sizes) is not list
+            or type(sums) is not str
+            or not 0 <= file < num_files
+            or not 0 <= begin < MAX_INT
+            or len(offsets) > MAX_DIMS
+            or len(sizes) > MAX_DIMS
+        ):
+            return None
+        for value in offsets:
+            if type(value) is not int or not 0 <= value < MAX_INT:
+                return None
+        for value in sizes:
+            if type(value) is not int or not 0 <= value < MAX_INT:
+                return None
+        nbytes = math.prod(sizes) * itemsize
+        end = begin + nbytes
+        blocks = 1 if nbytes <= block_size else -(-nbytes // block_size)
+        if end >= MAX_INT or len(sums) != blocks * HEX:
+            return None
+        chunks.append(SavedChunk(tuple(offsets), tuple(sizes), names[file], begin, end, sums))
+    return chunks
+
+
+def _chunks_one_by_one(
+    fqn: str,
+    rows: list[Any],
+    names: list[str],
+    itemsize: int,
+    block_size: int,
+    ranges: Ranges,
+) -> list[SavedChunk]:
+    """The chunks of a tensor's ``rows``, each row checked field by field and its byte range
+    added to ``ranges`` in turn: the first fault raises, naming what is wrong."""
+    chunks = []
+    for row in rows:
+        offsets, sizes, file, begin, sums = row_of(row, 5, "a chunk", fqn)
+        if type(file) is not int or not 0 <= file < len(names):
+            fail(f"file index {file!r} does not exist", fqn)
+        begin = int_of(begin, "begin", fqn)
+        offsets = dims_of(offsets, "chunk offsets", fqn)
+        sizes = dims_of(sizes, "chunk sizes", fqn)
+        nbytes = math.prod(sizes) * itemsize
+        end = begin + nbytes
+        if type(sums) is not str or end >= MAX_INT:
+            fail("malformed chunk", fqn)
+        if len(sums) != max(1, -(-nbytes // block_size)) * HEX:
+            fail("malformed block checksums (one of 16 hex digits per block expected)", fqn)
+        chunk = SavedChunk(offsets, sizes, names[file], begin, end, sums)
+        ranges.add(chunk, fqn)
+        chunks.append(chunk)
+    return chunks

@@ -25,6 +25,7 @@ from shardwise.checkpoint.index.names import (
     DATA_DIR,
     ENCODINGS,
     MAX_BLOCK,
+    MAX_DIMS,
     MAX_INT,
     MIN_BLOCK,
     QUANTIZED,
@@ -127,7 +128,10 @@ def decode_tensor_head(
     """A ``tensors`` row's key, properties and size, checked (the key new to ``seen``), and
     its last field (chunks or layout), unchecked. The hot path of a reader: checks written
     out."""
-    fqn, number, size_row, last = row_of(row, 4, "a tensors entry")
+    if type(row) is list and len(row) == 4:
+        fqn, number, size_row, last = row
+    else:
+        fqn, number, size_row, last = row_of(row, 4, "a tensors entry")  # raises
     if type(fqn) is not str:
         fail(f"a key must be a string, got {type(fqn).__name__}")
     if "\x00" in fqn:
@@ -143,10 +147,14 @@ def decode_tensor_head(
             "scale and zero point are not stored)",
             fqn,
         )
-    size = dims_of(size_row, "size", fqn)
-    if math.prod(size) * props.dtype.itemsize >= MAX_INT:
-        fail(f"the size {list(size)} is too large", fqn)
-    return fqn, props, size, last
+    if type(size_row) is not list or len(size_row) > MAX_DIMS:
+        dims_of(size_row, "size", fqn)  # raises, naming the fault
+    for dim in size_row:  # dims_of written out
+        if type(dim) is not int or not 0 <= dim < MAX_INT:
+            dims_of(size_row, "size", fqn)
+    if math.prod(size_row) * props.dtype.itemsize >= MAX_INT:
+        fail(f"the size {size_row} is too large", fqn)
+    return fqn, props, tuple(size_row), last
 
 
 def decode_objects(
