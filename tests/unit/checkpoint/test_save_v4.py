@@ -146,8 +146,17 @@ def test_async_save_writes_version_4_too(tmp_path: Path, layouts: None) -> None:
     _check_loaded(state, values)
 
 
-def test_the_default_threshold_keeps_version_2() -> None:
-    assert tuning.TUNING.layout_index_chunks == 65_536
+def test_the_default_threshold_writes_version_4_above_4096_chunks(tmp_path: Path) -> None:
+    # Up to 4,096 chunks a save keeps version 2 (one row per chunk); one more chunk and it
+    # writes version 4. Both read back.
+    for count, version in ((4096, 2), (4097, 4)):
+        values = {f"t{i:04d}": torch.full((2,), float(i)) for i in range(count)}
+        ckpt.save(values, tmp_path / str(count))
+        document = json.loads((tmp_path / str(count) / INDEX_NAME).read_bytes())
+        assert document["format_version"] == version
+        loaded = {key: torch.zeros(2) for key in values}
+        ckpt.load(loaded, tmp_path / str(count))
+        assert all(torch.equal(loaded[key], values[key]) for key in values)
 
 
 def test_many_small_tensors_and_blocks_across_entries(tmp_path: Path, layouts: None) -> None:
