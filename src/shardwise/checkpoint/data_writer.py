@@ -269,7 +269,9 @@ def write_data_file(
         out.header(layout.header)
         for item, entry, (begin, end) in zip(assignments, entries, layout.ranges, strict=False):
             tensor = _find_box(tensors[item.fqn], item.offsets).tensor
-            written[entry.key] = [begin, end, out.entry(tensor.detach())]
+            if tensor.requires_grad:
+                tensor = tensor.detach()
+            written[entry.key] = [begin, end, out.entry(tensor)]
             if progress is not None:
                 progress.update(end - begin)
         for (_fqn, blob), entry, (begin, end) in zip(

@@ -132,16 +132,41 @@ def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
 
 
 def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
-    """Each key whose local data is that of an earlier key, mapped to the first such key."""
+    """Each key whose local data is that of an earlier key, mapped to the first such key.
+
+    Only keys whose first element lies at an address another key's does are compared in full
+    (``storage_key``): in a state dict of thousands of tensors, few share memory."""
+    by_address: dict[int, int] = {}
+    addresses: dict[str, int] = {}
+    for key, value in tensors.items():
+        address = _first_address(value)
+        if address is not None:
+            addresses[key] = address
+            by_address[address] = by_address.get(address, 0) + 1
     first: dict[tuple[Any, ...], str] = {}
     aliases = {}
-    for key, value in tensors.items():
-        identity = storage_key(value)
+    for key, address in addresses.items():
+        if by_address[address] < 2:
+            continue
+        identity = storage_key(tensors[key])
         if identity is not None:
             target = first.setdefault(identity, key)
             if target != key:
                 aliases[key] = target
     return aliases
+
+
+def _first_address(value: TensorValue) -> int | None:
+    """The address of the first element this rank holds of ``value`` (``None``: none; -1: a
+    tensor without plain storage, compared by ``storage_key``)."""
+    for box in value.boxes:
+        tensor = box.tensor
+        if tensor.numel():
+            try:
+                return int(tensor.data_ptr())
+            except (RuntimeError, NotImplementedError, TypeError):
+                return -1
+    return None
 
 
 def _describe_or_error(
