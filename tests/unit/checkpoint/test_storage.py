@@ -278,6 +278,18 @@ def test_local_scatter_reads(tmp_path: Path) -> None:
     _check_vector(storage, storage.join("f"))
 
 
+def _first_bytes(buffers: list[memoryview], call: int) -> list[memoryview]:
+    """The leading part of ``buffers`` that the ``call``-th short I/O call takes: a few bytes
+    to a few KiB, varying from call to call."""
+    taken, left = [], 1 + (call * 7919) % 5000
+    for buffer in buffers:
+        if left <= 0:
+            break
+        taken.append(buffer[:left])
+        left -= len(taken[-1])
+    return taken
+
+
 def test_local_scatter_reads_go_on_after_short_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -288,14 +300,7 @@ def test_local_scatter_reads_go_on_after_short_reads(
     counts: list[int] = []
 
     def short(fd: int, buffers: list[memoryview], offset: int) -> int:
-        limit = 1 + (len(counts) * 7919) % 5000  # a few bytes to a few KiB at a time
-        taken, left = [], limit
-        for buffer in buffers:
-            if left <= 0:
-                break
-            taken.append(buffer[:left])
-            left -= len(taken[-1])
-        counts.append(real(fd, taken, offset))
+        counts.append(real(fd, _first_bytes(buffers, len(counts)), offset))
         return counts[-1]
 
     monkeypatch.setattr(os, "preadv", short)
@@ -328,14 +333,7 @@ def test_local_vector_writes_go_on_after_short_writes(
 
     def short(fd: int, buffers: list[memoryview]) -> int:
         assert len(buffers) <= 1024
-        limit = 1 + (len(calls) * 7919) % 5000
-        taken, left = [], limit
-        for buffer in buffers:
-            if left <= 0:
-                break
-            taken.append(buffer[:left])
-            left -= len(taken[-1])
-        calls.append(real(fd, taken))
+        calls.append(real(fd, _first_bytes(buffers, len(calls))))
         return calls[-1]
 
     monkeypatch.setattr(os, "writev", short)
