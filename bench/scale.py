@@ -22,8 +22,10 @@ By default the global steps run on 1,000 of the sharded tensors (``--sample``) a
 to all of them: every step is a loop over tensors whose cost per tensor depends on the rank
 count, not on the other tensors (``--sample 0`` at 1,024 ranks gave every step's time within
 10 %, about the run-to-run spread on a shared machine, and the index size within 2 %).
-``--layouts`` adds the figures of the new path (``_scale/layouts.py``): planning from tables of
-layouts and the version-4 index, through shardwise's own code (not yet wired into save/load).
+``--layouts`` adds the figures of the path ``save`` takes today (``_scale/layouts.py``): planning
+from tables of layouts and the version-4 index, through shardwise's own code (``save`` writes
+version 4 above ``TUNING.layout_index_chunks`` chunks; the first table is the version-2 path of
+earlier releases, which smaller saves still take).
 """
 
 from __future__ import annotations
@@ -179,7 +181,10 @@ def _parsed(result: Result) -> str:
 
 def _layouts(tensors: Sequence[Tensor], counts: Sequence[int], load_ranks: int) -> None:
     """The new path (format version 4, planning from layouts) through shardwise's code."""
-    print("The new path: layouts, version-4 index (shardwise code, not yet wired into save/load):")
+    print(
+        "The path save takes above TUNING.layout_index_chunks chunks: layouts, version-4 index "
+        "(shardwise code):"
+    )
     print()
     print("| new path | " + " | ".join(f"R={ranks}" for ranks in counts) + " |")
     print("|---|" + "---|" * len(counts))
