@@ -25,6 +25,7 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.cli import main
 from shardwise.errors import CheckpointDataError
 from shardwise.local_shards import LocalShardsWrapper
+from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
 
 
 def _lower(monkeypatch: pytest.MonkeyPatch, chunks: int) -> None:
@@ -222,3 +223,30 @@ def test_own_file_writes_put_grid_cells_first_in_layout_mode() -> None:
     assert [w.fqn for w in writes] == ["a", "b"] and cells is None
     writes, cells = _save_tables.own_file_writes(table, tensors, {**assignment, "layout": True}, 0)
     assert [w.fqn for w in writes] == ["a", "b"] and cells == 0
+
+
+def test_version_4_on_an_object_store(s3: S3Bucket, layouts: None) -> None:
+    # No rename there: the data objects go under their final names and the index last; a
+    # second save replaces the first and removes its objects. A flipped byte is refused.
+    values = _values()
+    url = s3.url("ckpt")
+    for _ in range(2):
+        returned = ckpt.save(values, url, storage_options=s3.options)
+    assert returned.version == "4"
+    assert returned == ckpt.read_metadata(url, storage_options=s3.options)
+    state = _blank()
+    ckpt.load(state, url, storage_options=s3.options)
+    _check_loaded(state, values)
+    index = json.loads(s3.filesystem().cat_file(f"{s3.name}/ckpt/{INDEX_NAME}"))
+    assert index["format_version"] == 4
+    named = {f"ckpt/{row[0]}" for row in index["files"]}
+    assert set(s3.keys("ckpt")) == {f"ckpt/{INDEX_NAME}", *named}
+    (name,) = named
+    fs = s3.filesystem()
+    data = bytearray(fs.cat_file(f"{s3.name}/{name}"))
+    data[-1] ^= 0x01
+    fs.pipe_file(f"{s3.name}/{name}", bytes(data))
+    blank = _blank()
+    with pytest.raises(CheckpointDataError):
+        ckpt.load(blank, url, storage_options=s3.options)
+    assert torch.equal(blank["model"]["weight"], _blank()["model"]["weight"])
