@@ -135,12 +135,20 @@ def file_cells(
     nbytes)``, the tensors in index order (``grids``: ``(key, grid, itemsize)`` of every
     grid tensor, in index order), each one's cells in row-major order. A writer writes them
     in this order from its data section's start; :class:`FileOrder` sums them."""
+    # The tensors of a model repeat a few shapes: a grid's cells in the file are found once
+    # per distinct (grid, itemsize), not once per tensor.
+    known: dict[tuple[Grid, int], list[tuple[int, Box, int]]] = {}
     for key, grid, itemsize in grids:
         if not grid.first <= file <= grid.last_file:
             continue
-        for cell in grid.cells_in_file(file):
-            box = grid.box(cell)
-            yield key, grid.number_of(cell), box, math.prod(box[1]) * itemsize
+        cells = known.get((grid, itemsize))
+        if cells is None:
+            cells = known[grid, itemsize] = []
+            for cell in grid.cells_in_file(file):
+                box = grid.box(cell)
+                cells.append((grid.number_of(cell), box, math.prod(box[1]) * itemsize))
+        for number, box, nbytes in cells:
+            yield key, number, box, nbytes
 
 
 class FileOrder:
