@@ -4,7 +4,7 @@
 every rank that holds it (:func:`rank_table`), checks its own boxes against that layout
 before anything is exchanged (a box the rule does not give it makes the key ``local`` on this
 rank: never a wrong index), and later turns the coordinator's short assignment into the list
-of chunks it writes (:func:`own_writes`). All of it is O(its own entries).
+of chunks it writes (:func:`own_file_writes`). All of it is O(its own entries).
 
 **The coordinator** merges the distinct tables (ranks with equal tables send only a digest),
 reconciles a key that some ranks describe as ``local`` after a failed check, agrees on tied
@@ -37,7 +37,6 @@ __all__ = [
     "CoordinatorPlan",
     "RankTable",
     "own_file_writes",
-    "own_writes",
     "plan_from_tables",
     "rank_table",
 ]
@@ -229,16 +228,6 @@ def _mesh_row(
     elif len(value.boxes) != 1 or value.boxes[0].box != grid.box(cell):
         return None
     return _row(key, value, value.size, ("mesh", number, list(placements))), cell
-
-
-def own_writes(
-    table: RankTable,
-    tensors: Mapping[str, TensorValue],
-    assignment: Mapping[str, Any],
-    rank: int,
-) -> list[WriteAssignment]:
-    """What this rank writes, in the order of its data file (see :func:`own_file_writes`)."""
-    return own_file_writes(table, tensors, assignment, rank)[0]
 
 
 def own_file_writes(

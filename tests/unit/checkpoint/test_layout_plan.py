@@ -85,7 +85,7 @@ def test_mesh_grid_cells_are_the_ranks_torch_chunk_shards(layout) -> None:
     mesh_shape=st.sampled_from([(4,), (2, 2), (2, 3), (3, 2, 2)]),
 )
 def test_mesh_grid_with_a_rules_cache_is_mesh_grid_without(layouts, mesh_shape) -> None:
-    # One cache per mesh, shared by every key in any order (as rank_table, own_writes and
+    # One cache per mesh, shared by every key in any order (as rank_table, own_file_writes and
     # plan_save keep it): each answer is the uncached one. The cache once keyed rules by
     # what was left of the replica choice after it was taken apart, so every replica got
     # the first one's writers: ranks whose keys came in another order disagreed.

@@ -51,7 +51,7 @@ def test_equal_tables_plan_replicated_tensors_once_and_balanced() -> None:
     # Each rank writes exactly its keys, sorted (the order inside its file).
     for rank in range(WORLD):
         tensors = {key: describe_tensor(key, value) for key, value in state.items()}
-        writes = _save_tables.own_writes(table, tensors, planned.assignments[rank], rank)
+        writes, _ = _save_tables.own_file_writes(table, tensors, planned.assignments[rank], rank)
         assert [w.fqn for w in writes] == sorted(whole[rank])
 
 
