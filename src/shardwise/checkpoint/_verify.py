@@ -328,6 +328,10 @@ def _mismatch(files: DataFiles, block: Block, digest: str) -> ChecksumError:
         if not block.key:
             what = "the data"
         what += f" in block {block.number} of the file (bytes {block.begin}-{block.end})"
+        if block.key and not chunk.begin <= block.begin < block.end <= chunk.end:
+            # The block is checked once, under the first entry it holds: a checksum cannot
+            # tell which of its entries' bytes changed.
+            what += ", which also holds bytes of other entries (the changed bytes may be theirs)"
     elif not blob or files.index.block_size is not None:
         what += f" in block {block.number} (bytes {block.begin}-{block.end})"
     return ChecksumError(

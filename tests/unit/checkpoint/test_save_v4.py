@@ -194,7 +194,31 @@ def test_a_flipped_bit_is_refused_before_anything_is_copied(
     assert torch.equal(state["model"]["weight"], torch.full((6, 5), 7.0))
     assert torch.equal(state["wrapper"], torch.full((4, 3), 7.0)) and state["step"] == 0
     assert main(["verify", str(tmp_path / "c")]) == 1
-    assert "CHECKSUM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CHECKSUM" in out
+    # One 1 MiB block holds every entry of this small file: a checksum cannot tell which
+    # entry's bytes changed, and the message says so rather than blame the first one.
+    assert "which also holds bytes of other entries (the changed bytes may be theirs)" in out
+    assert "which also holds bytes of other entries" in str(caught.value)
+
+
+def test_a_block_inside_one_entry_names_it(tmp_path: Path, layouts: None) -> None:
+    # A tensor of several blocks: a flipped byte in a block only it holds names it exactly.
+    big = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB
+    ckpt.save({"a": torch.ones(3), "big": big, "z": torch.zeros(3)}, tmp_path / "c")
+    with CheckpointReader.open(tmp_path / "c") as reader:
+        chunk = reader.index.tensors["big"].chunks[0]
+    target = tmp_path / "c" / chunk.file
+    data = bytearray(target.read_bytes())
+    data[chunk.begin + (3 << 19)] ^= 0x10  # the middle: block 1 lies inside "big"
+    target.write_bytes(bytes(data))
+    state = {"a": torch.zeros(3), "big": torch.zeros(3 << 18), "z": torch.ones(3)}
+    with pytest.raises(ckpt.ChecksumError) as caught:
+        ckpt.load(state, tmp_path / "c")
+    assert caught.value.key == "big"
+    assert "in block 1 of the file" in str(caught.value)
+    assert "other entries" not in str(caught.value)
+    assert not state["big"].any() and state["z"].all()
 
 
 def test_file_blocks_hash_a_stream_as_one_buffer() -> None:
