@@ -461,21 +461,29 @@ def _save_snapshot(
             objects = {fqn: obj for fqn, obj in snapshot.objects.items()}
             # What is committed must read back as built (the decoder validates everything a
             # reader checks), and every data file it names must be visible here.
-            if planned.layout:
-                facts = _save_facts(comm.world_size, save_id, path)
-                data, index = _save_v4.build_layout_index(planned, objects, written, facts)
-            else:
-                data, index = _build_index(
-                    planned.tensor_plans(),
-                    planned.aliases,
-                    objects,
-                    written,
-                    comm.world_size,
-                    save_id,
-                    path,
-                )
-                if decode_index(data) != index:
-                    raise CheckpointError("the index of this save does not read back as built")
+            try:
+                if planned.layout:
+                    facts = _save_facts(comm.world_size, save_id, path)
+                    data, index = _save_v4.build_layout_index(planned, objects, written, facts)
+                else:
+                    data, index = _build_index(
+                        planned.tensor_plans(),
+                        planned.aliases,
+                        objects,
+                        written,
+                        comm.world_size,
+                        save_id,
+                        path,
+                    )
+            except (KeyError, IndexError, TypeError, AttributeError) as err:
+                # Building raises CheckpointError only: anything else is file facts of
+                # another shape than this rank's (another shardwise on some rank).
+                raise CheckpointError(
+                    f"a rank sent malformed file facts ({type(err).__name__}: {err}); do all "
+                    "ranks run the same shardwise version? Nothing was committed"
+                ) from err
+            if not planned.layout and decode_index(data) != index:
+                raise CheckpointError("the index of this save does not read back as built")
             data_writer.check_visible(storage, index, path)
             _commit(storage, data, options.sync_files, save_id)
             committed = True

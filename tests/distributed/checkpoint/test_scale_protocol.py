@@ -4,6 +4,7 @@ writes, and no rank but the coordinator receives anything O(other ranks' entries
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from tests.harness import distributed
 tables_module = importlib.import_module("shardwise.checkpoint._save_tables")
 exchange_module = importlib.import_module("shardwise.collectives.exchange")
 outcome_module = importlib.import_module("shardwise.checkpoint._save_outcome")
+data_writer_module = importlib.import_module("shardwise.checkpoint.data_writer")
+tuning_module = importlib.import_module("shardwise.checkpoint.tuning")
 
 WORLD = 4
 
@@ -294,6 +297,34 @@ def test_a_malformed_plan_from_a_rank_fails_the_save_everywhere(tmp_path: Path) 
     with (
         _Patched(*(changes if rank == 2 else [])),
         pytest.raises(ckpt.CheckpointError, match="a rank sent a malformed save plan"),
+    ):
+        ckpt.save(state, tmp_path / "c")
+    assert not (tmp_path / "c" / "shardwise.json").exists()
+
+
+@distributed(world_size=WORLD, timeout=90)
+@pytest.mark.parametrize("layout_chunks", [None, 1])
+def test_malformed_file_facts_from_a_rank_fail_the_save_everywhere(
+    tmp_path: Path, layout_chunks: int | None
+) -> None:
+    # Rank 1 reports its data file in another shape (as another shardwise version might),
+    # for an index of version 2 and of version 4: every rank raises the same CheckpointError
+    # and nothing is committed.
+    rank = dist.get_rank()
+    state = {"plain": torch.arange(7.0) + rank, "w": torch.ones(3)}
+    real = data_writer_module.write_data_file
+
+    def other_shape(*args: Any, **kwargs: Any) -> Any:
+        facts = real(*args, **kwargs)
+        return {"file": facts.get("file")} if facts else {"file": ["x"]}
+
+    lowered = dataclasses.replace(tuning_module.TUNING, layout_index_chunks=layout_chunks or 1)
+    changes = [(data_writer_module, "write_data_file", other_shape)] if rank == 1 else []
+    if layout_chunks is not None:
+        changes.append((tuning_module, "TUNING", lowered))
+    with (
+        _Patched(*changes),
+        pytest.raises(ckpt.CheckpointError, match="a rank sent malformed file facts"),
     ):
         ckpt.save(state, tmp_path / "c")
     assert not (tmp_path / "c" / "shardwise.json").exists()
