@@ -26,7 +26,7 @@ from shardwise.checkpoint.planner import Box
 from shardwise.metadata import TensorProperties
 
 # The module (the package exports its function of the same name).
-save_module = importlib.import_module("shardwise.checkpoint.save")
+snapshot_module = importlib.import_module("shardwise.checkpoint._snapshot")
 
 D_MODEL = 1024
 D_MLP = 4 * D_MODEL
@@ -160,7 +160,7 @@ def plan_entries(tensors: Sequence[Tensor], ranks: int, rank: int) -> list[dict[
 
 
 def snapshot_of(tensors: Sequence[Tensor], ranks: int, rank: int) -> Any:
-    """Rank ``rank``'s ``save._Snapshot`` (boxes without data: nothing here reads them)."""
+    """Rank ``rank``'s ``_snapshot.Snapshot`` (boxes without data: nothing here reads them)."""
     empty = torch.empty(0)
     values = {}
     for tensor in tensors:
@@ -169,7 +169,7 @@ def snapshot_of(tensors: Sequence[Tensor], ranks: int, rank: int) -> Any:
         values[tensor.fqn] = TensorValue(
             tensor.shape, torch.float32, properties, [LocalBox(offsets, sizes, empty)]
         )
-    return save_module._Snapshot(values, {})
+    return snapshot_module.Snapshot(values, {})
 
 
 def check_against_torch(tensors: Sequence[Tensor], ranks: int) -> None:

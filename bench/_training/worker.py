@@ -267,10 +267,10 @@ _TORCH_OFFSETS = (
 SAVE_PHASES = [
     (
         "shardwise.checkpoint.save",
-        "_describe_or_error",
+        "describe_or_error",
         "describe (flatten, describe_tensor)",
     ),
-    ("shardwise.checkpoint.save", "describe_tensor", "  describe_tensor"),
+    ("shardwise.checkpoint._snapshot", "describe_tensor", "  describe_tensor"),
     _TORCH_OFFSETS,
     ("shardwise.checkpoint._save_tables", "rank_table", "rank table (layouts, own boxes checked)"),
     ("shardwise.collectives.Comm", "gather_or_raise", "gather to coordinator (+ wait for ranks)"),

@@ -31,7 +31,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,15 +40,10 @@ from shardwise import collectives
 from shardwise._progress import JobProgress
 from shardwise.checkpoint import _save_outcome, _save_tables, _save_v4, data_writer, planner
 from shardwise.checkpoint._items import (
-    LocalBox,
     ObjectValue,
-    TensorValue,
-    describe_object,
-    describe_tensor,
-    is_tensor_value,
-    storage_key,
 )
 from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint._snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.format import bytes_key, chunk_key
 from shardwise.checkpoint.index import (
     DATA_DIR,
@@ -70,7 +64,6 @@ from shardwise.checkpoint.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.state_dict import display_key, flatten
 from shardwise.checkpoint.storage import Storage, UnsafePathError, open_shared_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
 from shardwise.metadata import TensorProperties
@@ -85,105 +78,6 @@ logger = logging.getLogger(__name__)
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
 # The temporary name under which the save lock is written (see LocalStorage.replace_small).
 _TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    """Everything a rank will write, described locally."""
-
-    tensors: dict[str, TensorValue]
-    objects: dict[str, ObjectValue]
-    # Keys whose local data is that of an earlier key (tied weights): key -> that key.
-    aliases: dict[str, str] = field(default_factory=dict)
-
-
-def _describe(state_dict: Mapping[str, Any], allow_pickle: bool) -> _Snapshot:
-    tensors: dict[str, TensorValue] = {}
-    objects: dict[str, ObjectValue] = {}
-    try:
-        leaves = flatten(state_dict).leaves
-    except (TypeError, ValueError):
-        raise
-    except Exception as err:  # a Stateful object's state_dict() failed
-        raise CheckpointError(
-            f"cannot save: taking the state dict apart failed with {type(err).__name__}: {err}"
-        ) from err
-    for key, value in leaves.items():
-        fqn = display_key(key)
-        try:
-            if is_tensor_value(value):
-                described = tensors[key] = describe_tensor(fqn, value)
-                if any(box.tensor.is_meta for box in described.boxes):
-                    raise ValueError(
-                        f"cannot checkpoint {fqn!r}: it is on the meta device, which holds no "
-                        "data; materialize it first (e.g. module.to_empty(device=...) and "
-                        "initialize it)"
-                    )
-            else:
-                objects[key] = describe_object(fqn, value, allow_pickle)
-        except (TypeError, ValueError):
-            raise
-        # Anything else (an AttributeError while pickling, a RuntimeError of a DTensor
-        # helper) is named and shared with every rank like the user errors above, so no rank
-        # is left waiting.
-        except Exception as err:
-            raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
-    return _Snapshot(tensors, objects, _local_aliases(tensors))
-
-
-def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
-    """Each key whose local data is that of an earlier key, mapped to the first such key.
-
-    Only keys whose first element lies at an address another key's does are compared in full
-    (``storage_key``): in a state dict of thousands of tensors, few share memory."""
-    by_address: dict[int, int] = {}
-    addresses: dict[str, int] = {}
-    for key, value in tensors.items():
-        address = _first_address(value)
-        if address is not None:
-            addresses[key] = address
-            by_address[address] = by_address.get(address, 0) + 1
-    first: dict[tuple[Any, ...], str] = {}
-    aliases = {}
-    for key, address in addresses.items():
-        if by_address[address] < 2:
-            continue
-        identity = storage_key(tensors[key])
-        if identity is not None:
-            target = first.setdefault(identity, key)
-            if target != key:
-                aliases[key] = target
-    return aliases
-
-
-def _first_address(value: TensorValue) -> int | None:
-    """The address of the first element this rank holds of ``value`` (``None``: none; -1: a
-    tensor without plain storage, compared by ``storage_key``)."""
-    for box in value.boxes:
-        tensor = box.tensor
-        if tensor.numel():
-            try:
-                return int(tensor.data_ptr())
-            except (RuntimeError, NotImplementedError, TypeError):
-                return -1
-    return None
-
-
-def _describe_or_error(
-    state_dict: Mapping[str, Any], allow_pickle: bool, stage: bool
-) -> tuple[_Snapshot, BaseException | None]:
-    """The local description (staged to CPU memory with ``stage``), or the error that stops
-    it: raised later, after every rank has shared its verdict."""
-    try:
-        snapshot = _describe(state_dict, allow_pickle)
-    except Exception as err:
-        return _Snapshot({}, {}), err
-    try:
-        return (_stage(snapshot) if stage else snapshot), None
-    except Exception as err:  # e.g. out of memory while copying to staging memory
-        error = CheckpointError(f"cannot stage the state dict: {type(err).__name__}: {err}")
-        error.__cause__ = err
-        return _Snapshot({}, {}), error
 
 
 def _build_index(
@@ -302,7 +196,7 @@ def _group_rank_of(comm: collectives.Comm) -> Callable[[int], int]:
 
 
 def _save_snapshot(
-    snapshot: _Snapshot,
+    snapshot: Snapshot,
     path: str,
     comm: collectives.Comm,
     options: SaveOptions,
@@ -561,7 +455,7 @@ def save(
     comm = collectives.Comm(process_group, operation="save")
     _check_coordinator(coordinator_rank, comm)
     with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
-        snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=False)
+        snapshot, error = describe_or_error(state_dict, allow_pickle, stage=False)
         return _save_snapshot(snapshot, _local_path(path), comm, options, error)
 
 
@@ -583,27 +477,6 @@ _async_lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _in_flight: concurrent.futures.Future[Metadata] | None = None
 _background_groups: dict[tuple[int, ...], ProcessGroup | None] = {}
-
-
-def _stage(snapshot: _Snapshot) -> _Snapshot:
-    """A copy of every local box in CPU memory (pinned when an accelerator exists)."""
-    pin = torch.cuda.is_available()
-    tensors: dict[str, TensorValue] = {}
-    for fqn, value in snapshot.tensors.items():
-        target = snapshot.aliases.get(fqn)
-        if target is not None:  # the same local data as an earlier key: staged once
-            tensors[fqn] = TensorValue(
-                value.size, value.dtype, value.properties, tensors[target].boxes, value.layout
-            )
-            continue
-        boxes = []
-        for box in value.boxes:
-            source = box.tensor.detach()
-            staged = torch.empty(source.size(), dtype=source.dtype, device="cpu", pin_memory=pin)
-            staged.copy_(source)
-            boxes.append(LocalBox(box.offsets, box.sizes, staged))
-        tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes, value.layout)
-    return _Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)
 
 
 def _background_group(process_group: ProcessGroup | None) -> ProcessGroup | None:
@@ -659,7 +532,7 @@ def async_save(
             concurrent.futures.wait([_in_flight])
         comm = collectives.Comm(_background_group(process_group), operation="async_save")
         _check_coordinator(coordinator_rank, comm)
-        snapshot, error = _describe_or_error(state_dict, allow_pickle, stage=True)
+        snapshot, error = describe_or_error(state_dict, allow_pickle, stage=True)
         if _executor is None:
             _executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="shardwise-async-save"

@@ -1,0 +1,145 @@
+"""Step 1 of a save: what a rank will write, described locally (no copies) and checked, or
+copied to CPU memory first (``async_save``), with the keys whose local data is another key's
+(tied tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint._items import (
+    LocalBox,
+    ObjectValue,
+    TensorValue,
+    describe_object,
+    describe_tensor,
+    is_tensor_value,
+    storage_key,
+)
+from shardwise.checkpoint.state_dict import display_key, flatten
+from shardwise.errors import CheckpointError
+
+__all__ = ["Snapshot", "describe_or_error"]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything a rank will write, described locally."""
+
+    tensors: dict[str, TensorValue]
+    objects: dict[str, ObjectValue]
+    # Keys whose local data is that of an earlier key (tied weights): key -> that key.
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def _describe_state(state_dict: Mapping[str, Any], allow_pickle: bool) -> Snapshot:
+    tensors: dict[str, TensorValue] = {}
+    objects: dict[str, ObjectValue] = {}
+    try:
+        leaves = flatten(state_dict).leaves
+    except (TypeError, ValueError):
+        raise
+    except Exception as err:  # a Stateful object's state_dict() failed
+        raise CheckpointError(
+            f"cannot save: taking the state dict apart failed with {type(err).__name__}: {err}"
+        ) from err
+    for key, value in leaves.items():
+        fqn = display_key(key)
+        try:
+            if is_tensor_value(value):
+                described = tensors[key] = describe_tensor(fqn, value)
+                if any(box.tensor.is_meta for box in described.boxes):
+                    raise ValueError(
+                        f"cannot checkpoint {fqn!r}: it is on the meta device, which holds no "
+                        "data; materialize it first (e.g. module.to_empty(device=...) and "
+                        "initialize it)"
+                    )
+            else:
+                objects[key] = describe_object(fqn, value, allow_pickle)
+        except (TypeError, ValueError):
+            raise
+        # Anything else (an AttributeError while pickling, a RuntimeError of a DTensor
+        # helper) is named and shared with every rank like the user errors above, so no rank
+        # is left waiting.
+        except Exception as err:
+            raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
+    return Snapshot(tensors, objects, _local_aliases(tensors))
+
+
+def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
+    """Each key whose local data is that of an earlier key, mapped to the first such key.
+
+    Only keys whose first element lies at an address another key's does are compared in full
+    (``storage_key``): in a state dict of thousands of tensors, few share memory."""
+    by_address: dict[int, int] = {}
+    addresses: dict[str, int] = {}
+    for key, value in tensors.items():
+        address = _first_address(value)
+        if address is not None:
+            addresses[key] = address
+            by_address[address] = by_address.get(address, 0) + 1
+    first: dict[tuple[Any, ...], str] = {}
+    aliases = {}
+    for key, address in addresses.items():
+        if by_address[address] < 2:
+            continue
+        identity = storage_key(tensors[key])
+        if identity is not None:
+            target = first.setdefault(identity, key)
+            if target != key:
+                aliases[key] = target
+    return aliases
+
+
+def _first_address(value: TensorValue) -> int | None:
+    """The address of the first element this rank holds of ``value`` (``None``: none; -1: a
+    tensor without plain storage, compared by ``storage_key``)."""
+    for box in value.boxes:
+        tensor = box.tensor
+        if tensor.numel():
+            try:
+                return int(tensor.data_ptr())
+            except (RuntimeError, NotImplementedError, TypeError):
+                return -1
+    return None
+
+
+def describe_or_error(
+    state_dict: Mapping[str, Any], allow_pickle: bool, stage: bool
+) -> tuple[Snapshot, BaseException | None]:
+    """The local description (staged to CPU memory with ``stage``), or the error that stops
+    it: raised later, after every rank has shared its verdict."""
+    try:
+        snapshot = _describe_state(state_dict, allow_pickle)
+    except Exception as err:
+        return Snapshot({}, {}), err
+    try:
+        return (_stage(snapshot) if stage else snapshot), None
+    except Exception as err:  # e.g. out of memory while copying to staging memory
+        error = CheckpointError(f"cannot stage the state dict: {type(err).__name__}: {err}")
+        error.__cause__ = err
+        return Snapshot({}, {}), error
+
+
+def _stage(snapshot: Snapshot) -> Snapshot:
+    """A copy of every local box in CPU memory (pinned when an accelerator exists)."""
+    pin = torch.cuda.is_available()
+    tensors: dict[str, TensorValue] = {}
+    for fqn, value in snapshot.tensors.items():
+        target = snapshot.aliases.get(fqn)
+        if target is not None:  # the same local data as an earlier key: staged once
+            tensors[fqn] = TensorValue(
+                value.size, value.dtype, value.properties, tensors[target].boxes, value.layout
+            )
+            continue
+        boxes = []
+        for box in value.boxes:
+            source = box.tensor.detach()
+            staged = torch.empty(source.size(), dtype=source.dtype, device="cpu", pin_memory=pin)
+            staged.copy_(source)
+            boxes.append(LocalBox(box.offsets, box.sizes, staged))
+        tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes, value.layout)
+    return Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)
