@@ -271,13 +271,17 @@ def write_data_file(
             tensor = _find_box(tensors[item.fqn], item.offsets).tensor
             if tensor.requires_grad:
                 tensor = tensor.detach()
-            written[entry.key] = [begin, end, out.entry(tensor)]
+            sums = out.entry(tensor)
+            if file_blocks is None:  # version 4 reports begins only, below
+                written[entry.key] = [begin, end, sums]
             if progress is not None:
                 progress.update(end - begin)
         for (_fqn, blob), entry, (begin, end) in zip(
             blobs, entries[len(assignments) :], layout.ranges[len(assignments) :], strict=True
         ):
-            written[entry.key] = [begin, end, out.blob(blob.payload)]
+            sums = out.blob(blob.payload)
+            if file_blocks is None:
+                written[entry.key] = [begin, end, sums]
         out.flush()
     except BaseException:
         writer.abort()
