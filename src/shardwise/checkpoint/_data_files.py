@@ -208,6 +208,28 @@ class DataFiles:
             raise self._truncated(Read(file, offset, length, key), count)
         self.counted(count)
 
+    def read_runs(self, file: str, runs: Sequence[tuple[int, memoryview]], key: str | None) -> None:
+        """Fill each buffer of ``runs`` with the bytes of ``file`` at its offset (one
+        positioned read each, the gaps between them not read), on the calling thread.
+
+        Raises:
+            CheckpointDataError: A read failed or came back short (a truncated file).
+        """
+        handle = self.handle(file, key)
+        total = 0
+        try:
+            for offset, buffer in runs:
+                count = handle.read_into(offset, buffer)
+                if count != len(buffer):
+                    raise self._truncated(Read(file, offset, len(buffer), key), count)
+                total += count
+        except CheckpointError:
+            raise
+        except OSError as err:
+            raise self.error(f"cannot read data file: {err}", file, key) from err
+        finally:
+            self.counted(total)
+
     def _truncated(self, read: Read, count: int) -> CheckpointDataError:
         return self.error(
             f"data file is truncated: read {count} of {read.length} bytes at offset {read.offset}",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import math
 import os
 import shutil
 import tracemalloc
@@ -20,6 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint import _data_files, _fill, _kept, _verify
@@ -408,3 +412,86 @@ def test_a_scatter_read_past_the_end_of_a_file_is_a_checkpoint_error(saved: Path
         buffers = [memoryview(bytearray(8)), memoryview(bytearray(8))]
         with pytest.raises(CheckpointDataError, match="truncated: read 10 of 16 bytes"):
             reader.files.read_vector(name, size - 10, buffers, "t0")
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_runs_far_apart_are_read_alone_and_the_gaps_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    # Rows of 64 KiB: the left half's runs of 32 KiB (and the 4 KiB runs of a narrow box,
+    # shorter than a scattered run) lie 32 KiB and more apart, so pass 2 reads each run on
+    # its own and reads exactly the bytes it needs.
+    _tune(monkeypatch, keep_in_memory_bytes=1)
+    generator = torch.Generator().manual_seed(4)
+    full = torch.randn(48, 2, 16384, generator=generator)
+    saved = LocalShardsWrapper([full[:20].clone(), full[20:].clone()], [(0, 0, 0), (20, 0, 0)])
+    ckpt.save({"w": saved}, tmp_path / "c")
+    left = torch.zeros(48, 2, 8192)
+    narrow = torch.zeros(10, 2, 1024)
+    target = {"w": LocalShardsWrapper([left, narrow], [(0, 0, 0), (15, 0, 9000)])}
+    separate: list[int] = []
+    read_runs = _data_files.DataFiles.read_runs
+
+    def recording(files: Any, file: str, runs: list[tuple[int, memoryview]], key: Any) -> None:
+        separate.extend(len(buffer) for _, buffer in runs)
+        read_runs(files, file, runs, key)
+
+    monkeypatch.setattr(_data_files.DataFiles, "read_runs", recording)
+    with _bytes_read() as total:
+        ckpt.load(target, tmp_path / "c", verify=verify)
+    assert torch.equal(left, full[:, :, :8192])
+    assert torch.equal(narrow, full[15:25, :, 9000:10024])
+    needed = left.nbytes + narrow.nbytes
+    assert sorted(set(separate)) == [4096, 32768]
+    assert sum(separate) == needed
+    blocks = full.nbytes if verify else 0  # pass 1 reads every block the boxes touch
+    assert total[0] == blocks + needed
+
+
+def test_a_run_read_past_the_end_of_a_file_is_a_checkpoint_error(saved: Path) -> None:
+    with CheckpointReader.open(saved) as reader:
+        name = next(iter(reader.index.files))
+        size = reader.handle(name).size
+        runs = [(0, memoryview(bytearray(8))), (size - 4, memoryview(bytearray(8)))]
+        with pytest.raises(CheckpointDataError, match="truncated: read 4 of 8 bytes"):
+            reader.files.read_runs(name, runs, "t0")
+        assert reader.files.bytes_read == 8  # the run read whole
+
+
+@st.composite
+def _box_in_chunk(draw: st.DrawFn) -> tuple[list[int], list[int], list[int]]:
+    """A chunk's sizes, and the offsets and sizes of a box inside it."""
+    chunk = draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))
+    offsets = [draw(st.integers(0, size - 1)) for size in chunk]
+    sizes = [
+        draw(st.integers(1, size - offset)) for size, offset in zip(chunk, offsets, strict=True)
+    ]
+    return chunk, offsets, sizes
+
+
+@settings(max_examples=300, deadline=None)
+@given(_box_in_chunk(), st.sampled_from([1, 2, 4, 8]))
+def test_the_runs_of_a_strided_read_are_those_of_its_bytes(
+    case: tuple[list[int], list[int], list[int]], itemsize: int
+) -> None:
+    # Against the byte offsets of every element of the box, in row-major order: the length
+    # of each contiguous run, and the smallest gap between two.
+    chunk, offsets, sizes = case
+    strides = [math.prod(chunk[dim + 1 :]) * itemsize for dim in range(len(chunk))]
+    starts = sorted(
+        sum((o + i) * s for o, i, s in zip(offsets, index, strides, strict=True))
+        for index in itertools.product(*(range(size) for size in sizes))
+    )
+    runs: list[list[int]] = [[starts[0], starts[0] + itemsize]]
+    for start in starts[1:]:
+        if start == runs[-1][1]:
+            runs[-1][1] += itemsize
+        else:
+            runs.append([start, start + itemsize])
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+    run, gap = _fill._runs_of(torch.empty(sizes, dtype=dtype), sizes, strides)
+    if len(runs) == 1:
+        assert (run, gap) == (None, 0)
+        return
+    assert {end - start for start, end in runs} == {run}
+    assert gap == min(after[0] - before[1] for before, after in itertools.pairwise(runs))
