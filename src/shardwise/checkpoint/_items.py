@@ -156,11 +156,18 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
             "and zero point a checkpoint does not store; save value.dequantize() or its "
             "int_repr() and quantization parameters instead"
         )
-    tensor = value.detach()
+    requires_grad = value.requires_grad
+    # Held without autograd: a plain tensor that needs no gradient already is (a detached
+    # view costs more than the rest of this description).
+    tensor = value.detach() if requires_grad or type(value) is not torch.Tensor else value
     size = tuple(tensor.size())
     dtype = tensor.dtype
-    full = LocalBox((0,) * len(size), size, tensor)
-    return TensorValue(size, dtype, _properties(dtype, value.requires_grad), [full], _WHOLE)
+    full = LocalBox(_ORIGINS.get(len(size)) or (0,) * len(size), size, tensor)
+    return TensorValue(size, dtype, _properties(dtype, requires_grad), [full], _WHOLE)
+
+
+# The offsets of a whole tensor, per number of dims (shared: tuples are immutable).
+_ORIGINS = {ndim: (0,) * ndim for ndim in range(9)}
 
 
 _WHOLE = ("whole",)

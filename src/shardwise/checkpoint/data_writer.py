@@ -109,10 +109,12 @@ class _ChecksummingWriter:
         self._unsummed += len(data)
 
     def entry(self, tensor: torch.Tensor) -> str:
-        if tensor.device.type != "cpu":  # pragma: no cover - needs a GPU
+        if not tensor.is_cpu:  # pragma: no cover - needs a GPU
             return self._staged_entry(tensor)
-        # Values as they are: a lazily conjugated or negated view is resolved (a copy).
-        tensor = tensor.resolve_conj().resolve_neg().contiguous()
+        # Values as they are: a lazily conjugated or negated view is resolved (a copy). The
+        # flags are read first: three calls that return the tensor itself cost more.
+        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.resolve_conj().resolve_neg().contiguous()
         view = borrowed_bytes(tensor)
         if len(view) < TUNING.small_write_bytes:
             self._wait(view, tensor)

@@ -163,6 +163,19 @@ class Ranges:
             if chunk.end > chunk.begin:
                 ranges[chunk.file].append((chunk.begin, chunk.end, key))
 
+    def add_range(self, file: str, begin: int, end: int, key: str) -> bool:
+        """Add ``[begin, end)`` of ``file`` (a name of the index, ``0 <= begin <= end``),
+        where :meth:`add` would accept it; False (nothing added) where it would raise, so
+        that the caller runs :meth:`add` for the message."""
+        if end >= MAX_INT or begin < self._starts.get(file, FIRST_DATA_BYTE):
+            return False
+        size = self.files[file]
+        if size is not None and end > size:
+            return False
+        if end > begin:
+            self._ranges[file].append((begin, end, key))
+        return True
+
     def check(self) -> None:
         if HEX_DIGITS.fullmatch("".join(self._checksums)) is None:
             bad = next(s for s in self._checksums if HEX_DIGITS.fullmatch(s) is None)

@@ -200,10 +200,7 @@ def decode_v4(document: dict[str, Any]) -> Index:
             grid_bytes += math.prod(size) * itemsize
             chunks = LayoutChunks(fqn, grid, itemsize, names, orders)
         elif kind == "whole":
-            _, file, begin = row_of(layout, 3, "a whole layout", fqn)
-            chunk = _chunk(tuple(0 for _ in size), size, file, begin, itemsize, names, fqn)
-            ranges.add(chunk, fqn)
-            chunks = (chunk,)
+            chunks = (_whole(layout, size, itemsize, names, ranges, fqn),)
         elif kind == "chunks":
             _, chunk_rows = row_of(layout, 2, "a chunks layout", fqn)
             if type(chunk_rows) is not list:
@@ -310,6 +307,36 @@ def _chunk(
     if end >= MAX_INT:
         fail("malformed chunk", fqn)
     return SavedChunk(offsets, sizes, names[file], begin, end, "")
+
+
+def _whole(
+    layout: list[Any],
+    size: tuple[int, ...],
+    itemsize: int,
+    names: list[str],
+    ranges: Ranges,
+    fqn: str,
+) -> SavedChunk:
+    """A ``["whole", file, begin]`` layout's one chunk, its byte range added to ``ranges``.
+    The hot path of a reader of many small tensors: the checks of :func:`_chunk` and
+    :meth:`Ranges.add` written out for a well-formed row, which they then run for any
+    other to raise."""
+    if len(layout) == 3:
+        _, file, begin = layout
+        if type(file) is int and 0 <= file < len(names) and type(begin) is int and begin >= 0:
+            end = begin + math.prod(size) * itemsize
+            name = names[file]
+            if ranges.add_range(name, begin, end, fqn):
+                origin = _ORIGINS.get(len(size)) or (0,) * len(size)
+                return SavedChunk(origin, size, name, begin, end, "")
+    _, file, begin = row_of(layout, 3, "a whole layout", fqn)
+    chunk = _chunk(tuple(0 for _ in size), size, file, begin, itemsize, names, fqn)
+    ranges.add(chunk, fqn)
+    raise AssertionError(f"{fqn!r}: a whole layout the fast path refused passed the checks")
+
+
+# The offsets of a whole tensor, per number of dims (shared: tuples are immutable).
+_ORIGINS = {ndim: (0,) * ndim for ndim in range(9)}
 
 
 def _chunk_row(row: object, itemsize: int, names: list[str], fqn: str) -> SavedChunk:
