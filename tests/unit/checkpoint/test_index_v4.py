@@ -339,6 +339,12 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
     "whole-bad-file": (_set_layout("w.step", ["whole", 9, 200]), "file index 9"),
     "whole-in-header": (_set_layout("w.step", ["whole", 2, 40]), "inside the file's header"),
     "whole-short": (_set_layout("w.step", ["whole", 2]), "a whole layout"),
+    "whole-long": (_set_layout("w.step", ["whole", 2, 200, 0]), "a whole layout"),
+    "whole-bool-file": (_set_layout("w.step", ["whole", True, 200]), "file index True"),
+    "whole-negative-begin": (_set_layout("w.step", ["whole", 2, -8]), "begin must be"),
+    "whole-float-begin": (_set_layout("w.step", ["whole", 2, 200.0]), "begin must be"),
+    "whole-past-end": (_set_layout("w.step", ["whole", 2, 1 << 40]), "past the declared size"),
+    "whole-past-max": (_set_layout("w.step", ["whole", 2, (1 << 62) - 1]), "malformed chunk"),
     "chunks-gap": (
         _set_layout("odd", ["chunks", [[[0, 0], [1, 2], 1, 100]]]),
         "do not tile",
