@@ -87,7 +87,14 @@ def borrowed_bytes(tensor: torch.Tensor) -> memoryview:
     negation).
     """
     assert tensor.is_cpu and tensor.is_contiguous()
-    if not tensor.numel():
+    return checked_bytes(tensor)
+
+
+def checked_bytes(tensor: torch.Tensor) -> memoryview:
+    """:func:`borrowed_bytes` of a tensor the caller has checked is contiguous CPU memory
+    (for a hot loop that has read those flags already)."""
+    nbytes = tensor.nbytes
+    if not nbytes:
         return memoryview(bytearray())
-    view: memoryview = _memory_at(tensor.data_ptr(), tensor.nbytes, _WRITABLE)
+    view: memoryview = _memory_at(tensor.data_ptr(), nbytes, _WRITABLE)
     return view

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from shardwise.checkpoint._items import ObjectValue
@@ -69,30 +70,40 @@ def build_layout_index(
 
     records = []
     properties: dict[tuple[Any, ...], TensorProperties] = {}  # few distinct ones
+    # The last row's properties: consecutive rows mostly share them, and comparing two
+    # small dicts costs less than making the lookup key.
+    last: tuple[dict[str, Any] | None, TensorProperties | None] = (None, None)
     grid_bytes = 0
+    aliases, grids, whole = planned.aliases, plan.grids, plan.whole
     for key, row in plan.rows.items():
-        if key in planned.aliases:
+        if key in aliases:
             continue
         layout: Grid | tuple[SavedChunk, ...]
-        grid = plan.grids.get(key)
+        grid = grids.get(key)
         if grid is not None:
             layout = grid
             grid_bytes += math.prod(row.size) * row.itemsize
-        elif key in plan.whole:
+        elif key in whole:
             zeros = (0,) * len(row.size)
-            nbytes = math.prod(row.size) * row.itemsize
-            layout = (stored(chunk_key(key, zeros), zeros, row.size, nbytes),)
+            file, begin = where[chunk_key(key, zeros)]
+            end = begin + math.prod(row.size) * row.itemsize
+            layout = (SavedChunk(zeros, row.size, file, begin, end, ""),)
         else:
             boxes = sorted(box for box, _ in plan.chunks[key])
             layout = tuple(
                 stored(chunk_key(key, o), o, s, math.prod(s) * row.itemsize) for o, s in boxes
             )
-        known = tuple(row.properties.items())
-        props = properties.get(known)
-        if props is None:
-            props = properties[known] = TensorProperties.from_dict(row.properties)
+        if row.properties == last[0]:
+            props = last[1]
+        else:
+            known = tuple(row.properties.items())
+            props = properties.get(known)
+            if props is None:
+                props = properties[known] = TensorProperties.from_dict(row.properties)
+            last = (row.properties, props)
+        assert props is not None
         records.append(LayoutRecord(key, props, row.size, layout))
-    records.sort(key=lambda record: record.fqn)
+    records.sort(key=attrgetter("fqn"))
     object_records = []
     for fqn, value in objects.items():
         if value.encoding in TEXT_ENCODINGS:
@@ -100,7 +111,7 @@ def build_layout_index(
         else:
             blob = stored(bytes_key(fqn), (), (), len(value.payload))
             object_records.append(ObjectRecord(fqn, value.encoding, blob=blob))
-    object_records.sort(key=lambda record: record.fqn)
+    object_records.sort(key=attrgetter("fqn"))
     if sum(part["grid_bytes"] for part in written) != grid_bytes:
         raise CheckpointError(
             "the data files of this save do not hold the grid cells its plan gives them"
@@ -140,10 +151,23 @@ def _check_read_back(
         )
         if same and found is not None:
             chunks = found.chunks
-            if isinstance(record.layout, Grid):
-                same = isinstance(chunks, LayoutChunks) and chunks.grid == record.layout
+            layout = record.layout
+            if isinstance(layout, Grid):
+                same = isinstance(chunks, LayoutChunks) and chunks.grid == layout
+            elif len(layout) == 1 and type(chunks) is tuple and len(chunks) == 1:
+                # One chunk (a whole tensor, the common case): its fields, without the
+                # dataclass comparison's two tuples.
+                a, b = chunks[0], layout[0]
+                same = (a.begin, a.end, a.file, a.sizes, a.offsets, a.checksums) == (
+                    b.begin,
+                    b.end,
+                    b.file,
+                    b.sizes,
+                    b.offsets,
+                    b.checksums,
+                )
             else:
-                same = tuple(chunks) == tuple(record.layout)
+                same = tuple(chunks) == tuple(layout)
         if not same:
             break
     for name, part in zip(files, written, strict=True):

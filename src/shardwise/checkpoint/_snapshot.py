@@ -51,7 +51,7 @@ def _describe_state(state_dict: Mapping[str, Any], allow_pickle: bool) -> Snapsh
         try:
             if is_tensor_value(value):
                 described = tensors[key] = describe_tensor(fqn, value)
-                if any(box.tensor.is_meta for box in described.boxes):
+                if _on_meta(described):
                     raise ValueError(
                         f"cannot checkpoint {fqn!r}: it is on the meta device, which holds no "
                         "data; materialize it first (e.g. module.to_empty(device=...) and "
@@ -67,6 +67,13 @@ def _describe_state(state_dict: Mapping[str, Any], allow_pickle: bool) -> Snapsh
         except Exception as err:
             raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
     return Snapshot(tensors, objects, _local_aliases(tensors))
+
+
+def _on_meta(value: TensorValue) -> bool:
+    for box in value.boxes:  # noqa: SIM110 (a generator costs more than the check)
+        if box.tensor.is_meta:
+            return True
+    return False
 
 
 def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
@@ -101,7 +108,7 @@ def _first_address(value: TensorValue) -> int | None:
         tensor = box.tensor
         if tensor.numel():
             try:
-                return int(tensor.data_ptr())
+                return tensor.data_ptr()
             except (RuntimeError, NotImplementedError, TypeError):
                 return -1
     return None

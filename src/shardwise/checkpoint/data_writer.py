@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import xxhash
 
-from shardwise._boxes import borrowed_bytes, byte_view
+from shardwise._boxes import byte_view, checked_bytes
 from shardwise._progress import JobProgress
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import LocalBox, ObjectValue, TensorValue
@@ -115,7 +115,7 @@ class _ChecksummingWriter:
         # flags are read first: three calls that return the tensor itself cost more.
         if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg().contiguous()
-        view = borrowed_bytes(tensor)
+        view = checked_bytes(tensor)
         if len(view) < TUNING.small_write_bytes:
             self._wait(view, tensor)
             return "" if self._file_blocks is not None else block_checksums(view)
@@ -251,9 +251,17 @@ def write_data_file(
         return {}
     name = data_file_name(rank, save_id)
     entries = []
+    sources = []  # the tensor of each assignment
     for item in assignments:
-        dtype = tensors[item.fqn].dtype
-        entries.append(FileEntry(chunk_key(item.fqn, item.offsets), dtype, item.sizes, item.nbytes))
+        value = tensors[item.fqn]
+        entries.append(
+            FileEntry(chunk_key(item.fqn, item.offsets), value.dtype, item.sizes, item.nbytes)
+        )
+        boxes = value.boxes
+        if len(boxes) == 1 and boxes[0].offsets == item.offsets:  # a whole tensor: its box
+            sources.append(boxes[0].tensor)
+        else:
+            sources.append(_find_box(value, item.offsets).tensor)
     for fqn, blob in blobs:
         entries.append(FileEntry(bytes_key(fqn), None, (len(blob.payload),), len(blob.payload)))
     layout = layout_file(entries, {"format": "shardwise", "save_id": save_id, "rank": str(rank)})
@@ -269,8 +277,7 @@ def write_data_file(
     try:
         out = _ChecksummingWriter(writer, file_blocks)
         out.header(layout.header)
-        for item, entry, (begin, end) in zip(assignments, entries, layout.ranges, strict=False):
-            tensor = _find_box(tensors[item.fqn], item.offsets).tensor
+        for tensor, entry, (begin, end) in zip(sources, entries, layout.ranges, strict=False):
             if tensor.requires_grad:
                 tensor = tensor.detach()
             sums = out.entry(tensor)

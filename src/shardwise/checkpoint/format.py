@@ -179,22 +179,32 @@ def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileL
     header: dict[str, object] = {_METADATA_KEY: metadata}
     position = 0
     relative = []
+    codes = _SAFETENSORS_DTYPES
+    # Written out as _stored_as says, with tuples where JSON has lists (orjson writes them
+    # alike): a cost per entry of every save.
     for entry in entries:
-        code, shape = _stored_as(entry)
+        end = position + entry.nbytes
+        span = (position, end)
+        code = None if entry.dtype is None else codes.get(entry.dtype)
+        shape = entry.shape
         header[entry.key] = {
-            "dtype": code,
-            "shape": list(shape),
-            "data_offsets": [position, position + entry.nbytes],
+            "dtype": "U8" if code is None else code,
+            "shape": (entry.nbytes,)
+            if code is None
+            else shape
+            if type(shape) is tuple
+            else tuple(shape),
+            "data_offsets": span,
         }
-        relative.append((position, position + entry.nbytes))
-        position += entry.nbytes
+        relative.append(span)
+        position = end
     text = compact(header)
     padding = (-(_LENGTH_BYTES + len(text))) % ALIGNMENT
     text += b" " * padding
     start = _LENGTH_BYTES + len(text)
     return FileLayout(
         header=struct.pack("<Q", len(text)) + text,
-        ranges=tuple((start + begin, start + end) for begin, end in relative),
+        ranges=tuple([(start + begin, start + end) for begin, end in relative]),
         size=start + position,
     )
 

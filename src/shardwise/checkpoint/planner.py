@@ -205,9 +205,10 @@ def _validate_tiling(plan: TensorPlan) -> None:
         raise ValueError(f"cannot save {plan.fqn!r}: its chunks do not tile it: {err}") from err
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WriteAssignment:
-    """One chunk a rank writes."""
+    """One chunk a rank writes (treated as immutable; not frozen, which costs a fifth of a
+    microsecond per field on construction, per chunk)."""
 
     fqn: str
     offsets: tuple[int, ...]

@@ -129,6 +129,8 @@ def _children(node: Any) -> Iterator[tuple[str | int, Any]] | None:
 
 
 def _check_part(part: object, path: tuple[str | int, ...]) -> str | int:
+    if type(part) is str and part.isascii() and _SEPARATOR not in part:
+        return part  # the common case, without the checks below
     if isinstance(part, bool) or not isinstance(part, (str, int)):
         where = ".".join(str(p) for p in path) or "the state dict"
         raise TypeError(
@@ -164,6 +166,7 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
         ValueError: Two paths give the same key (e.g. ``{"a.b": 1, "a": {"b": 2}}``).
     """
     flat = Flat()
+    leaves = flat.leaves
 
     def visit(value: Any, path: tuple[str | int, ...], state: _KeyState) -> None:
         if len(path) > _MAX_DEPTH:
@@ -182,14 +185,29 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
             flat.leaves[key] = node
             return
         first = not path
+        shallow = len(path) < _MAX_DEPTH
         for part, child in children:
             part = _check_part(part, path)
+            if type(child) in _PLAIN_TENSORS and shallow:
+                # A plain tensor is a leaf (never Stateful): what visit would do for it,
+                # without the call (a state dict is mostly these).
+                key = _key_of(_extend(state, part, first))
+                if key in leaves:
+                    raise ValueError(
+                        f"state_dict keys [{display_key(key)!r}] appear twice after flattening"
+                    )
+                leaves[key] = child
+                continue
             visit(child, (*path, part), _extend(state, part, first))
         if path and is_stateful(value):
             flat.statefuls.append((value, flat.state_of(value)))
 
     visit(state_dict, (), _ROOT)
     return flat
+
+
+# Exactly these types are plain tensors (a subclass may be anything, e.g. Stateful).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[str, Any]) -> None:
