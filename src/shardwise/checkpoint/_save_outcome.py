@@ -1,7 +1,8 @@
 """What every rank of a save learns once the coordinator committed the index, and what it
-returns: the index itself when it is small, else a :class:`Metadata` that reads the committed
-index from storage only if it is walked, so that no rank but the coordinator receives a
-version 2/3 index's chunk list (``docs/design/scale.md``, *Wired*)."""
+returns: a :class:`Metadata` whose entries are decoded when first looked at, from the index
+itself when it is small (sent with the outcome), else read from storage, so that no rank but
+the coordinator receives a version 2/3 index's chunk list (``docs/design/scale.md``,
+*Wired*)."""
 
 from __future__ import annotations
 
@@ -22,27 +23,36 @@ SENT_INDEX_BYTES = TUNING.sent_index_bytes
 
 
 def outcome(data: bytes, index: Index) -> dict[str, Any]:
-    """What the coordinator tells every rank once the index is committed: the index itself
-    when it is small, else the facts of the :class:`Metadata` that each rank's return value
-    reads from storage if it is ever walked (no rank receives a large chunk list)."""
-    if len(data) <= SENT_INDEX_BYTES:
-        return {"index": data.decode()}
+    """What the coordinator tells every rank once the index is committed: the facts of the
+    :class:`Metadata` each rank returns, and the index itself when it is small (else each
+    rank's return value reads it from storage if it is ever walked: no rank receives a large
+    chunk list)."""
     metadata = index.to_metadata()
-    return {"planner_data": metadata.planner_data, "version": metadata.version}
+    assert metadata.storage_meta is not None
+    facts = {
+        "planner_data": metadata.planner_data,
+        "version": metadata.version,
+        "checkpoint_id": metadata.storage_meta.checkpoint_id,
+    }
+    if len(data) <= SENT_INDEX_BYTES:
+        facts["index"] = data.decode()
+    return facts
 
 
 def returned_metadata(
     received: Mapping[str, Any], path: str, storage_options: Any, save_id: str
 ) -> Metadata:
     """A non-coordinator rank's return value, from the ``received`` outcome (see
-    :func:`outcome`)."""
+    :func:`outcome`). Its entries are decoded when first looked at, from the index received
+    or else from storage: a training loop that ignores the return value pays for neither."""
     text = received.get("index")
-    if text is not None:
-        return decode_index(text.encode()).to_metadata()
     loaded: list[Metadata] = []
 
     def load() -> Metadata:
         if not loaded:
+            if text is not None:
+                loaded.append(decode_index(text.encode()).to_metadata())
+                return loaded[0]
             found = read_metadata(path, storage_options=storage_options)
             if found.storage_meta is None or found.storage_meta.save_id != save_id:
                 raise CheckpointError(
@@ -59,7 +69,7 @@ def returned_metadata(
         ),
         planner_data=received["planner_data"],
         storage_data=_OnFirstUse(lambda: load().storage_data),
-        storage_meta=StorageMeta(checkpoint_id=path, save_id=save_id),
+        storage_meta=StorageMeta(checkpoint_id=received["checkpoint_id"], save_id=save_id),
         version=received["version"],
     )
 

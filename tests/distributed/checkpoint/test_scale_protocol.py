@@ -328,3 +328,36 @@ def test_malformed_file_facts_from_a_rank_fail_the_save_everywhere(
     ):
         ckpt.save(state, tmp_path / "c")
     assert not (tmp_path / "c" / "shardwise.json").exists()
+
+
+@distributed(world_size=WORLD, timeout=120)
+def test_a_ranks_return_value_is_decoded_when_first_looked_at(tmp_path: Path) -> None:
+    # Every rank returns the committed checkpoint's metadata, but only the coordinator decodes
+    # the index during the save (its read-back check); the others decode it (from the index
+    # sent with the outcome, or from storage when it is large) only when the return value is
+    # walked, so a training loop that ignores it does not pay per key.
+    rank = dist.get_rank()
+    decoded: list[int] = []
+    real = outcome_module.decode_index
+
+    def counting(data: bytes) -> Any:
+        decoded.append(len(data))
+        return real(data)
+
+    for sent in (True, False):
+        path = tmp_path / f"sent{sent}"
+        decoded.clear()
+        limit = outcome_module.SENT_INDEX_BYTES if sent else 0
+        with (
+            _Patched((outcome_module, "decode_index", counting)),
+            _Patched((outcome_module, "SENT_INDEX_BYTES", limit)),
+        ):
+            metadata = ckpt.save(_fsdp_state(12), path)
+            assert decoded == []
+            expected = ckpt.read_metadata(path)
+            assert metadata.planner_data == expected.planner_data
+            assert metadata.version == expected.version
+            assert metadata.storage_meta == expected.storage_meta
+            assert dict(metadata.state_dict_metadata) == dict(expected.state_dict_metadata)
+            assert dict(metadata.storage_data) == dict(expected.storage_data)
+            assert len(decoded) == (1 if sent and rank != 0 else 0)
