@@ -162,9 +162,10 @@ def _medians(records: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[s
             "spread": (max(r["seconds"] for r in items) - min(r["seconds"] for r in items)),
             "n": len(items),
         }
-        totals = [r["extra"]["total"] for r in items if "total" in r["extra"]]
-        if totals:
-            result[key]["total"] = statistics.median(totals)
+        for name in ("total", "read", "read_copy_pass"):
+            values = [r["extra"][name] for r in items if name in r["extra"]]
+            if values:
+                result[key][name] = statistics.median(values)
     return result
 
 
@@ -283,7 +284,24 @@ class Report:
                 f"{ratio_default:>10}{ratio_best:>11}{fraction:>8}  {target_text:<26}"
                 f"{'/'.join(verdict_parts)}"
             )
+        self.read_row(storage)
         self.async_rows(storage)
+
+    def read_row(self, storage: str) -> None:
+        entry = self.get(storage, "reshard-cols", worker.SHARDWISE)
+        if entry is None or "read" not in entry:
+            return
+        copy = entry["read_copy_pass"]
+        verdict = self.verdict(
+            f"{storage} rows->cols copy pass reads <= 1.1x the bytes needed",
+            copy <= 1.1,
+            f"{copy:.2f}x",
+        )
+        self.out(
+            f"rows->cols reads, per rank: {entry['read']:.2f}x the bytes it needs in all "
+            f"({entry['read'] - copy:.2f}x to verify the 1 MiB blocks they touch, {copy:.2f}x "
+            f"to copy) {verdict}"
+        )
 
     def async_rows(self, storage: str) -> None:
         memcpy = self.get(storage, "async", "memcpy")
