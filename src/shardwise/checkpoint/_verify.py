@@ -84,6 +84,41 @@ def file_blocks(index: Index, key: str, chunk: SavedChunk, begin: int, end: int)
     yield from _file_section(index, key, chunk, first, sums)
 
 
+def touched_file_blocks(
+    index: Index, reads: Iterable[tuple[str, SavedChunk, int, int]]
+) -> list[Block]:
+    """Version 4: the blocks that ``reads`` (``(key, chunk, begin, end)``, absolute bytes of
+    ``chunk.file``) touch, each once, attributed to the last read that touches it (as
+    :func:`file_blocks` of each read, deduplicated by :func:`verify`, would be). Many small
+    tensors share a block: a block is made once, not once per read."""
+    assert index.block_size is not None
+    size = index.block_size
+    latest: dict[tuple[str, int], tuple[str, SavedChunk]] = {}
+    starts = index.data_starts
+    for key, chunk, begin, end in reads:
+        if end <= begin:
+            continue
+        file = chunk.file
+        start = starts[file]
+        for number in range((begin - start) // size, (end - 1 - start) // size + 1):
+            latest[file, number] = (key, chunk)
+    blocks = []
+    for (file, number), (key, chunk) in latest.items():
+        begin = starts[file] + number * size
+        blocks.append(
+            Block(
+                file,
+                begin,
+                min(begin + size, index.files[file] or 0),
+                index.file_checksums[file][number * _HEX : (number + 1) * _HEX],
+                key,
+                chunk,
+                number,
+            )
+        )
+    return blocks
+
+
 def section_blocks(index: Index, name: str, key: str) -> Iterator[Block]:
     """Version 4: every block of data file ``name``'s data section, attributed to ``key`` (an
     empty section has one block of zero bytes)."""

@@ -28,7 +28,7 @@ instead of reading the file again.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,14 @@ from shardwise.checkpoint._fill import Job, fill
 from shardwise.checkpoint._index_file import decode, read_index_bytes
 from shardwise.checkpoint._items import LocalBox
 from shardwise.checkpoint._kept import KeptBytes
-from shardwise.checkpoint._verify import Block, chunk_blocks, file_blocks, section_blocks, verify
+from shardwise.checkpoint._verify import (
+    Block,
+    chunk_blocks,
+    file_blocks,
+    section_blocks,
+    touched_file_blocks,
+    verify,
+)
 from shardwise.checkpoint.index import INDEX_NAME, Index, TensorRecord
 from shardwise.checkpoint.index.layouts import LayoutChunks
 from shardwise.checkpoint.planner import SavedChunk
@@ -211,6 +218,22 @@ class CheckpointReader:
 
     def job_blocks(self, jobs: Iterable[Job]) -> Iterable[Block]:
         """Every block the reads of ``jobs`` touch."""
+        if self.index.block_scope == "file":
+            return touched_file_blocks(
+                self.index,
+                (
+                    (
+                        job.key,
+                        job.chunk,
+                        job.read.file_offset,
+                        job.read.file_offset + job.read.nbytes,
+                    )
+                    for job in jobs
+                ),
+            )
+        return self._chunk_job_blocks(jobs)
+
+    def _chunk_job_blocks(self, jobs: Iterable[Job]) -> Iterator[Block]:
         blocks = self.blocks
         for job in jobs:
             relative = job.read.file_offset - job.chunk.begin

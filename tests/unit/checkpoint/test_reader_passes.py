@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import itertools
 import math
 import os
@@ -495,3 +496,40 @@ def test_the_runs_of_a_strided_read_are_those_of_its_bytes(
         return
     assert {end - start for start, end in runs} == {run}
     assert gap == min(after[0] - before[1] for before, after in itertools.pairwise(runs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300_000), min_size=2, max_size=12),
+    boxes=st.lists(st.tuples(st.integers(0, 11), st.floats(0, 1), st.floats(0, 1)), max_size=20),
+)
+def test_blocks_of_many_reads_are_those_of_each_read_deduplicated(
+    tmp_path_factory: pytest.TempPathFactory,
+    sizes: list[int],
+    boxes: list[tuple[int, float, float]],
+) -> None:
+    # Version 4 (checksums per file): the blocks the reads of a load touch, found for all
+    # reads at once, are what each read's own blocks give once repeats are dropped (the last
+    # read touching a block names it, as the verifying pass keeps it).
+    path = tmp_path_factory.mktemp("blocks") / "c"
+    state = {f"t{n}": torch.arange(size, dtype=torch.float32) for n, size in enumerate(sizes)}
+    lowered = dataclasses.replace(TUNING, layout_index_chunks=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib.import_module("shardwise.checkpoint.tuning"), "TUNING", lowered)
+        ckpt.save(state, path)
+    with CheckpointReader.open(path) as reader:
+        assert reader.index.block_scope == "file"
+        jobs = []
+        for number, low, high in boxes:
+            size = sizes[number % len(sizes)]
+            begin = int(min(low, high) * size)
+            end = int(max(low, high) * size)
+            jobs += reader.plan(f"t{number % len(sizes)}", ((begin,), (end - begin,)), 0)
+        expected = {}
+        for job in jobs:
+            relative = job.read.file_offset - job.chunk.begin
+            for block in reader.blocks(job.key, job.chunk, relative, relative + job.read.nbytes):
+                expected[block.file, block.begin] = block
+        found = list(reader.job_blocks(jobs))
+        assert len(found) == len({(block.file, block.begin) for block in found})
+        assert {(block.file, block.begin): block for block in found} == expected
