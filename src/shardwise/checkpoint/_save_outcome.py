@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, cast
 
-from shardwise.checkpoint.index import Index, decode_index
+from shardwise.checkpoint.index import decode_index
 from shardwise.checkpoint.load import read_metadata
 from shardwise.checkpoint.metadata import STORAGE_TYPES, Metadata, StorageMeta
 from shardwise.checkpoint.tuning import TUNING
@@ -22,12 +22,11 @@ __all__ = ["outcome", "returned_metadata"]
 SENT_INDEX_BYTES = TUNING.sent_index_bytes
 
 
-def outcome(data: bytes, index: Index) -> dict[str, Any]:
-    """What the coordinator tells every rank once the index is committed: the facts of the
-    :class:`Metadata` each rank returns, and the index itself when it is small (else each
-    rank's return value reads it from storage if it is ever walked: no rank receives a large
-    chunk list)."""
-    metadata = index.to_metadata()
+def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
+    """What the coordinator tells every rank once the index ``data`` is committed: the facts
+    of the :class:`Metadata` each rank returns (the coordinator's is ``metadata``), and the
+    index itself when it is small (else each rank's return value reads it from storage if it
+    is ever walked: no rank receives a large chunk list)."""
     assert metadata.storage_meta is not None
     facts = {
         "planner_data": metadata.planner_data,

@@ -347,7 +347,7 @@ def _save_snapshot(
         # Exchange 3: each rank's file facts on the coordinator.
         _, written = exchange_with_bar(comm, write, bar, dst=coordinator_rank)
         committed = False
-        built: tuple[bytes, Index] | None = None
+        built: tuple[bytes, Index, Metadata] | None = None
 
         def commit() -> dict[str, Any]:
             nonlocal committed, built
@@ -381,8 +381,8 @@ def _save_snapshot(
             data_writer.check_visible(storage, index, path)
             _commit(storage, data, options.sync_files, save_id)
             committed = True
-            built = data, index
-            return _save_outcome.outcome(data, index)
+            built = data, index, index.to_metadata()
+            return _save_outcome.outcome(data, built[2])
 
         try:
             # Exchange 4: the outcome (and a small index) on every rank.
@@ -398,7 +398,7 @@ def _save_snapshot(
             ) from err
         if built is None:
             return _save_outcome.returned_metadata(outcome, path, options.storage_options, save_id)
-        data, index = built
+        data, index, metadata = built
         try:
             _remove_leftovers(storage, index)
         except OSError as err:
@@ -408,7 +408,7 @@ def _save_snapshot(
         count = len(index.files)
         files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
         log_done(logger, "saved", path, nbytes, time.monotonic() - started, files)
-        return index.to_metadata()
+        return metadata
     finally:
         if lock is not None:
             lock.release()
