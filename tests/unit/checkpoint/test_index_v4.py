@@ -327,6 +327,16 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
     "grid-past-last-file": (_set_layout("w", ["grid", [3, 3], [1, 1, 0]]), "reach file 4"),
     "grid-negative-stride": (_set_layout("w", ["grid", [3, 3], [0, -1, 0]]), "must be an integer"),
     "grid-float-step": (_set_layout("w", ["grid", [3.0, 3], [0, 1, 0]]), "grid steps"),
+    # The same grid as the row before, but for the type of one number: refused all the same
+    # (a row is not answered from an earlier equal-looking one).
+    "grid-float-step-repeated": (
+        _set_layout("w.exp_avg", ["grid", [3.0, 3], [0, 1, 0]]),
+        "grid steps",
+    ),
+    "grid-bool-stride-repeated": (
+        _set_layout("w.exp_avg", ["grid", [3, 3], [0, True, 0]]),
+        "must be an integer",
+    ),
     "grid-too-big": (
         lambda d: (
             _tensor(d, "w").__setitem__(2, [1 << 40, 3]),

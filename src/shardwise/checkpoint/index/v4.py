@@ -187,13 +187,14 @@ def decode_v4(document: dict[str, Any]) -> Index:
     if type(rows) is not list:
         fail("tensors must be a list")
     grid_bytes = 0
+    known_grids: dict[tuple[Any, ...], Grid] = {}  # a model repeats a few shapes
     for row in rows:
         fqn, props, size, layout = decode_tensor_head(row, properties, tensors)
         itemsize = props.dtype.itemsize
         kind = layout[0] if type(layout) is list and layout else None
         chunks: Sequence[SavedChunk]
         if kind == "grid":
-            grid = _grid(layout, size, len(names), fqn)
+            grid = _known_grid(layout, size, len(names), fqn, known_grids)
             grids.append((fqn, grid, itemsize))
             grid_bytes += math.prod(size) * itemsize
             chunks = LayoutChunks(fqn, grid, itemsize, names, orders)
@@ -268,6 +269,34 @@ def _files(
         files[name], starts[name], sums[name] = size, start, checksums
         names.append(name)
     return files, names, starts, sums
+
+
+def _known_grid(
+    layout: list[Any],
+    size: tuple[int, ...],
+    num_files: int,
+    fqn: str,
+    known: dict[tuple[Any, ...], Grid],
+) -> Grid:
+    """:func:`_grid`, answered from ``known`` for a layout of only ints that an earlier row
+    of this index gave with the same size (a model's tensors repeat a few shapes: 8,000 rows
+    hold a few dozen distinct grids). What :func:`_grid` refuses is never in ``known``; ints
+    are checked by type first, so that ``True`` or ``3.0`` (equal to ``1`` and ``3`` as keys)
+    never find a grid."""
+    if len(layout) == 3:
+        _, steps, placement = layout
+        if (
+            type(steps) is list
+            and type(placement) is list
+            and all([type(value) is int for value in steps])
+            and all([type(value) is int for value in placement])
+        ):
+            key = (size, tuple(steps), tuple(placement))
+            grid = known.get(key)
+            if grid is None:
+                grid = known[key] = _grid(layout, size, num_files, fqn)
+            return grid
+    return _grid(layout, size, num_files, fqn)
 
 
 def _grid(layout: list[Any], size: tuple[int, ...], num_files: int, fqn: str) -> Grid:
