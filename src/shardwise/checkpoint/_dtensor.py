@@ -21,6 +21,9 @@ from typing import Any
 
 __all__ = ["local_shape_and_offset"]
 
+# Replicate and Shard, once a DTensor has been met (torch.distributed.tensor is then imported).
+_TYPES: list[Any] = []
+
 
 def local_shape_and_offset(
     global_shape: Sequence[int],
@@ -30,15 +33,18 @@ def local_shape_and_offset(
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The local shape and global offset of the shard at mesh ``coordinate``, or ``None`` when
     a placement is not exactly ``Shard`` or ``Replicate`` (then use torch's function)."""
-    from torch.distributed.tensor import Replicate, Shard
+    if not _TYPES:  # imported once (an import statement costs a microsecond per call)
+        from torch.distributed.tensor import Replicate, Shard
 
+        _TYPES.extend((Replicate, Shard))
+    replicate, shard = _TYPES
     shape = list(global_shape)
     offsets = [0] * len(shape)
     for mesh_dim, placement in enumerate(placements):
         kind = type(placement)
-        if kind is Replicate:
+        if kind is replicate:
             continue
-        if kind is not Shard:
+        if kind is not shard:
             return None
         dim = placement.dim
         if dim < 0:

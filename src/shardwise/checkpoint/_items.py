@@ -248,20 +248,42 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
     else:
         dtype = local.dtype
         mesh = value.device_mesh
-        coordinate = mesh.get_coordinate()
+        coordinate, mesh_shape = _mesh_facts(mesh)
         if coordinate is None:
             boxes = []
         else:
             # The closed form covers Shard/Replicate; torch's function everything else.
-            found = local_shape_and_offset(size, mesh.shape, coordinate, placements)
+            found = local_shape_and_offset(size, mesh_shape, coordinate, placements)
             if found is None:
                 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
                 found = compute_local_shape_and_global_offset(value.size(), mesh, placements)
             shape, offsets = found
-            boxes = [LocalBox(tuple(offsets), tuple(shape), local.detach())]
+            # Held without autograd (a plain local tensor that needs no gradient already is).
+            if local.requires_grad or type(local) is not torch.Tensor:
+                local = local.detach()
+            boxes = [LocalBox(tuple(offsets), tuple(shape), local)]
         layout = None if known is None else ("mesh", mesh, known)
     return TensorValue(size, dtype, _properties(dtype, value.requires_grad), boxes, layout)
+
+
+def _mesh_facts(mesh: Any) -> tuple[Any, tuple[int, ...]]:
+    """This rank's coordinate in ``mesh`` (None: not in it) and the mesh's shape, computed
+    once per mesh object (``mesh.shape`` builds a tuple from a tensor on every call, and a
+    state dict holds thousands of DTensors on a few meshes)."""
+    found = _MESHES.get(id(mesh))
+    if found is not None and found[0] is mesh:
+        return found[1], found[2]
+    if len(_MESHES) >= 64:  # meshes are few and long-lived; never grow without bound
+        _MESHES.clear()
+    coordinate = mesh.get_coordinate()
+    shape = tuple(mesh.shape)
+    _MESHES[id(mesh)] = (mesh, coordinate, shape)
+    return coordinate, shape
+
+
+# Per mesh object (by id, the object kept to check identity): (mesh, coordinate, shape).
+_MESHES: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
 
 
 # The placements of the DTensors met, by value (a few distinct tuples per model; placement

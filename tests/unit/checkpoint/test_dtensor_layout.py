@@ -42,3 +42,35 @@ def test_fsdp_rows_past_the_end() -> None:
 @pytest.mark.parametrize("placement", [_StridedShard(0, split_factor=2), Partial(), Shard(-1)])
 def test_other_placements_are_left_to_torch(placement: object) -> None:
     assert local_shape_and_offset([8, 4], [2, 2], [1, 0], [Shard(1), placement]) is None
+
+
+class _Mesh:
+    """What ``_mesh_facts`` reads of a DeviceMesh, counting the calls."""
+
+    def __init__(self, coordinate: list[int] | None, shape: tuple[int, ...]) -> None:
+        self._coordinate, self._shape, self.calls = coordinate, shape, 0
+
+    def get_coordinate(self) -> list[int] | None:
+        self.calls += 1
+        return self._coordinate
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+
+def test_mesh_facts_are_computed_once_per_mesh_object() -> None:
+    from shardwise.checkpoint import _items
+
+    first, second = _Mesh([1, 0], (2, 2)), _Mesh(None, (4,))
+    for _ in range(3):
+        assert _items._mesh_facts(first) == ([1, 0], (2, 2))
+        assert _items._mesh_facts(second) == (None, (4,))
+    assert (first.calls, second.calls) == (1, 1)
+    # Never more than 64 meshes are remembered, and a forgotten one is asked again.
+    others = [_Mesh([n], (65,)) for n in range(64)]
+    for number, mesh in enumerate(others):
+        assert _items._mesh_facts(mesh) == ([number], (65,))
+    assert len(_items._MESHES) <= 64
+    assert _items._mesh_facts(first) == ([1, 0], (2, 2))
+    assert first.calls == 2
