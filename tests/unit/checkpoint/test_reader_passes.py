@@ -372,6 +372,17 @@ def test_an_index_replaced_while_it_is_read_is_read_again(
     assert len(opened) == 2
 
 
+def _save_row_chunks(path: Path, seed: int, shape: tuple[int, ...], split: int) -> torch.Tensor:
+    """A random tensor of ``shape`` saved at ``path`` as two chunks of rows (``[0, split)``
+    and the rest, as two ranks of a row-wise sharding save it); returned whole."""
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.randn(*shape, generator=generator)
+    second = (split,) + (0,) * (len(shape) - 1)
+    chunks = [full[:split].clone(), full[split:].clone()]
+    ckpt.save({"w": LocalShardsWrapper(chunks, [(0,) * len(shape), second])}, path)
+    return full
+
+
 @pytest.mark.parametrize("keep", [64 * _MIB, 1], ids=["kept", "not-kept"])
 def test_long_strided_runs_are_scattered_straight_into_their_destinations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: int
@@ -381,10 +392,7 @@ def test_long_strided_runs_are_scattered_straight_into_their_destinations(
     # one scatter read puts the runs into the destinations and the gaps aside; from the
     # kept bytes, they are copied.
     _tune(monkeypatch, keep_in_memory_bytes=keep)
-    generator = torch.Generator().manual_seed(3)
-    full = torch.randn(64, 4, 8192, generator=generator)
-    saved = LocalShardsWrapper([full[:40].clone(), full[40:].clone()], [(0, 0, 0), (40, 0, 0)])
-    ckpt.save({"w": saved}, tmp_path / "c")
+    full = _save_row_chunks(tmp_path / "c", 3, (64, 4, 8192), 40)
     left = torch.zeros(64, 4, 5000)
     inner = torch.zeros(30, 2, 6000)
     target = {"w": LocalShardsWrapper([left, inner], [(0, 0, 0), (20, 1, 1000)])}
@@ -423,10 +431,7 @@ def test_runs_far_apart_are_read_alone_and_the_gaps_not_at_all(
     # shorter than a scattered run) lie 32 KiB and more apart, so pass 2 reads each run on
     # its own and reads exactly the bytes it needs.
     _tune(monkeypatch, keep_in_memory_bytes=1)
-    generator = torch.Generator().manual_seed(4)
-    full = torch.randn(48, 2, 16384, generator=generator)
-    saved = LocalShardsWrapper([full[:20].clone(), full[20:].clone()], [(0, 0, 0), (20, 0, 0)])
-    ckpt.save({"w": saved}, tmp_path / "c")
+    full = _save_row_chunks(tmp_path / "c", 4, (48, 2, 16384), 20)
     left = torch.zeros(48, 2, 8192)
     narrow = torch.zeros(10, 2, 1024)
     target = {"w": LocalShardsWrapper([left, narrow], [(0, 0, 0), (15, 0, 9000)])}
