@@ -13,7 +13,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Box", "borrowed_bytes", "byte_view", "intersect", "narrow_to", "region"]
+__all__ = [
+    "Box",
+    "borrowed_bytes",
+    "byte_view",
+    "checked_bytes",
+    "intersect",
+    "narrow_to",
+    "origin",
+    "region",
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, sizes)`` of a region of a tensor's global index space."""
@@ -61,6 +70,16 @@ def region(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -
         if size != view.size(dim):
             view = view.narrow(dim, min(offset, view.size(dim)), size)
     return view
+
+
+def origin(ndim: int) -> tuple[int, ...]:
+    """The offsets ``(0, ..., 0)`` of a box of ``ndim`` dims: one shared tuple per count (a
+    whole tensor's box is made for each of thousands of tensors)."""
+    found = _ORIGINS.get(ndim)
+    return (0,) * ndim if found is None else found
+
+
+_ORIGINS = {ndim: (0,) * ndim for ndim in range(9)}
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

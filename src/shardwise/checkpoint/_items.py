@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shardwise._boxes import Box
+from shardwise._boxes import Box, origin
 from shardwise.checkpoint._dtensor import local_shape_and_offset
 from shardwise.checkpoint._json import TAGS, json_problem, tagged, untag
 from shardwise.metadata import TensorProperties
@@ -162,12 +162,8 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
     tensor = value.detach() if requires_grad or type(value) is not torch.Tensor else value
     size = tuple(tensor.size())
     dtype = tensor.dtype
-    full = LocalBox(_ORIGINS.get(len(size)) or (0,) * len(size), size, tensor)
+    full = LocalBox(origin(len(size)), size, tensor)
     return TensorValue(size, dtype, _properties(dtype, requires_grad), [full], _WHOLE)
-
-
-# The offsets of a whole tensor, per number of dims (shared: tuples are immutable).
-_ORIGINS = {ndim: (0,) * ndim for ndim in range(9)}
 
 
 _WHOLE = ("whole",)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
-from shardwise._boxes import Box
+from shardwise._boxes import Box, origin
 from shardwise.checkpoint import planner, tuning
 from shardwise.checkpoint._items import TensorValue
 from shardwise.checkpoint._json import compact
@@ -268,7 +268,7 @@ def own_file_writes(
         assert value.size is not None
         size = tuple(value.size)
         nbytes = math.prod(size) * value.dtype.itemsize
-        others.append(WriteAssignment(key, (0,) * len(size), size, nbytes))
+        others.append(WriteAssignment(key, origin(len(size)), size, nbytes))
     for key, offsets in assignment.get("chunks", ()):
         value = tensors[key]
         wanted = tuple(offsets)

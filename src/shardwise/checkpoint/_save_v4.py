@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
+from shardwise._boxes import origin
 from shardwise.checkpoint._items import ObjectValue
 from shardwise.checkpoint._save_tables import CoordinatorPlan
 from shardwise.checkpoint.format import bytes_key, chunk_key
@@ -84,7 +85,7 @@ def build_layout_index(
             layout = grid
             grid_bytes += math.prod(row.size) * row.itemsize
         elif key in whole:
-            zeros = (0,) * len(row.size)
+            zeros = origin(len(row.size))
             file, begin = where[chunk_key(key, zeros)]
             end = begin + math.prod(row.size) * row.itemsize
             layout = (SavedChunk(zeros, row.size, file, begin, end, ""),)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise._boxes import origin
 from shardwise.checkpoint.index.checks import (
     HEX_DIGITS,
     Ranges,
@@ -354,16 +355,11 @@ def _whole(
             end = begin + math.prod(size) * itemsize
             name = names[file]
             if ranges.add_range(name, begin, end, fqn):
-                origin = _ORIGINS.get(len(size)) or (0,) * len(size)
-                return SavedChunk(origin, size, name, begin, end, "")
+                return SavedChunk(origin(len(size)), size, name, begin, end, "")
     _, file, begin = row_of(layout, 3, "a whole layout", fqn)
     chunk = _chunk(tuple(0 for _ in size), size, file, begin, itemsize, names, fqn)
     ranges.add(chunk, fqn)
     raise AssertionError(f"{fqn!r}: a whole layout the fast path refused passed the checks")
-
-
-# The offsets of a whole tensor, per number of dims (shared: tuples are immutable).
-_ORIGINS = {ndim: (0,) * ndim for ndim in range(9)}
 
 
 def _chunk_row(row: object, itemsize: int, names: list[str], fqn: str) -> SavedChunk:
