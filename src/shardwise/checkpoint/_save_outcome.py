@@ -45,6 +45,17 @@ def returned_metadata(
     :func:`outcome`). Its entries are decoded when first looked at, from the index received
     or else from storage: a training loop that ignores the return value pays for neither."""
     text = received.get("index")
+    if "checkpoint_id" not in received or "planner_data" not in received:
+        # An outcome without the facts (a coordinator of an earlier shardwise, which sent the
+        # index alone): the index, decoded now, says everything.
+        if text is None:
+            raise CheckpointError(
+                f"the checkpoint at {path} was committed, but its coordinator sent an outcome "
+                "this shardwise cannot read; do all ranks run the same shardwise version? "
+                "Read its metadata with read_metadata",
+                file=path,
+            )
+        return decode_index(text.encode()).to_metadata()
     loaded: list[Metadata] = []
 
     def load() -> Metadata:
