@@ -86,9 +86,8 @@ def build_layout_index(
             grid_bytes += math.prod(row.size) * row.itemsize
         elif key in whole:
             zeros = origin(len(row.size))
-            file, begin = where[chunk_key(key, zeros)]
-            end = begin + math.prod(row.size) * row.itemsize
-            layout = (SavedChunk(zeros, row.size, file, begin, end, ""),)
+            nbytes = math.prod(row.size) * row.itemsize
+            layout = (stored(chunk_key(key, zeros), zeros, row.size, nbytes),)
         else:
             boxes = sorted(box for box, _ in plan.chunks[key])
             layout = tuple(
@@ -162,18 +161,6 @@ def _check_read_back(
             layout = record.layout
             if isinstance(layout, Grid):
                 same = isinstance(chunks, LayoutChunks) and chunks.grid == layout
-            elif len(layout) == 1 and type(chunks) is tuple and len(chunks) == 1:
-                # One chunk (a whole tensor, the common case): its fields, without the
-                # dataclass comparison's two tuples.
-                a, b = chunks[0], layout[0]
-                same = (a.begin, a.end, a.file, a.sizes, a.offsets, a.checksums) == (
-                    b.begin,
-                    b.end,
-                    b.file,
-                    b.sizes,
-                    b.offsets,
-                    b.checksums,
-                )
             else:
                 same = tuple(chunks) == tuple(layout)
         if not same:

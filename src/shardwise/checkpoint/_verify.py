@@ -102,21 +102,9 @@ def touched_file_blocks(
         start = starts[file]
         for number in range((begin - start) // size, (end - 1 - start) // size + 1):
             latest[file, number] = (key, chunk)
-    blocks = []
-    for (file, number), (key, chunk) in latest.items():
-        begin = starts[file] + number * size
-        blocks.append(
-            Block(
-                file,
-                begin,
-                min(begin + size, index.files[file] or 0),
-                index.file_checksums[file][number * _HEX : (number + 1) * _HEX],
-                key,
-                chunk,
-                number,
-            )
-        )
-    return blocks
+    return [
+        _section_block(index, key, chunk, number) for (_, number), (key, chunk) in latest.items()
+    ]
 
 
 def section_blocks(index: Index, name: str, key: str) -> Iterator[Block]:
@@ -135,20 +123,24 @@ def _file_section(
 ) -> Iterator[Block]:
     """The blocks with checksums ``sums`` of ``chunk.file`` from its byte ``first``."""
     assert index.block_size is not None
-    block_size = index.block_size
-    size = index.files[chunk.file] or 0
-    number = (first - index.data_starts[chunk.file]) // block_size
+    number = (first - index.data_starts[chunk.file]) // index.block_size
     for position, checksum in enumerate(sums):
-        start = first + position * block_size
-        yield Block(
-            chunk.file,
-            start,
-            min(start + block_size, size),
-            checksum,
-            key,
-            chunk,
-            number + position,
-        )
+        yield _section_block(index, key, chunk, number + position, checksum)
+
+
+def _section_block(
+    index: Index, key: str, chunk: SavedChunk, number: int, checksum: str | None = None
+) -> Block:
+    """Block ``number`` of ``chunk.file``'s data section (counted from its start; the last
+    one ends at the file's end), attributed to ``key`` and ``chunk``; its checksum taken
+    from the index unless given."""
+    assert index.block_size is not None
+    file = chunk.file
+    begin = index.data_starts[file] + number * index.block_size
+    if checksum is None:
+        checksum = index.file_checksums[file][number * _HEX : (number + 1) * _HEX]
+    end = min(begin + index.block_size, index.files[file] or 0)
+    return Block(file, begin, end, checksum, key, chunk, number)
 
 
 def verify(
