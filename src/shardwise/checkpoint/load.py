@@ -44,12 +44,15 @@ from shardwise.checkpoint._items import (
     is_tensor_value,
 )
 from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint._shared_verify import boot_id, own_share, summary
+from shardwise.checkpoint._verify import Block
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.reader import CheckpointReader, Job, decode, read_index_bytes
 from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.storage import open_shared_storage
+from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
@@ -477,6 +480,10 @@ def _load(
     """Plan, verify and fill (see the module's docstring). Returns the result and the bytes
     every rank read into the state dict."""
     flat = Flat()
+    # The blocks the reads of this rank's tensors touch (with ``verify``).
+    blocks: list[Block] = []
+    # The ranks of one host that read one file share its verifying pass (_shared_verify).
+    sharing = options.verify and comm.world_size > 1 and TUNING.verify_share == 1
 
     def plan() -> _Plan:
         nonlocal flat
@@ -487,25 +494,34 @@ def _load(
         blobs = [(item.fqn, item.blob) for _, item in planned.objects if item.blob is not None]
         jobs = ((job.key, job.chunk) for job in planned.jobs)
         reader.check_files(itertools.chain(jobs, blobs))
+        if options.verify:
+            blocks.extend(reader.job_blocks(planned.jobs))
         return planned
 
+    def wish(planned: _Plan) -> list[Any]:
+        shared = summary(blocks, reader.shared_identity, boot_id()) if sharing else None
+        return [options.progress, token, sum(job.read.nbytes for job in planned.jobs), shared]
+
     # Rank 0's wish for a progress bar and a name for the count every rank adds to; every
-    # rank's bytes to read.
+    # rank's bytes to read; what it would verify, to share (or None).
     token = secrets.token_hex(8)
-    planned, wishes = comm.exchange_or_raise(
-        plan,
-        lambda planned: [options.progress, token, sum(job.read.nbytes for job in planned.jobs)],
-    )
+    planned, wishes = comm.exchange_or_raise(plan, wish)
     total = sum(wish[2] for wish in wishes)
 
     def check() -> dict[str, Any]:
         if options.verify:
+            # Objects' blobs are decoded right after this pass, before the verdicts are
+            # exchanged: each rank checks the blocks of its own.
             blobs = (
                 reader.blocks(item.fqn, item.blob, 0, item.blob.nbytes)
                 for _, item in planned.objects
                 if item.blob is not None
             )
-            reader.verify(itertools.chain(reader.job_blocks(planned.jobs), *blobs))
+            own: list[Block] = blocks
+            if sharing:
+                shared = [w[3] if isinstance(w, list) and len(w) > 3 else None for w in wishes]
+                own = own_share(blocks, shared, comm.rank, reader.index.files)
+            reader.verify(itertools.chain(own, *blobs))
         return {key: _decode(reader, item) for key, item in planned.objects}
 
     values, _ = comm.exchange_or_raise(check, lambda _: None)

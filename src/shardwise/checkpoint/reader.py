@@ -256,6 +256,11 @@ class CheckpointReader:
         """
         verify(self.files, blocks, problems, progress, keep)
 
+    def shared_identity(self, name: str) -> list[int] | None:
+        """What another rank of this host compares to know that it reads data file ``name``
+        through the same page cache (see :mod:`._shared_verify`); ``None``: it cannot."""
+        return self.files.handle(name).shared_identity
+
     def release(self) -> None:
         """Drop the verified bytes kept so far (see :meth:`verify`)."""
         self.files.kept.close()

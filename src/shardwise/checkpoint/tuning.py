@@ -67,6 +67,11 @@ class Tuning:
     read once); a larger local load keeps nothing and reads again. A load from remote storage
     keeps this much in memory and the rest in an unlinked temporary file."""
 
+    verify_share: int = 1
+    """1: the ranks of one host that read the same local data file share its verifying pass,
+    each block checked by one of them (:mod:`._shared_verify`); 0: every rank checks every
+    block it reads itself."""
+
     hot_buffer_bytes: int = 1 << 20
     """Each I/O thread's reused buffer: the verifying pass reads into it and hashes while the
     bytes are in cache, and strided or small reads go through it. Small enough to stay in a
@@ -133,6 +138,10 @@ class Tuning:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "verify_share":
+                if value not in (0, 1):
+                    raise ValueError(f"{_PREFIX}VERIFY_SHARE must be 0 or 1, got {value}")
+                continue
             if not math.isfinite(value):
                 raise ValueError(f"{_PREFIX}{field.name.upper()} must be finite, got {value}")
             if not value > 0:

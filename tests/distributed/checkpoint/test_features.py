@@ -28,6 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.storage import _LocalReader
 from tests.harness import distributed
 
@@ -229,30 +230,54 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def _count_reads() -> Iterator[list[int]]:
-    """Count the bytes this process reads from data files."""
+    """Count the bytes this process reads from data files (positioned and scatter reads)."""
     counter = [0]
-    original = _LocalReader.read_into
+    originals = (_LocalReader.read_into, _LocalReader.read_vector)
 
-    def counting(self: _LocalReader, offset: int, buffer: memoryview) -> int:
-        count = original(self, offset, buffer)
-        if not self.path.endswith("shardwise.json"):
-            counter[0] += count
-        return count
+    def counted(method: Any) -> Any:
+        def counting(self: _LocalReader, offset: int, buffers: Any) -> int:
+            count: int = method(self, offset, buffers)
+            if not self.path.endswith("shardwise.json"):
+                counter[0] += count
+            return count
 
-    _LocalReader.read_into = counting  # type: ignore[method-assign]
+        return counting
+
+    _LocalReader.read_into = counted(originals[0])  # type: ignore[method-assign]
+    _LocalReader.read_vector = counted(originals[1])  # type: ignore[method-assign]
     try:
         yield counter
     finally:
-        _LocalReader.read_into = original  # type: ignore[method-assign]
+        _LocalReader.read_into, _LocalReader.read_vector = originals  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _verified_files() -> Iterator[set[str]]:
+    """The data files whose blocks this process verifies (each file below holds one)."""
+    files: set[str] = set()
+    original = CheckpointReader.verify
+
+    def verify(self: CheckpointReader, blocks: Any, *args: Any, **kwargs: Any) -> None:
+        blocks = list(blocks)
+        files.update(block.file for block in blocks)
+        original(self, blocks, *args, **kwargs)
+
+    CheckpointReader.verify = verify  # type: ignore[method-assign]
+    try:
+        yield files
+    finally:
+        CheckpointReader.verify = original  # type: ignore[method-assign]
 
 
 @distributed(world_size=WORLD, timeout=60)
 def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
-    # Saved as row blocks of 256 KiB rows (each 1 MiB chunk is one checksummed block); loaded
-    # as column blocks and as 2x2 DTensor blocks. Unverified, each rank's bytes read stay
-    # within 5% of what it needs, plus one saved row per chunk it touches. Verified, it reads
-    # each block it touches exactly once, to check it before copying anything, and keeps
-    # them (they fit the memory kept between the passes): the copies read nothing more.
+    # Saved as row blocks of 256 KiB rows (each 1 MiB chunk is one checksummed block, in a
+    # file of its own); loaded as column blocks and as 2x2 DTensor blocks. Unverified, each
+    # rank's bytes read stay within 5% of what it needs, plus one saved row per chunk it
+    # touches. Verified, the ranks (of this one host) share the checking: each block they
+    # touch is read whole and checked by exactly one of them, which keeps it (it fits the
+    # memory kept between the passes) and copies from it; a rank reads only the bytes it
+    # needs of the blocks another rank checked.
     full = torch.randn(16, 65536, generator=torch.Generator().manual_seed(0))
     ckpt.save({"w": sw.shard_tensor(full, ROWS)}, tmp_path / "c")
     rank = dist.get_rank()
@@ -264,6 +289,18 @@ def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
             ckpt.load(target, tmp_path / "c", verify=verify)
         return counter[0]
 
+    def load_verified(target: dict[str, Any], needed: dict[int, int]) -> None:
+        """A verified load of ``target``, which needs ``needed[f]`` bytes of block ``f``."""
+        with _verified_files() as files:
+            read = load(target, verify=True)
+        checked = {int(name.split("rank-")[1].split(".")[0]) for name in files}
+        everyone = [number for numbers in _gathered(sorted(checked)) for number in numbers]
+        touched = {number for numbers in _gathered(sorted(needed)) for number in numbers}
+        assert sorted(everyone) == sorted(touched), "a block checked twice or never"
+        assert checked <= set(needed)
+        others = sum(count for number, count in needed.items() if number not in checked)
+        assert read == len(checked) * block + others, (read, checked, needed)
+
     cols = {"w": sw.zeros(COLS, 16, 65536)}
     unverified = load(cols, verify=False)
     (shard,) = cols["w"].local_shards()
@@ -271,7 +308,7 @@ def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
     needed = 16 * 16384 * 4
     assert needed <= unverified <= 1.05 * needed + 4 * row_bytes, unverified
     shard.tensor.zero_()
-    assert load(cols, verify=True) == 4 * block
+    load_verified(cols, {number: block // 4 for number in range(4)})
     assert torch.equal(shard.tensor, full[:, 16384 * rank : 16384 * (rank + 1)])
 
     mesh = init_device_mesh("cpu", (2, 2))
@@ -282,7 +319,9 @@ def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
     assert torch.equal(blocks["w"].to_local(), expected)
     needed = 8 * 32768 * 4
     assert needed <= unverified <= 1.05 * needed + 2 * row_bytes, unverified
-    assert load(blocks, verify=True) == 2 * block
+    blocks["w"].to_local().zero_()
+    load_verified(blocks, {2 * i: block // 2, 2 * i + 1: block // 2})
+    assert torch.equal(blocks["w"].to_local(), expected)
 
     # Row blocks at other boundaries (3 ranks' worth of rows on 4): contiguous, exact.
     uneven = sw.ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in (0, 1, 2)])
@@ -293,11 +332,18 @@ def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
     for s in mine:
         offset = s.metadata.shard_offsets[0]
         assert torch.equal(s.tensor, full[offset : offset + s.tensor.shape[0]])
-    touched = set()
+    touched: dict[int, int] = {}
     for s in mine:
         first = s.metadata.shard_offsets[0]
-        touched.update(row // 4 for row in range(first, first + s.tensor.shape[0]))
-    assert load(rows, verify=True) == len(touched) * block
+        for row in range(first, first + s.tensor.shape[0]):
+            touched[row // 4] = touched.get(row // 4, 0) + row_bytes
+    load_verified(rows, touched)
+
+
+def _gathered(value: Any) -> list[Any]:
+    everyones: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyones, value)
+    return everyones
 
 
 # -- progress --------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ def test_every_field_has_its_variable() -> None:
         default = getattr(Tuning(), field.name)
         if field.name == "write_piece_bytes":
             value: object = 2 * default
+        elif field.name == "verify_share":  # a switch: on by default
+            value = 0
         else:
             value = default * 2
         tuned = from_environment({variable: str(value)})
@@ -54,6 +56,8 @@ def test_byte_suffixes() -> None:
         ("SHARDWISE_WRITE_PIECE_BYTES", "1000", "must be a multiple of 1 MiB"),
         ("SHARDWISE_LOCK_STALE_SECONDS", "inf", "must be finite, got inf"),
         ("SHARDWISE_LOCK_HEARTBEAT_SECONDS", "nan", "must be finite, got nan"),
+        ("SHARDWISE_VERIFY_SHARE", "2", "SHARDWISE_VERIFY_SHARE must be 0 or 1, got 2"),
+        ("SHARDWISE_VERIFY_SHARE", "yes", "SHARDWISE_VERIFY_SHARE must be an integer, got 'yes'"),
     ],
 )
 def test_bad_values_name_the_variable(variable: str, value: str, message: str) -> None:

@@ -92,6 +92,7 @@ class _FsspecReader:
             raise err
         self.size = int(info["size"])
         self.identity = path
+        self.shared_identity = None  # no page cache in common: every rank checks its reads
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         return self._storage.read_into(self.path, offset, buffer)

@@ -136,6 +136,15 @@ class _LocalReader:
         self._fd = fd
         self.size = status.st_size
         self.identity = (status.st_dev, status.st_ino)
+        # What another process of this host compares to know it reads the same bytes through
+        # the same page cache (the size and modification time tell apart a file rewritten in
+        # place in between).
+        self.shared_identity = [
+            status.st_dev,
+            status.st_ino,
+            status.st_size,
+            status.st_mtime_ns,
+        ]
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         # preadv takes the offset explicitly, so threads can share the descriptor.

@@ -59,6 +59,12 @@ class Reader(Protocol):
         """Equal for two readers of one file (hard links to it included): tells apart the
         files whose bytes two ranges may share."""
 
+    @property
+    def shared_identity(self) -> list[int] | None:
+        """Equal for two readers on one host exactly when they read the same bytes through
+        one page cache (a local file: its device, inode, size and modification time);
+        ``None`` where readers share nothing (an object store)."""
+
     def read_into(self, offset: int, buffer: memoryview) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
 
