@@ -118,3 +118,28 @@ def test_verify_share_zero_makes_every_rank_verify_all_it_reads(tmp_path: Path) 
         module.TUNING = original
     first, second = (set(blocks) for blocks in _everyones(seen))
     assert first == second and len(first) == 12
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_a_malformed_summary_makes_both_ranks_verify_all_they_read(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    ckpt.save(_state(), path)
+    module = sys.modules["shardwise.checkpoint.load"]
+    original = module.summary
+
+    def malformed(*args: Any) -> Any:
+        made = original(*args)
+        # Rank 1 names a file of no checkpoint: its summary does not count, on either rank.
+        return {**made, "files": {"data/../x": 1}} if dist.get_rank() == 1 else made
+
+    module.summary = malformed
+    try:
+        target = _state(fill=-1.0)
+        with _recorded() as seen:
+            ckpt.load(target, path)
+    finally:
+        module.summary = original
+    first, second = (set(blocks) for blocks in _everyones(seen))
+    assert first == second and len(first) == 12
+    for key, value in _state().items():
+        assert torch.equal(target[key], value), key
