@@ -285,6 +285,7 @@ class Report:
                 f"{'/'.join(verdict_parts)}"
             )
         self.read_row(storage)
+        self.per_tensor_row(storage)
         self.async_rows(storage)
 
     def read_row(self, storage: str) -> None:
@@ -302,6 +303,21 @@ class Report:
             f"({entry['read'] - copy:.2f}x to verify the 1 MiB blocks they touch, {copy:.2f}x "
             f"to copy) {verdict}"
         )
+
+    def per_tensor_row(self, storage: str) -> None:
+        """The small tensors' time per tensor on 2 ranks (the issue's fixed-cost target)."""
+        count = self.config.small
+        cells = []
+        for case in ("small-save", "small-load"):
+            seconds = self.seconds(storage, case, worker.SHARDWISE)
+            if seconds is None or not count:
+                return
+            micro = seconds / count * 1e6
+            verdict = self.verdict(
+                f"{storage} {CASE_LABEL[case]} <= 20 us per tensor", micro <= 20, f"{micro:.1f} us"
+            )
+            cells.append(f"{case.split('-')[1]} {micro:.1f} us {verdict}")
+        self.out(f"small tensors, time per tensor ({count:,} on 2 ranks): {', '.join(cells)}")
 
     def async_rows(self, storage: str) -> None:
         memcpy = self.get(storage, "async", "memcpy")
