@@ -28,8 +28,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.storage import _LocalReader
+from tests._verified import everyones, recorded_blocks
 from tests.harness import distributed
 
 # The module, not the function the package exports under the same name.
@@ -251,24 +251,6 @@ def _count_reads() -> Iterator[list[int]]:
         _LocalReader.read_into, _LocalReader.read_vector = originals  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def _verified_files() -> Iterator[set[str]]:
-    """The data files whose blocks this process verifies (each file below holds one)."""
-    files: set[str] = set()
-    original = CheckpointReader.verify
-
-    def verify(self: CheckpointReader, blocks: Any, *args: Any, **kwargs: Any) -> None:
-        blocks = list(blocks)
-        files.update(block.file for block in blocks)
-        original(self, blocks, *args, **kwargs)
-
-    CheckpointReader.verify = verify  # type: ignore[method-assign]
-    try:
-        yield files
-    finally:
-        CheckpointReader.verify = original  # type: ignore[method-assign]
-
-
 @distributed(world_size=WORLD, timeout=60)
 def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
     # Saved as row blocks of 256 KiB rows (each 1 MiB chunk is one checksummed block, in a
@@ -291,11 +273,11 @@ def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
 
     def load_verified(target: dict[str, Any], needed: dict[int, int]) -> None:
         """A verified load of ``target``, which needs ``needed[f]`` bytes of block ``f``."""
-        with _verified_files() as files:
+        with recorded_blocks() as blocks:
             read = load(target, verify=True)
-        checked = {int(name.split("rank-")[1].split(".")[0]) for name in files}
-        everyone = [number for numbers in _gathered(sorted(checked)) for number in numbers]
-        touched = {number for numbers in _gathered(sorted(needed)) for number in numbers}
+        checked = {int(name.split("rank-")[1].split(".")[0]) for name, _, _ in blocks}
+        everyone = [number for numbers in everyones(sorted(checked)) for number in numbers]
+        touched = {number for numbers in everyones(sorted(needed)) for number in numbers}
         assert sorted(everyone) == sorted(touched), "a block checked twice or never"
         assert checked <= set(needed)
         others = sum(count for number, count in needed.items() if number not in checked)
@@ -338,12 +320,6 @@ def test_resharded_load_reads_what_the_rank_needs(tmp_path: Path) -> None:
         for row in range(first, first + s.tensor.shape[0]):
             touched[row // 4] = touched.get(row // 4, 0) + row_bytes
     load_verified(rows, touched)
-
-
-def _gathered(value: Any) -> list[Any]:
-    everyones: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyones, value)
-    return everyones
 
 
 # -- progress --------------------------------------------------------------------------------

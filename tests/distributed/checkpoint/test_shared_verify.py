@@ -5,10 +5,8 @@ sharing off."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,7 @@ import torch.distributed as dist
 
 import shardwise.checkpoint as ckpt
 import shardwise.checkpoint.load  # noqa: F401 (the module, patched below)
-from shardwise.checkpoint._verify import Block
-from shardwise.checkpoint.reader import CheckpointReader
+from tests._verified import everyones, recorded_blocks
 from tests.harness import distributed
 
 WORLD = 2
@@ -35,42 +32,18 @@ def _state(fill: float | None = None) -> dict[str, torch.Tensor]:
     return state
 
 
-@contextlib.contextmanager
-def _recorded() -> Iterator[list[tuple[str, int, int]]]:
-    """The blocks this rank's loads verify, as ``(file, begin, end)``."""
-    seen: list[tuple[str, int, int]] = []
-    original = CheckpointReader.verify
-
-    def verify(self: CheckpointReader, blocks: Iterable[Block], *args: Any, **kwargs: Any) -> None:
-        blocks = list(blocks)
-        seen.extend((block.file, block.begin, block.end) for block in blocks)
-        original(self, blocks, *args, **kwargs)
-
-    CheckpointReader.verify = verify  # type: ignore[method-assign]
-    try:
-        yield seen
-    finally:
-        CheckpointReader.verify = original  # type: ignore[method-assign]
-
-
-def _everyones(value: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
 @distributed(world_size=WORLD, timeout=60)
 def test_a_replicated_load_verifies_each_block_once_per_host(tmp_path: Path) -> None:
     path = tmp_path / "c"
     ckpt.save(_state(), path)
     target = _state(fill=-1.0)
-    with _recorded() as seen:
+    with recorded_blocks() as seen:
         ckpt.load(target, path)
     for key, value in _state().items():
         assert torch.equal(target[key], value), key
-    everyones = _everyones(seen)
-    shares = [set(blocks) for blocks in everyones]
-    assert [len(share) for share in shares] == [len(blocks) for blocks in everyones]
+    gathered = everyones(seen)
+    shares = [set(blocks) for blocks in gathered]
+    assert [len(share) for share in shares] == [len(blocks) for blocks in gathered]
     assert not shares[0] & shares[1], "a block verified by both ranks"
     every = shares[0] | shares[1]
     # Both files, every 1 MiB block of their 6 MiB of data: each rank checks half.
@@ -83,11 +56,11 @@ def test_a_replicated_load_verifies_each_block_once_per_host(tmp_path: Path) -> 
 def test_a_block_only_a_peer_verified_stops_every_rank(tmp_path: Path) -> None:
     path = tmp_path / "c"
     ckpt.save(_state(), path)
-    with _recorded() as seen:
+    with recorded_blocks() as seen:
         ckpt.load(_state(fill=-1.0), path)
-    theirs = _everyones(seen)[1]
+    theirs = everyones(seen)[1]
     file, begin, _ = max(theirs)  # a block rank 1 verifies and rank 0 reads unverified
-    assert (file, begin) not in {(f, b) for f, b, _ in _everyones(seen)[0]}
+    assert (file, begin) not in {(f, b) for f, b, _ in everyones(seen)[0]}
     if dist.get_rank() == 0:
         data = path / file
         raw = bytearray(data.read_bytes())
@@ -112,11 +85,11 @@ def test_verify_share_zero_makes_every_rank_verify_all_it_reads(tmp_path: Path) 
     original = module.TUNING
     module.TUNING = dataclasses.replace(original, verify_share=0)
     try:
-        with _recorded() as seen:
+        with recorded_blocks() as seen:
             ckpt.load(_state(fill=-1.0), path)
     finally:
         module.TUNING = original
-    first, second = (set(blocks) for blocks in _everyones(seen))
+    first, second = (set(blocks) for blocks in everyones(seen))
     assert first == second and len(first) == 12
 
 
@@ -135,11 +108,11 @@ def test_a_malformed_summary_makes_both_ranks_verify_all_they_read(tmp_path: Pat
     module.summary = malformed
     try:
         target = _state(fill=-1.0)
-        with _recorded() as seen:
+        with recorded_blocks() as seen:
             ckpt.load(target, path)
     finally:
         module.summary = original
-    first, second = (set(blocks) for blocks in _everyones(seen))
+    first, second = (set(blocks) for blocks in everyones(seen))
     assert first == second and len(first) == 12
     for key, value in _state().items():
         assert torch.equal(target[key], value), key
