@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Collection, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from shardwise.checkpoint._verify import Block
@@ -93,12 +93,16 @@ def summary(
 
 
 def own_share(
-    blocks: Sequence[Block], summaries: Sequence[object], rank: int, known: Collection[str]
+    blocks: Sequence[Block],
+    summaries: Sequence[object],
+    rank: int,
+    known: Mapping[str, int | None],
 ) -> list[Block]:
     """The blocks of ``blocks`` (this rank's, as summarized in ``summaries[rank]``) that this
     rank verifies, given every rank's summary (``None`` or malformed: a rank that does not
-    share). ``known``: the data files of the checkpoint (a summary naming another is
-    malformed)."""
+    share). ``known``: the data files of the checkpoint with their declared sizes (``None``:
+    not declared); a summary naming another file, or bytes past a declared size, is
+    malformed."""
     checked = [_checked(entry, known) for entry in summaries]
     mine = checked[rank] if 0 <= rank < len(checked) else None
     if mine is None:
@@ -168,12 +172,12 @@ def _covers(ranges: Sequence[tuple[int, int]], begin: int, end: int) -> bool:
 
 
 def _checked(
-    entry: object, known: Container[str]
+    entry: object, known: Mapping[str, int | None]
 ) -> tuple[str, dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]]] | None:
     """A summary as ``(host, {file: (identity, ranges)})``, or ``None`` unless it is exactly
     what :func:`summary` makes: a host of at most 128 characters; known file names; an
-    identity of at most 8 ints; sorted, disjoint, non-empty ranges of ints >= 0, at most
-    :data:`MAX_RANGES` in all."""
+    identity of at most 8 ints; sorted, disjoint, non-empty ranges of ints >= 0 inside the
+    file's declared size, at most :data:`MAX_RANGES` in all."""
     if not isinstance(entry, dict) or set(entry) != {"host", "files"}:
         return None
     host, files = entry["host"], entry["files"]
@@ -197,6 +201,7 @@ def _checked(
         count += len(ranges)
         if count > MAX_RANGES:
             return None
+        size = known[file]
         spans: list[tuple[int, int]] = []
         last = -1
         for span in ranges:
@@ -206,6 +211,7 @@ def _checked(
                 or type(span[0]) is not int
                 or type(span[1]) is not int
                 or not last < span[0] < span[1]
+                or (size is not None and span[1] > size)
             ):
                 return None
             spans.append((span[0], span[1]))

@@ -109,6 +109,7 @@ def test_other_hosts_identities_and_malformed_summaries_do_not_share() -> None:
         {"host": HOST, "files": {A: [IDENTITY[A], [[364, 664], [64, 164]]]}},
         {"host": HOST, "files": {A: [IDENTITY[A], [[64, 664, 1]]]}},
         {"host": HOST, "files": {A: [IDENTITY[A], [["64", 664]]]}},
+        {"host": HOST, "files": {A: [IDENTITY[A], [[64, 10_001]]]}},  # past the file's end
         {"host": HOST, "files": {A: [IDENTITY[A], [[2 * i, 2 * i + 1] for i in range(70_000)]]}},
     ]
     for bad in malformed:
