@@ -10,13 +10,15 @@ per rank.
 
 The protocol (``docs/architecture.md``, *Load*):
 
-1. Each rank summarizes the blocks it will verify (:func:`summary`): its host's boot id and,
-   per data file, the file's identity on the host (device, inode, size, modification time,
-   read from the descriptor it reads through) and the merged byte ranges of its blocks.
+1. Each rank summarizes the blocks it will verify (:func:`summary`): a key of its host and
+   checkpoint (:func:`host_key`: the host's boot id and the checkpoint directory's real path)
+   and, per data file, the file's identity on the host (device, inode, size, modification
+   time, read from the descriptor it reads through) and the merged byte ranges of its
+   blocks.
 2. The summaries travel with the load plans (one ``all_gather`` that already exists), so every
    rank holds the same list.
 3. Each rank keeps the blocks it is the verifier of (:func:`own_share`): ranks whose summaries
-   name the same host, file name and identity form a group; the byte ranges of a file are cut
+   name the same host key, file name and identity form a group; the byte ranges of a file are cut
    at every endpoint of the group's ranges into segments, each touched by the same ranks
    throughout; a segment touched by ``k`` ranks is split into ``k`` slices of equal bytes, and
    a block belongs to the rank of the slice its first byte lies in. The ranks take the slices
@@ -36,12 +38,15 @@ from __future__ import annotations
 
 import bisect
 import functools
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import xxhash
+
 from shardwise.checkpoint._verify import Block
 
-__all__ = ["MAX_RANGES", "boot_id", "own_share", "summary"]
+__all__ = ["MAX_RANGES", "boot_id", "host_key", "own_share", "summary"]
 
 #: A rank with more separate byte ranges than this does not share (its summary would be large
 #: and the split slow, for blocks scattered so thinly that sharing buys little).
@@ -60,6 +65,18 @@ def boot_id() -> str | None:
     except OSError:
         return None
     return text or None
+
+
+def host_key(path: str) -> str | None:
+    """What ranks that may share the checking of the checkpoint at local ``path`` have in
+    common: the xxh3-128 of this host's boot id and the directory's real path (ranks that load
+    copies of one checkpoint from different directories check their own, even where a file
+    system reports the same identities for the copies). ``None`` without a boot id."""
+    host = boot_id()
+    if host is None:
+        return None
+    text = f"{host}\0{os.path.realpath(path)}".encode("utf-8", "surrogateescape")
+    return str(xxhash.xxh3_128_hexdigest(text))
 
 
 def summary(

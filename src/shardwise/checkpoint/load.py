@@ -44,7 +44,7 @@ from shardwise.checkpoint._items import (
     is_tensor_value,
 )
 from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
-from shardwise.checkpoint._shared_verify import boot_id, own_share, summary
+from shardwise.checkpoint._shared_verify import host_key, own_share, summary
 from shardwise.checkpoint._verify import Block
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
 from shardwise.checkpoint.metadata import Metadata
@@ -483,7 +483,12 @@ def _load(
     # The blocks the reads of this rank's tensors touch (with ``verify``).
     blocks: list[Block] = []
     # The ranks of one host that read one file share its verifying pass (_shared_verify).
-    sharing = options.verify and comm.world_size > 1 and TUNING.verify_share == 1
+    sharing = (
+        options.verify
+        and comm.world_size > 1
+        and TUNING.verify_share == 1
+        and not reader.storage.remote
+    )
 
     def plan() -> _Plan:
         nonlocal flat
@@ -499,7 +504,7 @@ def _load(
         return planned
 
     def wish(planned: _Plan) -> list[Any]:
-        shared = summary(blocks, reader.shared_identity, boot_id()) if sharing else None
+        shared = summary(blocks, reader.shared_identity, host_key(reader.path)) if sharing else None
         return [options.progress, token, sum(job.read.nbytes for job in planned.jobs), shared]
 
     # Rank 0's wish for a progress bar and a name for the count every rank adds to; every

@@ -5,14 +5,20 @@ malformed summary) leaves each rank verifying its own blocks."""
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint._shared_verify import MAX_RANGES, own_share, summary
+from shardwise.checkpoint import _shared_verify as shared_verify
+from shardwise.checkpoint._shared_verify import MAX_RANGES, host_key, own_share, summary
 from shardwise.checkpoint._verify import Block
 from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.storage import _LocalReader
 
 FILES = {"data/rank-00000.safetensors": 10_000, "data/rank-00001.safetensors": 10_000}
 A, B = sorted(FILES)
@@ -160,3 +166,41 @@ def test_every_block_a_host_touches_is_verified_once_by_a_rank_that_touches_it(
 
 def _place(block: Block) -> tuple[str, int, int]:
     return block.file, block.begin, block.end
+
+
+def test_the_host_key_is_the_boot_id_and_the_checkpoint_s_real_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    monkeypatch.setattr(shared_verify, "boot_id", lambda: HOST)
+    key = host_key(str(tmp_path / "a"))
+    assert key is not None and len(key) == 32
+    # The same directory by another path shares; a copy elsewhere does not.
+    assert host_key(str(tmp_path / "link")) == key
+    assert host_key(str(tmp_path / "b")) != key
+    monkeypatch.setattr(shared_verify, "boot_id", lambda: HOST.replace("1", "2"))
+    assert host_key(str(tmp_path / "a")) != key
+    monkeypatch.setattr(shared_verify, "boot_id", lambda: None)
+    assert host_key(str(tmp_path / "a")) is None
+
+
+def test_a_local_file_without_an_inode_number_has_no_identity(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDONLY)
+    status = os.fstat(fd)
+    reader = _LocalReader(str(path), fd, status)
+    try:
+        assert reader.shared_identity == [
+            status.st_dev,
+            status.st_ino,
+            10,
+            status.st_mtime_ns,
+        ]
+        fields = list(status)
+        fields[stat.ST_INO] = 0
+        assert _LocalReader(str(path), fd, os.stat_result(fields)).shared_identity is None
+    finally:
+        reader.close()

@@ -139,12 +139,12 @@ class _LocalReader:
         # What another process of this host compares to know it reads the same bytes through
         # the same page cache (the size and modification time tell apart a file rewritten in
         # place in between).
-        self.shared_identity = [
-            status.st_dev,
-            status.st_ino,
-            status.st_size,
-            status.st_mtime_ns,
-        ]
+        # A file system without inode numbers (0) tells nothing apart: no identity.
+        self.shared_identity = (
+            [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns]
+            if status.st_ino
+            else None
+        )
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         # preadv takes the offset explicitly, so threads can share the descriptor.
