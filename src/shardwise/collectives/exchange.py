@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardwise.collectives._held import held
 from shardwise.collectives.failures import bounded, describe_error, rebuild_error
 from shardwise.collectives.groups import comm_device, global_ranks, group_rank, group_world_size
 from shardwise.collectives.transfer import send_recv_bytes
@@ -54,13 +55,13 @@ def all_gather_json(
     payload = _encode(value).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(lengths, length):
         dist.all_gather(lengths, length, group=process_group)
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     received = [torch.empty_like(padded) for _ in range(world)]
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(received, padded):
         dist.all_gather(received, padded, group=process_group)
     return [
         json.loads(bytes(buf[: int(n.item())].cpu().numpy()).decode())
@@ -87,12 +88,12 @@ def gather_json(
     device = comm_device(process_group)
     payload = _encode(value)
     longest = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(longest):
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=process_group)
     padded = _padded(payload, int(longest.item())).to(device)
     mine = group_rank(process_group) == dst
     received = [torch.empty_like(padded) for _ in range(group_world_size(process_group))]
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(padded, received):
         dist.gather(
             padded,
             received if mine else None,
@@ -143,13 +144,13 @@ def scatter_json(
             for payload in payloads
         ]
     head = torch.empty(3, dtype=torch.int64, device=device)
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(head, heads):
         dist.scatter(head, heads, src=src_global, group=process_group)
     length, longest, padded = (int(v) for v in head.tolist())
     if padded:
         buffer = torch.empty(longest, dtype=torch.uint8, device=device)
         sends = [_padded(payload, longest).to(device) for payload in payloads]
-        with bounded(process_group, operation):
+        with bounded(process_group, operation), held(buffer, sends):
             dist.scatter(buffer, sends if me == src else None, src=src_global, group=process_group)
         return _decode(buffer[:length])
     if me == src:
@@ -178,14 +179,14 @@ def broadcast_json(
     payload = _encode(value).to(device) if group_rank(process_group) == src else None
     length = torch.tensor([0 if payload is None else payload.numel()], device=device)
     src_global = dist.get_global_rank(process_group, src)
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(length):
         dist.broadcast(length, src=src_global, group=process_group)
     buffer = (
         payload
         if payload is not None
         else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     )
-    with bounded(process_group, operation):
+    with bounded(process_group, operation), held(buffer):
         dist.broadcast(buffer, src=src_global, group=process_group)
     return _decode(buffer)
 

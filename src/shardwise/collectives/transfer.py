@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardwise.collectives._held import held
 from shardwise.collectives.groups import comm_device, global_ranks, group_rank, group_world_size
 
 __all__ = [
@@ -24,7 +25,8 @@ __all__ = [
 def all_reduce_sum_int(value: int, process_group: ProcessGroup) -> int:
     """Sum an integer over the group (used for votes)."""
     tensor = torch.tensor([value], dtype=torch.int64, device=comm_device(process_group))
-    dist.all_reduce(tensor, group=process_group)
+    with held(tensor):
+        dist.all_reduce(tensor, group=process_group)
     return int(tensor.item())
 
 
@@ -58,16 +60,18 @@ def send_recv_bytes(
     Pairs with the same peer are matched in order on both sides. Empty tensors are skipped
     (both sides know the sizes from the metadata, so they skip the same ones).
     """
+    # The byte views the backend reads and writes, made first so that they are held (_held).
+    receiving = [(peer, _as_bytes(tensor)) for peer, tensor in recvs if tensor.numel()]
+    sending = [(peer, _as_bytes(tensor.contiguous())) for peer, tensor in sends if tensor.numel()]
     works = []
-    for peer, tensor in recvs:
-        if tensor.numel():
-            works.append(dist.irecv(_as_bytes(tensor), src=peer, group=process_group))
-    for peer, tensor in sends:
-        if tensor.numel():
-            works.append(dist.isend(_as_bytes(tensor.contiguous()), dst=peer, group=process_group))
-    for work in works:
-        if work is not None:
-            work.wait()
+    with held([view for _, view in receiving], [view for _, view in sending]):
+        for peer, view in receiving:
+            works.append(dist.irecv(view, src=peer, group=process_group))
+        for peer, view in sending:
+            works.append(dist.isend(view, dst=peer, group=process_group))
+        for work in works:
+            if work is not None:
+                work.wait()
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -82,10 +86,12 @@ def all_reduce(tensor: torch.Tensor, op: str, process_group: ProcessGroup) -> No
     reduce_op = _REDUCE_OPS[op]
     device = comm_device(process_group)
     if tensor.device == device:
-        dist.all_reduce(tensor, op=reduce_op, group=process_group)
+        with held(tensor):
+            dist.all_reduce(tensor, op=reduce_op, group=process_group)
         return
     staged = tensor.to(device)
-    dist.all_reduce(staged, op=reduce_op, group=process_group)
+    with held(staged):
+        dist.all_reduce(staged, op=reduce_op, group=process_group)
     tensor.copy_(staged)
 
 
@@ -103,7 +109,8 @@ def all_gather_tensor(tensor: torch.Tensor, process_group: ProcessGroup) -> list
     device = comm_device(process_group)
     payload = _as_bytes(tensor.detach().to(device).contiguous())
     received = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(received, payload, group=process_group)
+    with held(received, payload):
+        dist.all_gather(received, payload, group=process_group)
     return [
         buffer.view(tensor.dtype).reshape(tensor.shape).to(tensor.device) for buffer in received
     ]
