@@ -199,6 +199,9 @@ class Data:
         self.rows_target = torch.zeros(self.row_part, self.cols_total)
         self.cols_target = torch.zeros(self.rows_total, self.col_part)
         self.full_target = torch.zeros(size) if rank == 0 else None
+        # Every rank's copy of the whole tensor (DDP-style: each loads all of it); rank 0's
+        # is the 2 -> 1 target, not used by both cases at once.
+        self.whole_target = self.full_target if rank == 0 else torch.zeros(size)
 
         self.st_source = sw.init_from_local_tensor(self.source, by_rows, *size)
         self.st_rows = sw.init_from_local_tensor(self.rows_target, by_rows, *size)
@@ -224,6 +227,9 @@ class Data:
         if self.full_target is not None:
             check_pattern(self.full_target, 0, 0, what)
 
+    def verify_whole(self, what: str) -> None:
+        check_pattern(self.whole_target, 0, 0, what)
+
     def verify_small(self, what: str) -> None:
         for key, tensor in self.small.items():
             if not torch.equal(tensor, self.small_target[key]):
@@ -232,8 +238,7 @@ class Data:
     def clear_targets(self) -> None:
         self.rows_target.zero_()
         self.cols_target.zero_()
-        if self.full_target is not None:
-            self.full_target.zero_()
+        self.whole_target.zero_()  # rank 0's is full_target
         for tensor in self.small_target.values():
             tensor.zero_()
 
@@ -290,7 +295,8 @@ class Step:
 
 
 def big_steps(method: str, data: Data, path: str, loads: bool = True) -> list[Step]:
-    """Save, load, rows->columns load and 2->1 load of the big tensor with ``method``
+    """Save, load, rows->columns load, 2->1 load and a load of the whole tensor on every rank
+    (DDP-style) of the big tensor with ``method``
     (for DCP, only the save unless ``loads``: its reader has no settings to compare)."""
     if method == RAW:
         return [
@@ -317,6 +323,11 @@ def big_steps(method: str, data: Data, path: str, loads: bool = True) -> list[St
                 lambda: data.verify_cols("shardwise rows->cols load"),
             ),
             Step("reshard-2to1", to_one, lambda: data.verify_full("shardwise 2->1 load")),
+            Step(
+                "load-whole",
+                lambda: swckpt.load({"w": data.whole_target}, path),
+                lambda: data.verify_whole("shardwise load of the whole tensor on every rank"),
+            ),
         ]
     threads = int(method.removeprefix("dcp-t"))
 
@@ -346,6 +357,11 @@ def big_steps(method: str, data: Data, path: str, loads: bool = True) -> list[St
             lambda: data.verify_cols(f"{method} rows->cols load"),
         ),
         Step("reshard-2to1", dcp_to_one, lambda: data.verify_full(f"{method} 2->1 load")),
+        Step(
+            "load-whole",
+            lambda: dcp.load({"w": data.whole_target}, storage_reader=dcp.FileSystemReader(path)),
+            lambda: data.verify_whole(f"{method} load of the whole tensor on every rank"),
+        ),
     ]
 
 
