@@ -503,14 +503,14 @@ def _load(
             blocks.extend(reader.job_blocks(planned.jobs))
         return planned
 
-    def wish(planned: _Plan) -> list[Any]:
+    def offer(planned: _Plan) -> list[Any]:
         shared = summary(blocks, reader.shared_identity, host_key(reader.path)) if sharing else None
         return [options.progress, token, sum(job.read.nbytes for job in planned.jobs), shared]
 
     # Rank 0's wish for a progress bar and a name for the count every rank adds to; every
     # rank's bytes to read; what it would verify, to share (or None).
     token = secrets.token_hex(8)
-    planned, wishes = comm.exchange_or_raise(plan, wish)
+    planned, wishes = comm.exchange_or_raise(plan, offer)
     total = sum(wish[2] for wish in wishes)
 
     def check() -> dict[str, Any]:
