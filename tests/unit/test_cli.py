@@ -682,6 +682,36 @@ def test_diff_treats_nan_as_equal_to_nan(
     )
 
 
+def test_diff_compares_tagged_values_by_type_and_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import numpy as np
+
+    def state(scale: float, pair: Any) -> dict[str, Any]:
+        return {
+            "rng": np.random.RandomState(0).get_state(),
+            "scale": np.float32(scale),
+            "shape": torch.Size([2, 3]),
+            "pair": pair,
+        }
+
+    ckpt.save(state(0.5, (1, 2)), tmp_path / "a")
+    ckpt.save(state(0.5, (1, 2)), tmp_path / "b")
+    assert _run(capsys, "diff", tmp_path / "a", tmp_path / "b")[:2] == (
+        0,
+        "no differences (4 keys)\n",
+    )
+    ckpt.save(state(0.25, [1, 2]), tmp_path / "c")
+    code, out, _ = _run(capsys, "diff", tmp_path / "a", tmp_path / "c")
+    assert code == 1
+    assert out.splitlines() == [
+        "~ 'pair': kind pyjson in A, json in B",  # a tuple is not a list
+        "~ 'scale': values differ: "
+        '{"__numpy__": ["float32", 0.5]} vs {"__numpy__": ["float32", 0.25]}',
+        "2 differences",
+    ]
+
+
 def test_diff_of_a_corrupt_checkpoint_is_unreadable_input(
     source: tuple[Path, Any], copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

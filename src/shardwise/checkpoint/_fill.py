@@ -489,7 +489,11 @@ class _Staged:
             else self.staging.as_strided(overlap[1], strides)
         )
         with torch.no_grad():
-            if self.destination.dtype != self.job.dtype:  # allow_dtype_cast=True: cast values
+            if (
+                self.destination.dtype != self.job.dtype  # allow_dtype_cast=True: cast values
+                or self.destination.is_conj()  # its memory holds other values than it shows
+                or self.destination.is_neg()
+            ):
                 self.destination.copy_(source)
                 return
             # As bytes (the saved and destination dtypes are the same): torch copies no

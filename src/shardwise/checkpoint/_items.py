@@ -7,6 +7,7 @@ tensors backing them.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import pickle
@@ -15,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardwise._boxes import Box, origin
 from shardwise.checkpoint._dtensor import local_shape_and_offset
-from shardwise.checkpoint._json import TAGS, json_problem, tagged, untag
+from shardwise.checkpoint._json import MAX_DEPTH, json_depth, python_form, tagged
 from shardwise.metadata import TensorProperties
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "describe_tensor",
     "is_tensor_value",
     "storage_key",
+    "unstorable",
 ]
 
 
@@ -127,8 +130,8 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
 
     Raises:
         ValueError: A DTensor with a ``Partial`` placement (it needs a reduction first).
-        TypeError: A quantized tensor (its scale and zero point have no place in a
-            checkpoint).
+        TypeError: A quantized, sparse, nested or MKL-DNN tensor (a checkpoint stores the
+            elements of strided tensors).
     """
     if type(value) in _PLAIN_TENSOR_TYPES:  # the common case, without the checks below
         return _describe_plain(fqn, value)
@@ -150,12 +153,8 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
-    if value.is_quantized:
-        raise TypeError(
-            f"cannot checkpoint {fqn!r}: it is a quantized tensor ({value.dtype}), whose scale "
-            "and zero point a checkpoint does not store; save value.dequantize() or its "
-            "int_repr() and quantization parameters instead"
-        )
+    if value.is_quantized or value.layout is not torch.strided or value.is_nested:
+        raise _unsaved(fqn, str(unstorable(value)))
     requires_grad = value.requires_grad
     # Held without autograd: a plain tensor that needs no gradient already is (a detached
     # view costs more than the rest of this description).
@@ -164,6 +163,37 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
     dtype = tensor.dtype
     full = LocalBox(origin(len(size)), size, tensor)
     return TensorValue(size, dtype, _properties(dtype, requires_grad), [full], _WHOLE)
+
+
+def unstorable(value: torch.Tensor) -> str | None:
+    """What ``value`` is when a checkpoint has no form for it (quantized, sparse, nested or
+    MKL-DNN: a checkpoint holds the elements of strided tensors), else None."""
+    if value.is_quantized:
+        return f"a quantized tensor ({value.dtype})"
+    if value.is_nested:
+        return "a nested tensor"
+    if value.layout is not torch.strided:
+        return f"a {str(value.layout).removeprefix('torch.')} tensor"
+    return None
+
+
+def _unsaved(fqn: str, kind: str) -> TypeError:
+    if kind.startswith("a quantized"):
+        instead = (
+            "whose scale and zero point a checkpoint does not store; save value.dequantize() "
+            "or its int_repr() and quantization parameters instead"
+        )
+    elif kind == "a nested tensor":
+        instead = (
+            "whose components a checkpoint does not store; save value.unbind() (a list of "
+            "tensors) or a padded tensor instead"
+        )
+    else:
+        instead = (
+            "and a checkpoint stores strided (dense) tensors; save value.to_dense() (or its "
+            "indices and values) instead"
+        )
+    return TypeError(f"cannot checkpoint {fqn!r}: it is {kind}, {instead}")
 
 
 _WHOLE = ("whole",)
@@ -327,27 +357,65 @@ class ObjectValue:
 def _pickle_hint(value: object) -> str:
     """What to do instead of storing ``value``: pickle only where nothing else fits."""
     name = type(value).__name__
-    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
-        return "convert it to a tensor (torch.from_numpy) to store it as one"
+    pickle_it = "pass allow_pickle=True to pickle it (only for checkpoints you will trust)"
+    if isinstance(value, (np.ndarray, np.generic)):
+        return (
+            f"NumPy values of dtype {value.dtype} have no exact JSON form: convert it to a "
+            f"tensor (torch.from_numpy) to store it as one, or {pickle_it}"
+        )
     if isinstance(value, (set, frozenset)):
         return "store it as a sorted list"
+    if isinstance(value, (bytearray, memoryview)):
+        return f"store bytes(value) (it comes back as bytes), or {pickle_it}"
+    if isinstance(value, enum.Enum):
+        return f"store its value (value.value), or {pickle_it}"
     if callable(getattr(value, "state_dict", None)):
         return (
             f"{name} has state_dict() but no load_state_dict(): save its state_dict() instead, "
             "or give it load_state_dict() so it is Stateful"
         )
-    return "pass allow_pickle=True to pickle it (only for checkpoints you will trust)"
+    if _too_deep(value):
+        return f"it nests deeper than {MAX_DEPTH} levels as JSON; {pickle_it}"
+    for base in (int, float, str, bytes, list, tuple, dict):
+        if isinstance(value, base) and type(value) is not base:
+            return (
+                f"{name} is a subclass of {base.__name__}, which would come back as a plain "
+                f"{base.__name__}: store {base.__name__}(value), or {pickle_it}"
+            )
+    return pickle_it
+
+
+def _too_deep(value: object) -> bool:
+    """Whether ``value`` has a JSON form that nests deeper than readers accept."""
+    try:
+        form = python_form(value)
+        if form is None:
+            return False
+        return json_depth(value if form == 0 else tagged(value, extended=form == 2)) > MAX_DEPTH
+    except RecursionError:
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _as_json(value: object) -> ObjectValue | None:
     """``value`` as ``json`` (plain JSON; NaN and Infinity allowed, so ``float("inf")``
-    round-trips) or ``pyjson`` (tagged) text, or None when it is neither."""
+    round-trips), ``pyjson`` or ``pyjson2`` (tagged) text: the simplest that gives it back
+    exactly, types included (``_json.python_form``). None when none does, or when its JSON
+    would nest deeper than readers accept."""
     try:
-        if json_problem(value, "", finite=False, reserved=TAGS) is None:
-            return ObjectValue("json", json.dumps(value).encode())
-        return ObjectValue("pyjson", json.dumps(tagged(value)).encode())
-    except (TypeError, ValueError, RecursionError):  # not JSON-able, circular, too deep
+        form = python_form(value)
+        if form is None:
+            return None
+        tree = value if form == 0 else tagged(value, extended=form == 2)
+        if json_depth(tree) > MAX_DEPTH:
+            return None
+        return ObjectValue(_TEXT_FORMS[form], json.dumps(tree).encode())
+    except (TypeError, ValueError, RecursionError):  # an int too long for text, too deep
         return None
+
+
+_TEXT_FORMS = ("json", "pyjson", "pyjson2")
 
 
 def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
@@ -356,29 +424,49 @@ def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
     Raises:
         TypeError: The value needs pickle and ``allow_pickle`` is false.
     """
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return ObjectValue("bytes", bytes(value))
-    if isinstance(value, io.BytesIO):
-        return ObjectValue("bytesio", value.getvalue())
+    kind = type(value)
+    if kind is bytes:
+        return ObjectValue("bytes", value)  # type: ignore[arg-type]
+    if kind is io.BytesIO:
+        return ObjectValue("bytesio", value.getvalue())  # type: ignore[attr-defined]
     as_json = _as_json(value)
     if as_json is not None:
         return as_json
     if allow_pickle:
         return ObjectValue("pickle", pickle.dumps(value))
+    where, part = _culprit(value, "")
+    what = f"{where} is a {type(part).__name__}: " if where else ""
     raise TypeError(
         f"cannot save state_dict[{fqn!r}] of type {type(value).__name__}: shardwise stores "
         "tensors, bytes, io.BytesIO, Stateful objects and Python values (None, bool, int, "
-        "float, str, and lists, tuples and dicts of them) without pickle; "
-        f"{_pickle_hint(value)}"
+        "float, str, and lists, tuples and dicts of them; NumPy numbers and arrays, "
+        f"torch.Size and named tuples) without pickle; {what}{_pickle_hint(part)}"
     )
+
+
+def _culprit(value: object, where: str) -> tuple[str, object]:
+    """The path to the first part of ``value`` that has no stored form, and that part
+    (``value`` itself when its parts all have one)."""
+    try:
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if python_form(item) is None:
+                    return _culprit(item, f"{where}[{i}]")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if python_form(key) is None:
+                    return f"{where} key {key!r}", key
+                if python_form(item) is None:
+                    return _culprit(item, f"{where}[{key!r}]")
+    except RecursionError:
+        pass
+    return where, value
 
 
 def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) -> Any:
     """The value a stored object decodes to (``loads`` unpickles)."""
     if encoding == "json":
         return json.loads(payload)
-    if encoding == "pyjson":
-        return untag(json.loads(payload))
     if encoding == "bytes":
         return payload
     if encoding == "bytesio":

@@ -1,22 +1,53 @@
 """Python values as JSON text: which values JSON gives back unchanged, and the tagged JSON
-(``pyjson``) that keeps tuples and non-string dict keys (see ``docs/format.md``, *Python values*).
+(``pyjson``, ``pyjson2``) that keeps tuples, non-string dict keys, NumPy values, ``torch.Size``
+and named tuples (see ``docs/format.md``, *Python values*).
 
-Pure and free of torch, so that every layer that stores values as JSON (the index, the DCP
-metadata classes) shares one rule.
+Pure (NumPy is the only library it knows; ``torch.Size`` is recognized by name), so that every
+layer that stores values as JSON (the index, the DCP metadata classes) shares one rule.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import collections
+import functools
+import keyword
 import math
 from typing import Any
 
+import numpy as np
 import orjson
 
-__all__ = ["TAGS", "compact", "json_problem", "tagged", "untag"]
+__all__ = [
+    "MAX_DEPTH",
+    "TAGS",
+    "TAGS2",
+    "compact",
+    "json_depth",
+    "json_problem",
+    "python_form",
+    "tagged",
+    "untag",
+]
+
+#: A stored JSON value may nest lists and objects this deep (readers refuse deeper ones).
+MAX_DEPTH = 64
 
 # The tagged JSON of "pyjson" values: a tuple is {"__tuple__": [...]}, a dict whose keys are
 # not all strings (or that holds a tag as a key) is {"__dict__": [[key, value], ...]}.
 TAGS = frozenset({"__tuple__", "__dict__"})
+# "pyjson2" adds: a NumPy scalar {"__numpy__": [dtype, value]}, a NumPy array
+# {"__ndarray__": [dtype, shape, base64 of its little-endian C-order bytes(, ">" when it is
+# big-endian)]}, a torch.Size
+# {"__size__": [...]} and a named tuple {"__namedtuple__": [type name, fields, values]}.
+_NUMPY, _ARRAY, _SIZE, _NAMED = "__numpy__", "__ndarray__", "__size__", "__namedtuple__"
+TAGS2 = TAGS | {_NUMPY, _ARRAY, _SIZE, _NAMED}
+# The NumPy dtypes whose values JSON holds exactly (a complex value as [real, imag]).
+_NUMPY_DTYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+    | {"float16", "float32", "float64", "complex64", "complex128"}
+)
 
 
 def compact(value: object, *, sort_keys: bool = False) -> bytes:
@@ -91,44 +122,282 @@ def _problem(value: object, finite: bool, reserved: frozenset[str]) -> tuple[lis
     )
 
 
-def tagged(value: object) -> object:
-    """``value`` as tagged JSON.
+def python_form(value: object) -> int | None:
+    """The simplest stored form that gives ``value`` back exactly, its type and the types of
+    everything in it included: 0 plain JSON, 1 ``pyjson``, 2 ``pyjson2``; None when none does
+    (a set, an enum, a subclass of ``int``, ``str`` or ``list``, an object array...).
+
+    The walk recurses: a value nested deeper than the interpreter's recursion limit raises
+    ``RecursionError``."""
+    kind = type(value)
+    if value is None or kind is bool or kind is int or kind is float or kind is str:
+        return 0
+    if kind is list or kind is tuple:
+        form = 0 if kind is list else 1
+        for item in value:  # type: ignore[attr-defined]
+            inner = python_form(item)
+            if inner is None:
+                return None
+            form = max(form, inner)
+        return form
+    if kind is dict:
+        assert isinstance(value, dict)
+        form = 0 if all(type(key) is str for key in value) and not TAGS & value.keys() else 1
+        for key, item in value.items():
+            inner = python_form(item)
+            key_form = python_form(key)
+            if inner is None or key_form is None:
+                return None
+            form = max(form, inner, key_form)
+        return form
+    if _is_named(kind):
+        return 2 if all(python_form(item) is not None for item in value) else None  # type: ignore[attr-defined]
+    if kind is np.ndarray or isinstance(value, np.generic):
+        return 2 if value.dtype.name in _NUMPY_DTYPES else None  # type: ignore[attr-defined]
+    if kind.__module__ == "torch" and kind.__name__ == "Size":
+        return 2
+    return None
+
+
+def _is_named(kind: type) -> bool:
+    """Whether ``kind`` is a class made by ``collections.namedtuple`` (or ``NamedTuple``) of
+    at most :data:`MAX_FIELDS` fields."""
+    fields = getattr(kind, "_fields", None)
+    return (
+        issubclass(kind, tuple)
+        and type(fields) is tuple
+        and len(fields) <= MAX_FIELDS
+        and all(type(field) is str for field in fields)
+        and callable(getattr(kind, "_make", None))
+    )
+
+
+#: Named tuples of more fields are not stored as such (nor made on load).
+MAX_FIELDS = 1024
+
+
+def tagged(value: object, extended: bool = False) -> object:
+    """``value`` as tagged JSON: ``pyjson``, or ``pyjson2`` with ``extended``.
 
     Raises:
         TypeError: ``value`` holds something that is neither a JSON value, a tuple nor a
-            dict (the message is the type's name).
+            dict, or, with ``extended``, a value of the other types :func:`python_form` knows
+            (the message is the type's name).
     """
-    if value is None or isinstance(value, (bool, int, float, str)):
+    kind = type(value)
+    if value is None or kind is bool or kind is int or kind is float or kind is str:
         return value
-    if isinstance(value, list):
-        return [tagged(item) for item in value]
-    if isinstance(value, tuple):
-        return {"__tuple__": [tagged(item) for item in value]}
-    if isinstance(value, dict):
-        if all(isinstance(key, str) for key in value) and not (TAGS & value.keys()):
-            return {key: tagged(item) for key, item in value.items()}
-        return {"__dict__": [[tagged(key), tagged(item)] for key, item in value.items()]}
-    raise TypeError(type(value).__name__)
+    if kind is list:
+        return [tagged(item, extended) for item in value]  # type: ignore[attr-defined]
+    if kind is tuple:
+        return {"__tuple__": [tagged(item, extended) for item in value]}  # type: ignore[attr-defined]
+    if kind is dict:
+        assert isinstance(value, dict)
+        reserved = TAGS2 if extended else TAGS
+        if all(type(key) is str for key in value) and not (reserved & value.keys()):
+            return {key: tagged(item, extended) for key, item in value.items()}
+        return {
+            "__dict__": [
+                [tagged(key, extended), tagged(item, extended)] for key, item in value.items()
+            ]
+        }
+    if extended:
+        if _is_named(kind):
+            fields = list(kind._fields)  # type: ignore[attr-defined]
+            items = [tagged(item, extended) for item in value]  # type: ignore[attr-defined]
+            return {_NAMED: [kind.__name__, fields, items]}
+        if kind is np.ndarray:
+            return {_ARRAY: _array_json(value)}  # type: ignore[arg-type]
+        if isinstance(value, np.generic) and value.dtype.name in _NUMPY_DTYPES:
+            item = value.item()
+            return {
+                _NUMPY: [
+                    value.dtype.name,
+                    [item.real, item.imag] if type(item) is complex else item,
+                ]
+            }
+        if kind.__module__ == "torch" and kind.__name__ == "Size":
+            return {_SIZE: [int(size) for size in value]}  # type: ignore[attr-defined]
+    raise TypeError(kind.__name__)
 
 
-def untag(value: object) -> Any:
-    """A decoded ``pyjson`` value with its tuples and dicts rebuilt.
+def _array_json(array: np.ndarray) -> list[Any]:
+    name = array.dtype.name
+    if name not in _NUMPY_DTYPES:
+        raise TypeError(f"numpy array of {name}")
+    data = np.ascontiguousarray(array, dtype=np.dtype(name).newbyteorder("<")).tobytes()
+    stored = [name, list(array.shape), base64.b64encode(data).decode("ascii")]
+    # An array of the other byte order than this machine's comes back in that order.
+    return [*stored, ">"] if array.dtype.byteorder == ">" else stored
+
+
+def untag(value: object, extended: bool = False, like: object = None) -> Any:
+    """A decoded ``pyjson`` (``pyjson2`` with ``extended``) value with its tuples, dicts and
+    other tagged values rebuilt. A named tuple takes the class of the value at the same place
+    in ``like`` (the value it replaces) when that class has the stored name and fields; else
+    a class of that name and those fields is made for it.
 
     Raises:
         ValueError: Malformed tags.
     """
     if isinstance(value, list):
-        return [untag(item) for item in value]
+        return [untag(item, extended, _part(like, i)) for i, item in enumerate(value)]
     if isinstance(value, dict):
-        if len(value) == 1 and "__tuple__" in value and isinstance(value["__tuple__"], list):
-            return tuple(untag(item) for item in value["__tuple__"])
-        if len(value) == 1 and "__dict__" in value and isinstance(value["__dict__"], list):
-            pairs = value["__dict__"]
-            if not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
-                raise ValueError("malformed __dict__ pairs")
-            return {_hashable(untag(k)): untag(v) for k, v in pairs}
-        return {key: untag(item) for key, item in value.items()}
+        if len(value) == 1:
+            ((tag, inner),) = value.items()
+            if tag == "__tuple__" and isinstance(inner, list):
+                return tuple(untag(item, extended, _part(like, i)) for i, item in enumerate(inner))
+            if tag == "__dict__" and isinstance(inner, list):
+                if not all(isinstance(pair, list) and len(pair) == 2 for pair in inner):
+                    raise ValueError("malformed __dict__ pairs")
+                pairs = [(_hashable(untag(k, extended)), v) for k, v in inner]
+                return {k: untag(v, extended, _entry(like, k)) for k, v in pairs}
+            if extended and tag in TAGS2:
+                return _untag_extended(tag, inner, like)
+        return {key: untag(item, extended, _entry(like, key)) for key, item in value.items()}
     return value
+
+
+def _part(like: object, index: int) -> object:
+    """What stands at ``index`` of ``like`` (a list or tuple), else None."""
+    if isinstance(like, (list, tuple)) and index < len(like):
+        return like[index]
+    return None
+
+
+def _entry(like: object, key: object) -> object:
+    """What stands at ``key`` of ``like`` (a dict), else None."""
+    return like.get(key) if isinstance(like, dict) and _is_hashable(key) else None
+
+
+def _is_hashable(key: object) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+def _untag_extended(tag: str, inner: object, like: object) -> Any:
+    if tag == _NUMPY:
+        if not (isinstance(inner, list) and len(inner) == 2 and inner[0] in _NUMPY_DTYPES):
+            raise ValueError("malformed __numpy__ value")
+        return _numpy_scalar(np.dtype(inner[0]), inner[1])
+    if tag == _ARRAY:
+        return _numpy_array(inner)
+    if tag == _SIZE:
+        if not (isinstance(inner, list) and all(type(size) is int for size in inner)):
+            raise ValueError("malformed __size__ value")
+        import torch  # only a checkpoint that holds a torch.Size needs it here
+
+        return torch.Size(inner)
+    if not (
+        isinstance(inner, list)
+        and len(inner) == 3
+        and type(inner[0]) is str
+        and isinstance(inner[1], list)
+        and len(inner[1]) <= MAX_FIELDS
+        and all(type(field) is str for field in inner[1])
+        and isinstance(inner[2], list)
+        and len(inner[2]) == len(inner[1])
+    ):
+        raise ValueError("malformed __namedtuple__ value")
+    name, fields, items = inner[0], tuple(inner[1]), inner[2]
+    kind = type(like)
+    if not (_is_named(kind) and kind.__name__ == name and kind._fields == fields):  # type: ignore[attr-defined]
+        kind = _named_class(name, fields)
+    return kind._make(untag(item, True, _part(like, i)) for i, item in enumerate(items))  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=256)
+def _named_class(name: str, fields: tuple[str, ...]) -> type:
+    """A named tuple class of ``name`` and ``fields`` (both checked: identifiers, no keyword,
+    no field starting with an underscore or named twice, as ``collections.namedtuple``
+    requires)."""
+    for word in (name, *fields):
+        if not word.isidentifier() or keyword.iskeyword(word):
+            raise ValueError(f"{word!r} is not a valid named tuple name")
+    return collections.namedtuple(name, fields)  # raises ValueError for the other rules
+
+
+def _numpy_scalar(dtype: np.dtype[Any], item: object) -> Any:
+    kind = dtype.kind
+    if kind == "b":
+        if type(item) is not bool:
+            raise ValueError("malformed __numpy__ bool")
+        return np.bool_(item)
+    if kind in "iu":
+        info = np.iinfo(dtype)
+        if type(item) is not int or not info.min <= item <= info.max:
+            raise ValueError(f"malformed __numpy__ {dtype.name} value")
+        return dtype.type(item)
+    if kind == "f":
+        if not isinstance(item, (int, float)) or type(item) is bool:
+            raise ValueError(f"malformed __numpy__ {dtype.name} value")
+        with np.errstate(over="ignore"):
+            value = dtype.type(item)
+        if float(value) != item and not (math.isnan(item) and np.isnan(value)):
+            # Not what a writer stores: every value of the dtype has an exact float form.
+            raise ValueError(f"malformed __numpy__ {dtype.name} value: {item!r} is not one")
+        return value
+    if not (
+        isinstance(item, list)
+        and len(item) == 2
+        and all(type(part) in (int, float) for part in item)
+    ):
+        raise ValueError(f"malformed __numpy__ {dtype.name} value")
+    value = dtype.type(complex(item[0], item[1]))
+    if not all(
+        float(part) == stored or (math.isnan(stored) and np.isnan(part))
+        for part, stored in ((value.real, item[0]), (value.imag, item[1]))
+    ):
+        raise ValueError(f"malformed __numpy__ {dtype.name} value: {item!r} is not one")
+    return value
+
+
+_MAX_ARRAY_DIMS = 64
+
+
+def _numpy_array(inner: object) -> np.ndarray:
+    if not (
+        isinstance(inner, list)
+        and (len(inner) == 3 or (len(inner) == 4 and inner[3] == ">"))
+        and inner[0] in _NUMPY_DTYPES
+        and isinstance(inner[1], list)
+        and len(inner[1]) <= _MAX_ARRAY_DIMS
+        and all(type(size) is int and size >= 0 for size in inner[1])
+        and type(inner[2]) is str
+    ):
+        raise ValueError("malformed __ndarray__ value")
+    dtype = np.dtype(inner[0])
+    shape = tuple(inner[1])
+    # The element count is checked against the text before anything is decoded or allocated.
+    count = math.prod(shape)
+    if (count * dtype.itemsize + 2) // 3 * 4 != len(inner[2]):
+        raise ValueError(f"__ndarray__ data does not hold {count} values of {dtype.name}")
+    try:
+        data = base64.b64decode(inner[2], validate=True)
+    except binascii.Error as err:
+        raise ValueError(f"malformed __ndarray__ data: {err}") from err
+    if len(data) != count * dtype.itemsize:
+        raise ValueError(f"__ndarray__ data does not hold {count} values of {dtype.name}")
+    if len(inner) == 4:
+        dtype = dtype.newbyteorder(">")
+    return np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+
+
+def json_depth(value: object) -> int:
+    """How deep lists and objects nest in the decoded JSON ``value`` (0 for a scalar)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend(
+                (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
 
 
 def _hashable(key: Any) -> Any:

@@ -42,6 +42,7 @@ from shardwise.checkpoint._items import (
     decode_object,
     describe_tensor,
     is_tensor_value,
+    unstorable,
 )
 from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint._shared_verify import host_key, own_share, summary
@@ -97,12 +98,8 @@ def _check_target(
     fqn: str, described: TensorValue, record: TensorRecord, allow_dtype_cast: bool
 ) -> None:
     saved_dtype = record.dtype
-    if any(box.tensor.is_meta for box in described.boxes):
-        raise CheckpointMismatchError(
-            "cannot load into a tensor on the meta device, which holds no data; materialize "
-            "it first (e.g. module.to_empty(device=...)) or load into a tensor on a real device",
-            key=fqn,
-        )
+    for box in described.boxes:
+        _check_memory(fqn, box.tensor)
     if described.size is not None and tuple(described.size) != record.size:
         raise CheckpointMismatchError(
             f"size mismatch: the checkpoint has size {list(record.size)}, the state dict "
@@ -125,6 +122,33 @@ def _check_target(
         raise CheckpointMismatchError(
             f"dtype mismatch: the checkpoint has {saved_dtype}, the state dict expects "
             f"{described.dtype}{hint}",
+            key=fqn,
+        )
+
+
+def _check_memory(fqn: str, tensor: torch.Tensor) -> None:
+    """Refuse a target whose memory cannot take the saved elements as they are."""
+    if tensor.is_meta:
+        raise CheckpointMismatchError(
+            "cannot load into a tensor on the meta device, which holds no data; materialize "
+            "it first (e.g. module.to_empty(device=...)) or load into a tensor on a real device",
+            key=fqn,
+        )
+    kind = unstorable(tensor)
+    if kind is not None:
+        raise CheckpointMismatchError(
+            f"cannot load into {kind}: a checkpoint holds the elements of strided tensors; "
+            "load into a strided (dense) tensor, then convert it",
+            key=fqn,
+        )
+    if not tensor.is_contiguous() and any(
+        stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    ):
+        # What torch's own copy_ refuses as internal overlap.
+        raise CheckpointMismatchError(
+            "cannot load into a tensor whose elements share memory (made by expand()): "
+            "several elements would take one place; load into a tensor of its own memory "
+            "(e.g. value.clone())",
             key=fqn,
         )
 
@@ -321,7 +345,7 @@ def _plan_load(
                 raise CheckpointMismatchError(
                     "the state dict holds a tensor, the checkpoint an object", key=fqn
                 )
-            described = describe_tensor(fqn, value)
+            described = _describe_target(fqn, value)
             _check_target(fqn, described, tensor, allow_dtype_cast)
             for box in described.boxes:
                 plan.jobs.extend(reader.plan(saved_key, box.box, len(plan.targets)))
@@ -342,9 +366,22 @@ def _plan_load(
     return plan
 
 
-def _decode(reader: CheckpointReader, item: ObjectRecord) -> Any:
+def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
+    """The boxes of a tensor to load into; what cannot take a checkpoint's elements is a
+    :class:`CheckpointMismatchError` (before anything is read)."""
+    try:
+        return describe_tensor(fqn, value)
+    except (TypeError, ValueError) as err:
+        _check_memory(fqn, value)  # a sparse, nested or quantized tensor, named as such
+        # Else, e.g., a DTensor with a Partial placement.
+        raise CheckpointMismatchError(f"cannot load into it: {err}", key=fqn) from err
+
+
+def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any) -> Any:
+    """The value of a stored object (``like``: the value it replaces, whose named tuples'
+    classes a tagged JSON value takes)."""
     if item.text is not None:
-        return decode_text(item)
+        return decode_text(item, like)
     payload = reader.blob(item.fqn, verify=False)  # its blocks were verified with the rest
     if item.encoding != "pickle":
         return decode_object(item.encoding, payload, pickle.loads)
@@ -527,7 +564,7 @@ def _load(
                 shared = [w[3] if isinstance(w, list) and len(w) > 3 else None for w in wishes]
                 own = own_share(blocks, shared, comm.rank, reader.index.files)
             reader.verify(itertools.chain(own, *blobs))
-        return {key: _decode(reader, item) for key, item in planned.objects}
+        return {key: _decode(reader, item, flat.leaves.get(key)) for key, item in planned.objects}
 
     values, _ = comm.exchange_or_raise(check, lambda _: None)
     bar: JobProgress | None = None

@@ -48,6 +48,7 @@ from shardwise.checkpoint.format import bytes_key, chunk_key
 from shardwise.checkpoint.index import (
     DATA_DIR,
     INDEX_NAME,
+    MAX_INDEX_BYTES,
     TEXT_ENCODINGS,
     Index,
     ObjectRecord,
@@ -376,6 +377,13 @@ def _save_snapshot(
                     f"a rank sent malformed file facts ({type(err).__name__}: {err}); do all "
                     "ranks run the same shardwise version? Nothing was committed"
                 ) from err
+            if len(data) > MAX_INDEX_BYTES:
+                # A reader would refuse it: the checkpoint would be lost.
+                raise CheckpointError(
+                    f"the index of this save would be {len(data)} bytes, more than the "
+                    f"{MAX_INDEX_BYTES} a reader reads; JSON values are kept in the index, so "
+                    "store large ones as tensors or bytes. Nothing was committed"
+                )
             if not planned.layout and decode_index(data) != index:
                 raise CheckpointError("the index of this save does not read back as built")
             data_writer.check_visible(storage, index, path)

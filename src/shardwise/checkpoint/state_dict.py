@@ -105,10 +105,17 @@ class Flat:
         return known
 
 
-def _enterable(value: object) -> bool:
+def _enterable(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` is a node to enter; a list or tuple is one when it holds something
+    to enter within the depth a state dict may have (deeper, it is a leaf, which a save
+    refuses as too deep)."""
     if isinstance(value, (torch.Tensor, Mapping)) or is_stateful(value):
         return True
-    return isinstance(value, (list, tuple)) and any(_enterable(item) for item in value)
+    return (
+        isinstance(value, (list, tuple))
+        and depth < _MAX_DEPTH
+        and any(_enterable(item, depth + 1) for item in value)
+    )
 
 
 def _node(flat: Flat, value: Any) -> Any:

@@ -19,6 +19,7 @@ from shardwise.checkpoint.index import (
     ObjectRecord,
     TensorRecord,
     decode_text,
+    load_json_value,
 )
 from shardwise.checkpoint.planner import Box, SavedChunk
 from shardwise.checkpoint.reader import CheckpointReader
@@ -96,10 +97,13 @@ class _Checkpoint:
         return self.reader.read_box(fqn)
 
     def json_value(self, fqn: str) -> Any:
-        """The value of a JSON object entry (kept in the index)."""
+        """The value of a JSON object entry (kept in the index) as stored: checked, then
+        given as JSON, tags and all (a tuple stays ``{"__tuple__": [...]}``, so it differs
+        from a list, and every value compares as JSON)."""
         entry = self.entries[fqn]
         assert isinstance(entry, ObjectRecord) and entry.text is not None
-        return decode_text(entry)
+        decode_text(entry)
+        return load_json_value(entry.text, fqn)
 
     def payload(self, fqn: str) -> bytes:
         """The stored bytes of object ``fqn`` (the JSON text for a JSON value); never decoded,

@@ -9,7 +9,7 @@ import math
 import torch
 
 from shardwise._progress import count_bar
-from shardwise.checkpoint.index import TensorRecord
+from shardwise.checkpoint.index import TEXT_ENCODINGS, TensorRecord
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
 from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _printable
 from shardwise.metadata import dtype_name
@@ -122,7 +122,7 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
                     )
                     continue
                 why = _compare_tensors(first.tensor(fqn), second.tensor(fqn), atol, rtol)
-            elif kind_first in ("json", "pyjson"):
+            elif kind_first in TEXT_ENCODINGS:
                 why = _compare_json(first, second, fqn)
             else:
                 why = _compare_bytes(kind_first, first.payload(fqn), second.payload(fqn))

@@ -555,6 +555,68 @@ def test_quantized_tensors_are_refused_before_anything_is_written(tmp_path: Path
     assert not (tmp_path / "c" / "shardwise.json").exists()
 
 
+def test_a_save_whose_index_a_reader_would_refuse_does_not_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_module = importlib.import_module("shardwise.checkpoint.save")
+    ckpt.save({"w": torch.ones(2), "note": "old"}, tmp_path / "c")
+    # The reader's limit is 1 GiB; a save of JSON values larger than it is refused the same.
+    monkeypatch.setattr(save_module, "MAX_INDEX_BYTES", 4096)
+    with pytest.raises(ckpt.CheckpointError, match="more than the 4096 a reader reads"):
+        ckpt.save({"w": torch.zeros(2), "note": "x" * 5000}, tmp_path / "c")
+    target = {"w": torch.full((2,), 7.0), "note": None}
+    ckpt.load(target, tmp_path / "c")  # the checkpoint before is intact
+    assert torch.equal(target["w"], torch.ones(2)) and target["note"] == "old"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR and nested are beta/prototype
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "a sparse_coo tensor, and a checkpoint stores strided"),
+        (lambda: torch.eye(3).to_sparse_csr(), "a sparse_csr tensor"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
+    ],
+    ids=["coo", "csr", "nested"],
+)
+def test_tensors_without_a_strided_form_are_refused_on_both_sides(
+    tmp_path: Path, make: Any, kind: str
+) -> None:
+    with pytest.raises(TypeError, match=f"cannot checkpoint 's': it is {kind}"):
+        ckpt.save({"w": torch.ones(2), "s": make()}, tmp_path / "c")
+    assert not (tmp_path / "c" / "shardwise.json").exists()
+    ckpt.save({"w": torch.ones(2), "s": torch.eye(3)}, tmp_path / "c")
+    target = {"w": torch.zeros(2), "s": make()}
+    with pytest.raises(
+        ckpt.CheckpointMismatchError, match=f"cannot load into {kind.split(',')[0]}"
+    ):
+        ckpt.load(target, tmp_path / "c")
+    assert torch.equal(target["w"], torch.zeros(2))  # nothing was copied
+
+
+def test_a_target_whose_elements_share_memory_is_refused_before_anything_is_copied(
+    tmp_path: Path,
+) -> None:
+    ckpt.save({"a": torch.ones(4), "b": torch.arange(12.0).reshape(3, 4)}, tmp_path / "c")
+    target = {"a": torch.zeros(4), "b": torch.zeros(1, 4).expand(3, 4)}
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"elements share memory.*key 'b'"):
+        ckpt.load(target, tmp_path / "c")
+    assert torch.equal(target["a"], torch.zeros(4))
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_conjugate_and_negative_views_load_their_values(tmp_path: Path, view: str) -> None:
+    values = torch.tensor([1 + 2j, -3 - 4j, 0.5j], dtype=torch.complex64)
+    ckpt.save({"c": values}, tmp_path / "c")
+    base = torch.zeros(3, dtype=torch.complex64)
+    target = base.conj() if view == "conj" else torch._neg_view(base)
+    assert target.is_conj() or target.is_neg()
+    ckpt.load({"c": target}, tmp_path / "c")
+    assert torch.equal(target.resolve_conj().resolve_neg(), values)
+    # The view's memory holds what makes the view show the values.
+    assert torch.equal(base, values.conj() if view == "conj" else -values)
+
+
 @pytest.mark.parametrize(
     "state_dict",
     [

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
 from shardwise.checkpoint import planner
-from shardwise.checkpoint._json import untag
+from shardwise.checkpoint._json import json_depth, untag
 from shardwise.checkpoint.index.names import (
     ENCODINGS,
     FIRST_DATA_BYTE,
@@ -71,20 +71,16 @@ def parse_json(data: bytes | str, what: str, constants: bool = False) -> Any:
 def load_json_value(text: str, key: str) -> Any:
     """Decode a JSON value stored in the index, refusing nesting deeper than 64 levels."""
     value = parse_json(text, "the stored JSON value", constants=True)
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            if depth > MAX_DEPTH:
-                fail(f"the stored JSON value is nested deeper than {MAX_DEPTH} levels", key)
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
+    if json_depth(value) > MAX_DEPTH:
+        fail(f"the stored JSON value is nested deeper than {MAX_DEPTH} levels", key)
     return value
 
 
-def decode_text(record: ObjectRecord) -> Any:
-    """The value of an object kept in the index as JSON text (``json`` or ``pyjson``, whose
-    tuples and non-string dict keys are tagged).
+def decode_text(record: ObjectRecord, like: object = None) -> Any:
+    """The value of an object kept in the index as JSON text (``json``; ``pyjson`` and
+    ``pyjson2``, whose tuples, non-string dict keys and other Python values are tagged). A
+    named tuple takes the class of the one at its place in ``like``, the value it replaces,
+    when the names agree (``_json.untag``).
 
     Raises:
         CheckpointFormatError: The text is not JSON, is nested too deeply, or its tags are
@@ -93,10 +89,12 @@ def decode_text(record: ObjectRecord) -> Any:
     assert record.text is not None
     try:
         value = load_json_value(record.text, record.fqn)
-        return untag(value) if record.encoding == "pyjson" else value
+        if record.encoding == "json":
+            return value
+        return untag(value, extended=record.encoding == "pyjson2", like=like)
     except CheckpointFormatError as err:
         raise CheckpointFormatError(err.bare_message, key=record.fqn) from err
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OverflowError) as err:
         raise CheckpointFormatError(f"malformed tagged JSON value: {err}", key=record.fqn) from err
 
 

@@ -20,7 +20,6 @@ from shardwise.checkpoint.index.checks import (
 from shardwise.checkpoint.index.names import (
     CHECKSUM_ALGORITHM,
     DATA_DIR,
-    ENCODINGS,
     MAX_DEPTH,
     MAX_DIMS,
     MAX_INT,
@@ -36,6 +35,9 @@ __all__ = ["decode_v1"]
 
 # The fields of a chunk's and of a blob's storage info, sorted.
 _V1_CHUNK_INFO = ("begin", "checksum", "end", "file")
+# Version 1 kept JSON values as text and bytes, BytesIO and pickles as blobs (tagged JSON came
+# with version 2).
+_V1_ENCODINGS = ("json", "bytes", "bytesio", "pickle")
 _V1_BLOB_INFO = ("begin", "checksum", "encoding", "end", "file")
 
 
@@ -125,7 +127,7 @@ def decode_v1(document: dict[str, Any]) -> Index:
             pending.append((fqn, entry.properties, size, chunks))
             continue
         info = info_of(MetadataIndex(fqn))
-        if type(info) is not dict or info.get("encoding") not in ENCODINGS:
+        if type(info) is not dict or info.get("encoding") not in _V1_ENCODINGS:
             fail("the index has no valid storage info for it", fqn)
         encoding = info["encoding"]
         if encoding == "json":

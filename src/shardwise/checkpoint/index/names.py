@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import torch
 import xxhash
 
+from shardwise.checkpoint import _json
+
 #: Name of the index file; its presence marks a committed checkpoint.
 INDEX_NAME = "shardwise.json"
 #: Directory of the data files, relative to the checkpoint.
@@ -32,7 +34,7 @@ LAYOUT_VERSION = 4
 # Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
 MAX_INT = 1 << 62
 MAX_DIMS = 64
-MAX_DEPTH = 64
+MAX_DEPTH = _json.MAX_DEPTH
 MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
 # The safetensors header length prefix: no entry can start before it.
 FIRST_DATA_BYTE = 8
@@ -41,9 +43,9 @@ FORMAT = "shardwise-checkpoint"
 # A quantized tensor is not its bytes: its scale and zero point are not part of the format.
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 HEX = 16
-ENCODINGS = ("json", "pyjson", "bytes", "bytesio", "pickle")
+ENCODINGS = ("json", "pyjson", "pyjson2", "bytes", "bytesio", "pickle")
 #: Object encodings whose value is JSON text kept in the index (the others are blobs).
-TEXT_ENCODINGS = ("json", "pyjson")
+TEXT_ENCODINGS = ("json", "pyjson", "pyjson2")
 SEAL_KEY = b'"index_checksum":"'
 SEAL_LENGTH = len(SEAL_KEY) + HEX + 2  # the key, 16 hex digits, '"}'
 _DATA_FILE = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors")
