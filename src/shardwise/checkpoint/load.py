@@ -374,7 +374,8 @@ def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
     except (TypeError, ValueError) as err:
         _check_memory(fqn, value)  # a sparse, nested or quantized tensor, named as such
         # Else, e.g., a DTensor with a Partial placement.
-        raise CheckpointMismatchError(f"cannot load into it: {err}", key=fqn) from err
+        reason = str(err).removeprefix(f"cannot checkpoint {fqn!r}: ")
+        raise CheckpointMismatchError(f"cannot load into it: {reason}", key=fqn) from err
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any) -> Any:

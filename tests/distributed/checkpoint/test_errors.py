@@ -352,6 +352,15 @@ def test_save_refuses_bad_values_on_every_rank(tmp_path: Path) -> None:
         match=re.escape("cannot checkpoint 'p': its DTensor has a Partial placement; reduce it"),
     ):
         ckpt.save({"p": partial}, tmp_path / "b")
+    # Nor is one loaded into: every rank refuses it before anything is copied.
+    ckpt.save({"p": torch.ones(3), "w": torch.ones(2)}, tmp_path / "saved")
+    target = {"p": partial, "w": torch.zeros(2)}
+    with pytest.raises(
+        ckpt.CheckpointMismatchError,
+        match=re.escape("cannot load into it: its DTensor has a Partial placement; reduce it"),
+    ):
+        ckpt.load(target, tmp_path / "saved")
+    assert torch.equal(target["w"], torch.zeros(2))
 
     # Ranks disagreeing about a tensor's size.
     with pytest.raises(
