@@ -18,6 +18,10 @@ Cases, every method interleaved in the same run (the order rotates every repetit
 * 4 -> 2 resharded load: after the 4-rank world, a second launch of 2 ranks builds the model
   for 2 ranks with FSDP2, takes ``get_state_dict`` and loads what 4 ranks saved (load timed).
 
+Each shardwise load (same world, many small, 4 -> 2) also runs with ``verify=False``, shown on
+an informational line under its row: the same load without the pass that checks every block
+before anything is copied.
+
 "raw" is the limit: each rank writes its local bytes into one file with ``os.writev`` and
 fsyncs it, and reads them back with ``os.preadv`` into the same tensors. DCP runs with
 ``FileSystemWriter``/``FileSystemReader`` defaults, shardwise with its defaults (both fsync).
@@ -163,6 +167,13 @@ class Report:
                 f"{self.median(case, worker.DCP, 'mem_mib') or 0:>8.0f}"
                 f"  {f'>={goal:g}x':<16}{verdict}"
             )
+            if (unverified := self.median(case, worker.UNVERIFIED)) is not None:
+                self.out(
+                    f"{'  verify=False':<17}{_time(unverified):>10}{'':>10}"
+                    f"{dcp_s / unverified:>7.2f}x{'':>12}{'':>9}"
+                    f"{(f'{raw_s / unverified:.0%}' if raw_s else '-'):>8}"
+                    "   (no checksum pass: informational)"
+                )
             if control and (ctl := self.median(case, worker.DCP_CONTROL)) is not None:
                 ctl_ratios = self.per_rep_ratios(case, worker.DCP_CONTROL, worker.DCP)
                 pooled = statistics.median(

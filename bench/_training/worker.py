@@ -48,6 +48,8 @@ DCP = "dcp"
 # The same DCP calls again under another name (--dcp-control): DCP against itself.
 DCP_CONTROL = "dcp-control"
 MEMCPY = "memcpy"
+# shardwise's load with verify=False: what the checksum pass costs (informational).
+UNVERIFIED = "shardwise-unverified"
 # The reshard world loads what the main world's last save of each method left here.
 RESHARD_DIRS = {SHARDWISE: "reshard-shardwise", DCP: "reshard-dcp"}
 
@@ -150,6 +152,8 @@ class Step:
     case: str
     run: Callable[[], object]
     loads: bool = False
+    # Recorded as this method instead of the one that wrote the checkpoint.
+    method: str | None = None
 
 
 def save_load_steps(
@@ -166,6 +170,12 @@ def save_load_steps(
         return [
             Step(f"{prefix}save", lambda: swckpt.save(state.state, path)),
             Step(f"{prefix}load", lambda: swckpt.load(state.state, path), loads=True),
+            Step(
+                f"{prefix}load",
+                lambda: swckpt.load(state.state, path, verify=False),
+                loads=True,
+                method=UNVERIFIED,
+            ),
         ]
     return [
         Step(f"{prefix}save", lambda: dcp_save(state.state, path)),
@@ -187,6 +197,13 @@ def load_step(method: str, state: training.TrainingState, path: str) -> Step:
     """A load of the checkpoint at ``path`` into ``state`` with ``method``."""
     if method == SHARDWISE:
         return Step("reshard-load", lambda: swckpt.load(state.state, path), loads=True)
+    if method == UNVERIFIED:
+        return Step(
+            "reshard-load",
+            lambda: swckpt.load(state.state, path, verify=False),
+            loads=True,
+            method=UNVERIFIED,
+        )
     return Step("reshard-load", lambda: dcp_load(state.state, path), loads=True)
 
 
@@ -443,6 +460,7 @@ class Runner:
         remove_dir(path, self.rank)
 
     def _run(self, method: str, rep: int, step: Step, state: training.TrainingState) -> None:
+        method = step.method or method
         checking = rep == 0 and self.config.verify and step.loads
         # The raw limit moves tensor bytes only.
         objects = method != RAW
@@ -538,7 +556,7 @@ class Runner:
             for state, prefix in ((big, ""), (small, "small-")):
                 name = f"profile-{prefix}{method}"
                 path = os.path.join(self.config.root, name)
-                save, load = save_load_steps(method, state, path, self.rank, prefix)
+                save, load = save_load_steps(method, state, path, self.rank, prefix)[:2]
                 # Every save goes to a fresh directory, as the timed saves do (overwriting
                 # adds the removal of the old files).
                 fresh = functools.partial(self._fresh_dir, name)
@@ -583,8 +601,9 @@ class Runner:
         self._progress("building the model", began)
         paths = {method: os.path.join(config.root, name) for method, name in RESHARD_DIRS.items()}
         for rep in range(0 if config.profile_only else config.reps + 1):
-            for method in rotate([SHARDWISE, DCP], rep):
-                self._run(method, rep, load_step(method, big, paths[method]), big)
+            for method in rotate([SHARDWISE, DCP, UNVERIFIED], rep):
+                path = paths[SHARDWISE if method == UNVERIFIED else method]
+                self._run(method, rep, load_step(method, big, path), big)
             self._progress("warm-up" if rep == 0 else f"rep {rep}/{config.reps}", began)
         for method in config.profile:
             self._profile(f"{method} reshard-load", load_step(method, big, paths[method]).run)

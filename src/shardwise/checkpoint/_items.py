@@ -367,6 +367,8 @@ def _pickle_hint(value: object) -> str:
         return "store it as a sorted list"
     if isinstance(value, (bytearray, memoryview)):
         return f"store bytes(value) (it comes back as bytes), or {pickle_it}"
+    if isinstance(value, torch.Generator):
+        return "save value.get_state() (a tensor) and restore it with set_state()"
     if isinstance(value, enum.Enum):
         return f"store its value (value.value), or {pickle_it}"
     if callable(getattr(value, "state_dict", None)):
