@@ -21,7 +21,7 @@ import torch
 
 from shardwise._boxes import Box, origin
 from shardwise.checkpoint._dtensor import local_shape_and_offset
-from shardwise.checkpoint._json import MAX_DEPTH, json_depth, python_form, tagged
+from shardwise.checkpoint._json import MAX_DEPTH, form_and_depth, json_depth, python_form, tagged
 from shardwise.metadata import TensorProperties
 
 __all__ = [
@@ -406,11 +406,13 @@ def _as_json(value: object) -> ObjectValue | None:
     exactly, types included (``_json.python_form``). None when none does, or when its JSON
     would nest deeper than readers accept."""
     try:
-        form = python_form(value)
-        if form is None:
+        found = form_and_depth(value)
+        if found is None:
             return None
+        form, depth = found
         tree = value if form == 0 else tagged(value, extended=form == 2)
-        if json_depth(tree) > MAX_DEPTH:
+        # Only a value nested this deep can reach the readers' limit: walk its JSON then.
+        if 3 * depth + 3 > MAX_DEPTH and json_depth(tree) > MAX_DEPTH:
             return None
         return ObjectValue(_TEXT_FORMS[form], json.dumps(tree).encode())
     except (TypeError, ValueError, RecursionError):  # an int too long for text, too deep

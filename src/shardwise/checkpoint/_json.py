@@ -24,6 +24,7 @@ __all__ = [
     "TAGS",
     "TAGS2",
     "compact",
+    "form_and_depth",
     "json_depth",
     "json_problem",
     "python_form",
@@ -129,33 +130,54 @@ def python_form(value: object) -> int | None:
 
     The walk recurses: a value nested deeper than the interpreter's recursion limit raises
     ``RecursionError``."""
+    found = form_and_depth(value)
+    return None if found is None else found[0]
+
+
+# The types that are JSON scalars as they are.
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+
+
+def form_and_depth(value: object) -> tuple[int, int] | None:
+    """:func:`python_form` of ``value`` and how deep its lists, tuples, dicts and named tuples
+    nest (0 for a scalar). Its tagged JSON nests at most ``3 * depth + 3`` levels (a tagged
+    container takes at most three levels, a tagged scalar or array at most three)."""
     kind = type(value)
-    if value is None or kind is bool or kind is int or kind is float or kind is str:
-        return 0
+    if kind in _SCALARS:
+        return 0, 0
     if kind is list or kind is tuple:
-        form = 0 if kind is list else 1
+        form, depth = (0 if kind is list else 1), 0
         for item in value:  # type: ignore[attr-defined]
-            inner = python_form(item)
+            if type(item) in _SCALARS:  # most items: no call
+                continue
+            inner = form_and_depth(item)
             if inner is None:
                 return None
-            form = max(form, inner)
-        return form
+            form, depth = max(form, inner[0]), max(depth, inner[1])
+        return form, depth + 1
     if kind is dict:
         assert isinstance(value, dict)
-        form = 0 if all(type(key) is str for key in value) and not TAGS & value.keys() else 1
+        plain = all(type(key) is str for key in value) and not TAGS & value.keys()
+        form, depth = (0 if plain else 1), 0
         for key, item in value.items():
-            inner = python_form(item)
-            key_form = python_form(key)
-            if inner is None or key_form is None:
+            inner, key_inner = form_and_depth(item), form_and_depth(key)
+            if inner is None or key_inner is None:
                 return None
-            form = max(form, inner, key_form)
-        return form
+            form = max(form, inner[0], key_inner[0])
+            depth = max(depth, inner[1], key_inner[1])
+        return form, depth + 1
     if _is_named(kind):
-        return 2 if all(python_form(item) is not None for item in value) else None  # type: ignore[attr-defined]
+        depth = 0
+        for item in value:  # type: ignore[attr-defined]
+            inner = form_and_depth(item)
+            if inner is None:
+                return None
+            depth = max(depth, inner[1])
+        return 2, depth + 1
     if kind is np.ndarray or isinstance(value, np.generic):
-        return 2 if value.dtype.name in _NUMPY_DTYPES else None  # type: ignore[attr-defined]
+        return (2, 0) if value.dtype.name in _NUMPY_DTYPES else None  # type: ignore[attr-defined]
     if kind.__module__ == "torch" and kind.__name__ == "Size":
-        return 2
+        return 2, 0
     return None
 
 
@@ -185,12 +207,14 @@ def tagged(value: object, extended: bool = False) -> object:
             (the message is the type's name).
     """
     kind = type(value)
-    if value is None or kind is bool or kind is int or kind is float or kind is str:
+    if kind in _SCALARS:
         return value
-    if kind is list:
-        return [tagged(item, extended) for item in value]  # type: ignore[attr-defined]
-    if kind is tuple:
-        return {"__tuple__": [tagged(item, extended) for item in value]}  # type: ignore[attr-defined]
+    if kind is list or kind is tuple:
+        items = [
+            item if type(item) in _SCALARS else tagged(item, extended)
+            for item in value  # type: ignore[attr-defined]
+        ]
+        return items if kind is list else {"__tuple__": items}
     if kind is dict:
         assert isinstance(value, dict)
         reserved = TAGS2 if extended else TAGS
