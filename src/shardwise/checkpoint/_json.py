@@ -265,12 +265,12 @@ def untag(value: object, extended: bool = False, like: object = None) -> Any:
         ValueError: Malformed tags.
     """
     if isinstance(value, list):
-        return [untag(item, extended, _part(like, i)) for i, item in enumerate(value)]
+        return _untag_items(value, extended, like)
     if isinstance(value, dict):
         if len(value) == 1:
             ((tag, inner),) = value.items()
             if tag == "__tuple__" and isinstance(inner, list):
-                return tuple(untag(item, extended, _part(like, i)) for i, item in enumerate(inner))
+                return tuple(_untag_items(inner, extended, like))
             if tag == "__dict__" and isinstance(inner, list):
                 if not all(isinstance(pair, list) and len(pair) == 2 for pair in inner):
                     raise ValueError("malformed __dict__ pairs")
@@ -280,6 +280,16 @@ def untag(value: object, extended: bool = False, like: object = None) -> Any:
                 return _untag_extended(tag, inner, like)
         return {key: untag(item, extended, _entry(like, key)) for key, item in value.items()}
     return value
+
+
+def _untag_items(items: list[Any], extended: bool, like: object) -> list[Any]:
+    """:func:`untag` of each of ``items`` (a scalar, most items, as it is)."""
+    if not any(type(item) in (list, dict) for item in items):
+        return items
+    return [
+        item if type(item) in _SCALARS else untag(item, extended, _part(like, i))
+        for i, item in enumerate(items)
+    ]
 
 
 def _part(like: object, index: int) -> object:
@@ -412,15 +422,15 @@ def _numpy_array(inner: object) -> np.ndarray:
 
 def json_depth(value: object) -> int:
     """How deep lists and objects nest in the decoded JSON ``value`` (0 for a scalar)."""
+    if not isinstance(value, (list, dict)):
+        return 0
     deepest = 0
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            deepest = max(deepest, depth)
-            stack.extend(
-                (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
-            )
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if type(child) in (list, dict))
     return deepest
 
 
