@@ -365,7 +365,9 @@ def _pickle_hint(value: object) -> str:
         )
     if isinstance(value, (set, frozenset)):
         return "store it as a sorted list"
-    if isinstance(value, (bytearray, memoryview)):
+    if isinstance(value, memoryview):  # which pickle cannot take either
+        return "store bytes(value) (it comes back as bytes)"
+    if isinstance(value, bytearray):
         return f"store bytes(value) (it comes back as bytes), or {pickle_it}"
     if isinstance(value, torch.Generator):
         return "save value.get_state() (a tensor) and restore it with set_state()"
@@ -437,7 +439,13 @@ def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
     if as_json is not None:
         return as_json
     if allow_pickle:
-        return ObjectValue("pickle", pickle.dumps(value))
+        try:
+            return ObjectValue("pickle", pickle.dumps(value))
+        except (TypeError, pickle.PicklingError, AttributeError) as err:
+            raise TypeError(
+                f"cannot save state_dict[{fqn!r}] of type {type(value).__name__}: it has no "
+                f"stored form without pickle, and pickling it failed: {err}"
+            ) from err
     where, part = _culprit(value, "")
     what = f"{where} is a {type(part).__name__}: " if where else ""
     raise TypeError(
