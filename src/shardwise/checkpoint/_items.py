@@ -441,7 +441,7 @@ def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
     if allow_pickle:
         try:
             return ObjectValue("pickle", pickle.dumps(value))
-        except (TypeError, pickle.PicklingError, AttributeError) as err:
+        except TypeError as err:  # its other failures are named by the caller
             raise TypeError(
                 f"cannot save state_dict[{fqn!r}] of type {type(value).__name__}: it has no "
                 f"stored form without pickle, and pickling it failed: {err}"

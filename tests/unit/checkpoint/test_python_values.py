@@ -205,12 +205,14 @@ def test_refused_values_round_trip_exactly_with_pickle(tmp_path: Path) -> None:
     assert all(same(target[key], state[key]) for key in state)
 
 
-@pytest.mark.parametrize("value", [memoryview(b"ab"), lambda: 1], ids=["memoryview", "lambda"])
-def test_a_value_pickle_cannot_take_is_named_when_pickle_is_allowed(
-    tmp_path: Path, value: Any
-) -> None:
+def test_a_value_pickle_cannot_take_is_named_when_pickle_is_allowed(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"cannot save state_dict\['v'\] .* pickling it failed"):
-        ckpt.save({"v": value}, tmp_path / "c", allow_pickle=True)
+        ckpt.save({"v": memoryview(b"ab")}, tmp_path / "c", allow_pickle=True)
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"cannot save it: (AttributeError|PicklingError): Can't pickle.*key 'v'",
+    ):
+        ckpt.save({"v": lambda: 1}, tmp_path / "c", allow_pickle=True)
     assert not (tmp_path / "c" / "shardwise.json").exists()
 
 
