@@ -470,8 +470,8 @@ def _culprit(value: object, where: str) -> tuple[str, object]:
                     return f"{where} key {key!r}", key
                 if python_form(item) is None:
                     return _culprit(item, f"{where}[{key!r}]")
-    except RecursionError:
-        pass
+    except RecursionError:  # too deep to search: the value is named as a whole
+        return where, value
     return where, value
 
 
