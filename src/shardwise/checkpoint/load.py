@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import secrets
+import sys
 import time
 import warnings
 from collections.abc import MutableMapping
@@ -292,6 +293,50 @@ def _grow(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]], values: dict[s
             node[parts[-1]] = values[saved]
 
 
+def _parameters_of(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]]) -> dict[str, Any]:
+    """The parameter each grown entry of an optimizer's state belongs to, by checkpoint key.
+
+    An optimizer passed itself (Stateful) that has not stepped has an empty ``state``; the
+    entries grown into it, ``state.<n>.<name>``, are the state of its ``n``-th parameter
+    (``torch.optim.Optimizer.state_dict`` numbers them across its param groups in order)."""
+    optimizers = {
+        id(state["state"]): stateful
+        for stateful, state in flat.statefuls
+        if isinstance(stateful, torch.optim.Optimizer) and isinstance(state.get("state"), dict)
+    }
+    found: dict[str, Any] = {}
+    for key, entries in paths.items():
+        optimizer = optimizers.get(id(flat.leaves[key]))
+        if optimizer is None:
+            continue
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        for parts, saved in entries:
+            number = parts[0]
+            if len(parts) == 2 and type(number) is int and 0 <= number < len(params):
+                found[saved] = params[number]
+    return found
+
+
+def _allocate(record: TensorRecord, parameter: Any) -> torch.Tensor:
+    """A new tensor for a grown entry: shaped and placed like ``parameter`` when it is the
+    state of that parameter (the same global size; a DTensor stays sharded as the parameter
+    is, so an FSDP optimizer resumes with sharded state), else the whole tensor on the CPU."""
+    if isinstance(parameter, torch.Tensor) and tuple(parameter.shape) == record.size:
+        kind = type(parameter)
+        dtensor = _loaded_dtensor()
+        if kind in (torch.Tensor, torch.nn.Parameter) or (
+            dtensor is not None and isinstance(parameter, dtensor)
+        ):
+            with torch.no_grad():
+                return torch.empty_like(parameter, dtype=record.dtype, requires_grad=False)
+    return torch.empty(record.size, dtype=record.dtype)
+
+
+def _loaded_dtensor() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
 @dataclass(slots=True)
 class _Plan:
     targets: list[LocalBox]
@@ -317,6 +362,7 @@ def _plan_load(
         )
     typed = any("\x00" in saved for saved in (*index.tensors, *index.objects))
     plan = _Plan([], [], [], _grown_paths(grown, typed), {}, missing, unexpected)
+    templates = _parameters_of(flat, plan.grown)
     for saved_key in itertools.chain.from_iterable(grown.values()):
         record = index.tensors.get(saved_key)
         if record is None:
@@ -331,11 +377,11 @@ def _plan_load(
             continue
         # Allocated only once its data files are known to hold it.
         reader.check_files((saved_key, chunk) for chunk in record.chunks)
-        allocated = torch.empty(record.size, dtype=record.dtype)
+        allocated = _allocate(record, templates.get(saved_key))
         plan.new_tensors[saved_key] = allocated
-        whole = LocalBox((0,) * len(record.size), record.size, allocated)
-        plan.jobs.extend(reader.plan(saved_key, whole.box, len(plan.targets)))
-        plan.targets.append(whole)
+        for box in describe_tensor(display_key(saved_key), allocated).boxes:
+            plan.jobs.extend(reader.plan(saved_key, box.box, len(plan.targets)))
+            plan.targets.append(box)
     for key, saved_key in pairs.items():
         value = flat.leaves[key]
         fqn = display_key(key)
