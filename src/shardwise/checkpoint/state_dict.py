@@ -168,10 +168,16 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
     """Take ``state_dict`` apart into leaves by internal key.
 
     Raises:
-        TypeError: A key is neither ``str`` nor ``int``, or the nesting is deeper than 100
-            (a cycle?).
+        TypeError: ``state_dict`` is not a Mapping, a key is neither ``str`` nor ``int``, or
+            the nesting is deeper than 100 (a cycle?).
         ValueError: Two paths give the same key (e.g. ``{"a.b": 1, "a": {"b": 2}}``).
     """
+    if not isinstance(state_dict, Mapping):
+        hint = " (wrap it: {'model': model})" if is_stateful(state_dict) else ""
+        raise TypeError(
+            "state_dict must be a Mapping of str or int keys, such as "
+            f"{{'model': ..., 'optim': ...}}; got {type(state_dict).__name__}{hint}"
+        )
     flat = Flat()
     leaves = flat.leaves
 

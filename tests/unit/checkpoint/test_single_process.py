@@ -654,3 +654,26 @@ def test_meta_tensors_are_refused_on_save_and_as_load_targets(tmp_path: Path) ->
     with pytest.raises(ckpt.CheckpointMismatchError, match="meta device") as caught:
         ckpt.load({"m": torch.empty(3, device="meta")}, tmp_path / "d")
     assert caught.value.key == "m"
+
+
+@pytest.mark.parametrize(
+    ("state_dict", "hint"),
+    [
+        (torch.nn.Linear(2, 2), r"got Linear \(wrap it: \{'model': model\}\)$"),
+        ([torch.ones(1)], "got list$"),
+        (None, "got NoneType$"),
+    ],
+    ids=["module", "list", "none"],
+)
+def test_a_state_dict_that_is_not_a_mapping_is_a_type_error_naming_its_type(
+    tmp_path: Path, state_dict: Any, hint: str
+) -> None:
+    ckpt.save({"w": torch.ones(1)}, tmp_path / "c")
+    message = "state_dict must be a Mapping of str or int keys, such as .*" + hint
+    with pytest.raises(TypeError, match=message):
+        ckpt.save(state_dict, tmp_path / "d")
+    with pytest.raises(TypeError, match=message):
+        ckpt.async_save(state_dict, tmp_path / "d").result()
+    with pytest.raises(TypeError, match=message):
+        ckpt.load(state_dict, tmp_path / "c")
+    assert not (tmp_path / "d" / "shardwise.json").exists()
