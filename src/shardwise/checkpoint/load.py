@@ -321,7 +321,11 @@ def _allocate(record: TensorRecord, parameter: Any) -> torch.Tensor:
     """A new tensor for a grown entry: shaped and placed like ``parameter`` when it is the
     state of that parameter (the same global size; a DTensor stays sharded as the parameter
     is, so an FSDP optimizer resumes with sharded state), else the whole tensor on the CPU."""
-    if isinstance(parameter, torch.Tensor) and tuple(parameter.shape) == record.size:
+    if (
+        isinstance(parameter, torch.Tensor)
+        and tuple(parameter.shape) == record.size
+        and not parameter.is_meta  # no memory to be like
+    ):
         kind = type(parameter)
         dtensor = _loaded_dtensor()
         if kind in (torch.Tensor, torch.nn.Parameter) or (

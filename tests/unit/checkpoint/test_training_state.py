@@ -306,3 +306,19 @@ def test_load_tensor_takes_the_dotted_key_inspect_shows(tmp_path) -> None:
     ckpt.save({"c": {0: {"1": torch.ones(1)}, "0": {1: torch.zeros(1)}}}, tmp_path / "e")
     with pytest.raises(ckpt.CheckpointKeyError, match="2 tensors"):
         ckpt.load_tensor(tmp_path / "e", "c.0.1")
+
+
+def test_a_fresh_optimizer_of_meta_parameters_grows_its_state_on_the_cpu(tmp_path: Path) -> None:
+    # Its parameters have no memory to make the state like: the state is read whole, and the
+    # optimizer's own load_state_dict moves it to the parameters' device, as torch does.
+    model, optim, _ = _trained(0, 2)
+    ckpt.save({"optim": optim}, tmp_path / "c")
+    with torch.device("meta"):
+        meta_model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        )
+    meta_optim = torch.optim.AdamW(meta_model.parameters(), lr=0.1)
+    ckpt.load({"optim": meta_optim}, tmp_path / "c")
+    state = meta_optim.state_dict()["state"]
+    assert sorted(state) == sorted(optim.state_dict()["state"])
+    assert all(entry["exp_avg"].is_meta for entry in state.values())
