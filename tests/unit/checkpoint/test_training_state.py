@@ -311,7 +311,7 @@ def test_load_tensor_takes_the_dotted_key_inspect_shows(tmp_path) -> None:
 def test_a_fresh_optimizer_of_meta_parameters_grows_its_state_on_the_cpu(tmp_path: Path) -> None:
     # Its parameters have no memory to make the state like: the state is read whole, and the
     # optimizer's own load_state_dict moves it to the parameters' device, as torch does.
-    model, optim, _ = _trained(0, 2)
+    _, optim, _ = _trained(0, 2)
     ckpt.save({"optim": optim}, tmp_path / "c")
     with torch.device("meta"):
         meta_model = torch.nn.Sequential(
