@@ -390,33 +390,43 @@ def _pickle_hint(value: object) -> str:
 
 
 def _too_deep(value: object) -> bool:
-    """Whether ``value`` has a JSON form that nests deeper than readers accept."""
+    """Whether ``value`` has a JSON form, but one that nests deeper than readers accept."""
     try:
-        form = python_form(value)
-        if form is None:
-            return False
-        return json_depth(value if form == 0 else tagged(value, extended=form == 2)) > MAX_DEPTH
+        found = _json_form(value)
     except RecursionError:
         return True
     except (TypeError, ValueError):
         return False
+    return found is not None and not found[2]
+
+
+def _json_form(value: object) -> tuple[int, object, bool] | None:
+    """``value``'s simplest exact form (``_json.python_form``), its JSON tree, and whether
+    readers accept the tree's depth (at most ``MAX_DEPTH``; only a value nested deep enough
+    to reach it has its tree walked); None when it has no such form.
+
+    Raises:
+        RecursionError: ``value`` nests deeper than the interpreter's recursion limit.
+    """
+    found = form_and_depth(value)
+    if found is None:
+        return None
+    form, depth = found
+    tree = value if form == 0 else tagged(value, extended=form == 2)
+    fits = 3 * depth + 3 <= MAX_DEPTH or json_depth(tree) <= MAX_DEPTH
+    return form, tree, fits
 
 
 def _as_json(value: object) -> ObjectValue | None:
     """``value`` as ``json`` (plain JSON; NaN and Infinity allowed, so ``float("inf")``
     round-trips), ``pyjson`` or ``pyjson2`` (tagged) text: the simplest that gives it back
-    exactly, types included (``_json.python_form``). None when none does, or when its JSON
-    would nest deeper than readers accept."""
+    exactly, types included. None when none does, or when its JSON would nest deeper than
+    readers accept."""
     try:
-        found = form_and_depth(value)
-        if found is None:
+        found = _json_form(value)
+        if found is None or not found[2]:
             return None
-        form, depth = found
-        tree = value if form == 0 else tagged(value, extended=form == 2)
-        # Only a value nested this deep can reach the readers' limit: walk its JSON then.
-        if 3 * depth + 3 > MAX_DEPTH and json_depth(tree) > MAX_DEPTH:
-            return None
-        return ObjectValue(_TEXT_FORMS[form], json.dumps(tree).encode())
+        return ObjectValue(_TEXT_FORMS[found[0]], json.dumps(found[1]).encode())
     except (TypeError, ValueError, RecursionError):  # an int too long for text, too deep
         return None
 

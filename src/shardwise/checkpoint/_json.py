@@ -182,16 +182,33 @@ def form_and_depth(value: object) -> tuple[int, int] | None:
 
 
 def _is_named(kind: type) -> bool:
-    """Whether ``kind`` is a class made by ``collections.namedtuple`` (or ``NamedTuple``) of
-    at most :data:`MAX_FIELDS` fields."""
+    """Whether ``kind`` is a class made by ``collections.namedtuple`` (or ``NamedTuple``)
+    whose name and fields a reader can make a class of (:func:`_named_problem`): one made
+    with ``rename=True`` (a field ``_1``) is not, so a save refuses it rather than write
+    what no load could read."""
     fields = getattr(kind, "_fields", None)
     return (
         issubclass(kind, tuple)
         and type(fields) is tuple
-        and len(fields) <= MAX_FIELDS
-        and all(type(field) is str for field in fields)
         and callable(getattr(kind, "_make", None))
+        and _named_problem(kind.__name__, fields) is None
     )
+
+
+def _named_problem(name: object, fields: tuple[object, ...]) -> str | None:
+    """Why a named tuple class of ``name`` and ``fields`` cannot be made on load (the rules of
+    ``collections.namedtuple``, and at most :data:`MAX_FIELDS` fields), or None."""
+    if len(fields) > MAX_FIELDS:
+        return f"more than {MAX_FIELDS} fields"
+    for word in (name, *fields):
+        if type(word) is not str or not word.isidentifier() or keyword.iskeyword(word):
+            return f"{word!r} is not a valid named tuple name"
+    for field in fields:
+        if str(field).startswith("_"):
+            return f"field {field!r} starts with an underscore"
+    if len(set(fields)) != len(fields):
+        return "a field is named twice"
+    return None
 
 
 #: Named tuples of more fields are not stored as such (nor made on load).
@@ -330,7 +347,6 @@ def _untag_extended(tag: str, inner: object, like: object) -> Any:
         and len(inner) == 3
         and type(inner[0]) is str
         and isinstance(inner[1], list)
-        and len(inner[1]) <= MAX_FIELDS
         and all(type(field) is str for field in inner[1])
         and isinstance(inner[2], list)
         and len(inner[2]) == len(inner[1])
@@ -345,13 +361,11 @@ def _untag_extended(tag: str, inner: object, like: object) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _named_class(name: str, fields: tuple[str, ...]) -> type:
-    """A named tuple class of ``name`` and ``fields`` (both checked: identifiers, no keyword,
-    no field starting with an underscore or named twice, as ``collections.namedtuple``
-    requires)."""
-    for word in (name, *fields):
-        if not word.isidentifier() or keyword.iskeyword(word):
-            raise ValueError(f"{word!r} is not a valid named tuple name")
-    return collections.namedtuple(name, fields)  # raises ValueError for the other rules
+    """A named tuple class of ``name`` and ``fields``, checked first (:func:`_named_problem`)."""
+    problem = _named_problem(name, fields)
+    if problem is not None:
+        raise ValueError(f"malformed __namedtuple__ value: {problem}")
+    return collections.namedtuple(name, fields)
 
 
 def _numpy_scalar(dtype: np.dtype[Any], item: object) -> Any:

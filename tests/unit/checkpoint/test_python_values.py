@@ -28,6 +28,8 @@ from shardwise.checkpoint.index import ObjectRecord, decode_text
 from tests import _hostile as h
 
 Point = collections.namedtuple("Point", "x y")
+# rename=True turns the keyword field into "_1", which collections.namedtuple refuses.
+Renamed = collections.namedtuple("Renamed", ["a", "def"], rename=True)  # type: ignore[misc]
 
 
 class Pair(typing.NamedTuple):
@@ -404,3 +406,16 @@ def test_untag_takes_the_like_class_only_where_it_stands() -> None:
     assert type(untag(tree, extended=True, like=(Point(0, 0),))[0]) is Point
     assert type(untag(tree, extended=True, like=[])[0]) is not Point
     assert type(untag(tree, extended=True, like="not a tuple")[0]) is not Point
+
+
+def test_a_named_tuple_no_reader_could_make_is_refused_at_save(tmp_path: Path) -> None:
+    # A reader without the class at hand could not rebuild it: it is not stored as such.
+    value = Renamed(1, 2)
+    assert Renamed._fields == ("a", "_1")
+    assert python_form(value) is None
+    with pytest.raises(TypeError, match="Renamed is a subclass of tuple"):
+        ckpt.save({"v": value}, tmp_path / "c")
+    ckpt.save({"v": value}, tmp_path / "c", allow_pickle=True)
+    target: dict[str, Any] = {"v": None}
+    ckpt.load(target, tmp_path / "c", allow_pickle=True)
+    assert type(target["v"]) is Renamed and target["v"] == value
