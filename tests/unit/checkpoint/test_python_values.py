@@ -23,7 +23,15 @@ from hypothesis import strategies as st
 
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint._items import describe_object
-from shardwise.checkpoint._json import MAX_DEPTH, MAX_FIELDS, json_depth, python_form, untag
+from shardwise.checkpoint._json import (
+    MAX_DEPTH,
+    MAX_FIELDS,
+    TAGS2,
+    json_depth,
+    python_form,
+    tagged,
+    untag,
+)
 from shardwise.checkpoint.index import ObjectRecord, decode_text
 from tests import _hostile as h
 
@@ -419,3 +427,159 @@ def test_a_named_tuple_no_reader_could_make_is_refused_at_save(tmp_path: Path) -
     target: dict[str, Any] = {"v": None}
     ckpt.load(target, tmp_path / "c", allow_pickle=True)
     assert type(target["v"]) is Renamed and target["v"] == value
+
+
+# -- strict decoding: an object holding a tag is one well-formed tag, through load too --------
+
+# A tampered value per tag (and per way an object can hold a tag wrongly): each is refused.
+TAMPERED = [
+    ("pyjson", '{"__tuple__": 5}'),
+    ("pyjson", '{"__dict__": "x"}'),
+    ("pyjson", '{"__tuple__": [1], "__dict__": [[1, 2]]}'),
+    ("pyjson", '{"__tuple__": [1], "extra": 2}'),
+    ("pyjson", '[{"__dict__": [["a", 1]]}]'),  # string keys only: a writer writes an object
+    ("pyjson", '{"__dict__": [[1, 2], [1, 3]]}'),
+    ("pyjson2", f'{{"__size__": [{2**70}]}}'),
+    ("pyjson2", '{"__size__": [true]}'),
+    ("pyjson2", '{"__numpy__": ["float32", 1]}'),
+    ("pyjson2", '{"__numpy__": ["int8", 1], "__ndarray__": []}'),
+    ("pyjson2", '{"__ndarray__": ["uint8", [1], "AQ==", ">"]}'),
+    ("pyjson2", '{"__ndarray__": ["int8", [0, 4611686018427387904, 4], ""]}'),
+    ("pyjson2", '{"__namedtuple__": ["P", ["\\ufb01", "fi"], [1, 2]]}'),
+    ("pyjson2", '{"a": {"__namedtuple__": ["P", ["x"], [1, 2]]}}'),
+]
+
+
+@pytest.mark.parametrize(("encoding", "text"), TAMPERED)
+def test_a_load_refuses_a_malformed_tag_naming_the_key(
+    tmp_path: Path, encoding: str, text: str
+) -> None:
+    path = tmp_path / "c"
+    ckpt.save({"w": torch.ones(2), "v": (1, 2)}, path)
+    document = h.read_document(path)
+    row = next(row for row in document["objects"] if row[0] == "v")
+    row[1], row[2] = encoding, text
+    h.write_resealed(path, document)
+    target: dict[str, Any] = {"w": torch.zeros(2), "v": "before"}
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"malformed .*key 'v'") as caught:
+        ckpt.load(target, path)
+    assert caught.value.key == "v"
+    assert torch.equal(target["w"], torch.zeros(2)) and target["v"] == "before"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_values)
+def test_the_json_of_every_stored_value_decodes_to_what_writes_it_again(value: Any) -> None:
+    item = describe_object("v", value, allow_pickle=False)
+    if item.encoding == "json":
+        return
+    tree = json.loads(item.payload)
+    extended = item.encoding == "pyjson2"
+    assert json.dumps(tagged(untag(tree, extended), extended)) == item.payload.decode()
+
+
+# Hostile JSON: objects keyed by tags, with payloads of the right and wrong shapes and types
+# and of the edge values of each rule.
+_EDGE_INTS = [0, 1, -1, 2, 127, 128, -129, 255, 256, 2**31, 2**63 - 1, 2**63, -(2**63)]
+_EDGE_INTS += [-(2**63) - 1, 2**64 - 1, 2**64, 2**70, 4611686018427387904]
+_EDGE_TEXT = ["int8", "uint64", "float16", "float32", "complex64", "bool", "object", "V8"]
+_EDGE_TEXT += ["", "AA==", "AQ==", "AR==", "AQI=", "AAAA", "A===", "!!!!", ">", "<"]
+_EDGE_TEXT += ["N", "a", "b", "_a", "class", "import os", "\ufb01", "fi", "__tuple__"]
+_json_atoms = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(_EDGE_INTS),
+    st.integers(-3, 3),
+    st.sampled_from([0.0, -0.0, 0.5, 0.1, 1.0, 1e39, 1e300, math.inf, -math.inf, math.nan]),
+    st.sampled_from(_EDGE_TEXT),
+    st.text(max_size=3),
+)
+_TAG_KEYS = sorted(TAGS2)
+
+
+def _hostile_containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.sampled_from([*_TAG_KEYS, "a", "x"]), children, max_size=3),
+        st.builds(lambda tag, payload: {tag: payload}, st.sampled_from(_TAG_KEYS), children),
+        st.builds(
+            lambda tag, payload: {tag: payload},
+            st.sampled_from(_TAG_KEYS),
+            st.lists(children, min_size=1, max_size=4),
+        ),
+    )
+
+
+_hostile_json = st.recursive(_json_atoms, _hostile_containers, max_leaves=12)
+
+
+def _check_decodes_as_written_or_is_refused(tree: Any) -> None:
+    """``tree`` decodes to a value the writer stores in that encoding, as exactly that JSON, or
+    it is refused with a ``ValueError`` (and nothing else escapes)."""
+    text = json.dumps(tree)
+    for extended in (False, True):
+        try:
+            value = untag(json.loads(text), extended)
+        except ValueError:
+            continue
+        form = python_form(value)
+        assert form is not None and (extended or form <= 1), (text, extended)
+        assert json.dumps(tagged(value, extended)) == text, (text, extended)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_hostile_json)
+def test_hostile_json_decodes_to_what_writes_it_or_is_refused(tree: Any) -> None:
+    _check_decodes_as_written_or_is_refused(tree)
+
+
+def _nodes(tree: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The paths to every list and object of ``tree`` and to everything in them."""
+    found = [path]
+    if type(tree) is list:
+        for i, item in enumerate(tree):
+            found += _nodes(item, (*path, i))
+    elif type(tree) is dict:
+        for key, item in tree.items():
+            found += _nodes(item, (*path, key))
+    return found
+
+
+def _replaced(tree: Any, path: tuple[Any, ...], make: Any) -> Any:
+    """A copy of ``tree`` with the node at ``path`` replaced by ``make(node)``."""
+    if not path:
+        return make(tree)
+    copy = list(tree) if type(tree) is list else dict(tree)
+    copy[path[0]] = _replaced(tree[path[0]], path[1:], make)
+    return copy
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_values, st.data())
+def test_mutated_tagged_trees_decode_to_what_writes_them_or_are_refused(
+    value: Any, data: st.DataObject
+) -> None:
+    tree = json.loads(json.dumps(tagged(value, extended=True)))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(_nodes(tree)))
+        other = data.draw(_hostile_json)
+        tag = data.draw(st.sampled_from([*_TAG_KEYS, "x"]))
+        mutations = {
+            "replace": lambda node, other=other: other,
+            "wrap": lambda node, tag=tag: {tag: node},
+            "add a key": lambda node, tag=tag, other=other: (
+                {**node, tag: other} if type(node) is dict else [node, other]
+            ),
+            "drop an item": lambda node: (
+                node[:-1]
+                if type(node) is list
+                else dict(list(node.items())[1:])
+                if type(node) is dict
+                else node
+            ),
+            "append an item": lambda node, other=other: (
+                [*node, other] if type(node) is list else node
+            ),
+        }
+        tree = _replaced(tree, path, mutations[data.draw(st.sampled_from(sorted(mutations)))])
+    _check_decodes_as_written_or_is_refused(tree)
