@@ -7,15 +7,19 @@ when the overlap is contiguous in the saved chunk, otherwise one read per row pi
 reads spanning the gaps between pieces where a gap costs less than a read (see
 :func:`~shardwise.checkpoint.planner.plan_reads`).
 
-The order of work keeps the state dict untouched by any failure (every step is agreed by all
-ranks before the next starts):
+The order of work (every step is agreed by all ranks before the next starts):
 
 1. The index is read by rank 0 and broadcast; every rank validates it (same bytes, same
-   verdict). Keys, sizes and dtypes are checked against the state dict, and every data file
-   needed is opened and checked (regular file, size as the index says).
-2. Every checksummed block the reads will touch is read and verified, and the objects are
-   decoded (:meth:`~shardwise.checkpoint.reader.CheckpointReader.verify`).
-3. Only then are the bytes read into the state dict's tensors and the objects replaced.
+   verdict). Keys, sizes and dtypes are checked against the state dict, every data file
+   needed is opened and checked (regular file, size as the index says), and the objects kept
+   in the index are decoded. A failure here leaves the state dict untouched.
+2. One verified pass (:meth:`~shardwise.checkpoint.reader.CheckpointReader.fill`) reads each
+   checksummed block the reads touch once, checks it and uses its bytes: into the tensors, and
+   the stored objects' bytes, which are decoded then. A checksum mismatch raises on every rank;
+   the tensors being filled are then undefined (partly filled), and no Python value has been
+   replaced.
+3. Only when every rank has read everything are the objects replaced and Stateful objects
+   given their state.
 """
 
 from __future__ import annotations
@@ -46,15 +50,18 @@ from shardwise.checkpoint._items import (
     unstorable,
 )
 from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
-from shardwise.checkpoint._shared_verify import host_key, own_share, summary
-from shardwise.checkpoint._verify import Block
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
-from shardwise.checkpoint.reader import CheckpointReader, Job, decode, read_index_bytes
+from shardwise.checkpoint.reader import (
+    CheckpointReader,
+    Job,
+    Segment,
+    decode,
+    read_index_bytes,
+)
 from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.storage import open_shared_storage
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
@@ -428,12 +435,12 @@ def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
         raise CheckpointMismatchError(f"cannot load into it: {reason}", key=fqn) from err
 
 
-def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any) -> Any:
+def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:
     """The value of a stored object (``like``: the value it replaces, whose named tuples'
-    classes a tagged JSON value takes)."""
+    classes a tagged JSON value takes; ``payload``: a blob's verified bytes)."""
     if item.text is not None:
         return decode_text(item, like)
-    payload = reader.blob(item.fqn, verify=False)  # its blocks were verified with the rest
+    assert payload is not None
     if item.encoding != "pickle":
         return decode_object(item.encoding, payload, pickle.loads)
     try:
@@ -446,6 +453,13 @@ def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any) -> Any:
             key=item.fqn,
             rank=reader.rank,
         ) from err
+
+
+#: The end of a checksum error's message in ``load``: what the mismatch left behind.
+_UNDEFINED = (
+    "; the tensors this load was filling are undefined (partly filled) and no Python value of "
+    "the state dict was replaced: load another checkpoint"
+)
 
 
 def load(
@@ -465,9 +479,11 @@ def load(
     Tensors (plain, ShardedTensor, DTensor, LocalShardsWrapper; any layout, any world size)
     are filled in place from whatever layout was saved; other values are replaced in their
     containers (a tuple is rebuilt and replaced in its parent); every Stateful object has its
-    ``state_dict()`` filled and passed to its ``load_state_dict``. Nothing is copied into the
-    state dict before every rank has validated the index and verified every block it will
-    read: a failure leaves the state dict unchanged.
+    ``state_dict()`` filled and passed to its ``load_state_dict``. Every rank validates the
+    index, keys, sizes and dtypes before anything is read (such a failure leaves the state
+    dict unchanged); then each block read is checked as it is used, and no load returns while
+    a byte it copied is unverified. After a checksum mismatch the tensors being filled are
+    undefined (partly filled) and no Python value was replaced: load another checkpoint.
 
     Args:
         state_dict: The target, with tensors of the right size and dtype.
@@ -568,15 +584,7 @@ def _load(
     """Plan, verify and fill (see the module's docstring). Returns the result and the bytes
     every rank read into the state dict."""
     flat = Flat()
-    # The blocks the reads of this rank's tensors touch (with ``verify``).
-    blocks: list[Block] = []
-    # The ranks of one host that read one file share its verifying pass (_shared_verify).
-    sharing = (
-        options.verify
-        and comm.world_size > 1
-        and TUNING.verify_share == 1
-        and not reader.storage.remote
-    )
+    texts: dict[str, Any] = {}
 
     def plan() -> _Plan:
         nonlocal flat
@@ -587,43 +595,40 @@ def _load(
         blobs = [(item.fqn, item.blob) for _, item in planned.objects if item.blob is not None]
         jobs = ((job.key, job.chunk) for job in planned.jobs)
         reader.check_files(itertools.chain(jobs, blobs))
-        if options.verify:
-            blocks.extend(reader.job_blocks(planned.jobs))
+        # Values kept in the index need no read: a malformed one fails before anything is.
+        for key, item in planned.objects:
+            if item.text is not None:
+                texts[key] = _decode(reader, item, flat.leaves.get(key), None)
         return planned
 
     def offer(planned: _Plan) -> list[Any]:
-        shared = summary(blocks, reader.shared_identity, host_key(reader.path)) if sharing else None
-        return [options.progress, token, sum(job.read.nbytes for job in planned.jobs), shared]
+        return [options.progress, token, sum(job.read.nbytes for job in planned.jobs)]
 
     # Rank 0's wish for a progress bar and a name for the count every rank adds to; every
-    # rank's bytes to read; what it would verify, to share (or None).
+    # rank's bytes to read.
     token = secrets.token_hex(8)
     planned, wishes = comm.exchange_or_raise(plan, offer)
     total = sum(wish[2] for wish in wishes)
-
-    def check() -> dict[str, Any]:
-        if options.verify:
-            # Objects' blobs are decoded right after this pass, before the verdicts are
-            # exchanged: each rank checks the blocks of its own.
-            blobs = (
-                reader.blocks(item.fqn, item.blob, 0, item.blob.nbytes)
-                for _, item in planned.objects
-                if item.blob is not None
-            )
-            own: list[Block] = blocks
-            if sharing:
-                shared = [w[3] if isinstance(w, list) and len(w) > 3 else None for w in wishes]
-                own = own_share(blocks, shared, comm.rank, reader.index.files)
-            reader.verify(itertools.chain(own, *blobs))
-        return {key: _decode(reader, item, flat.leaves.get(key)) for key, item in planned.objects}
-
-    values, _ = comm.exchange_or_raise(check, lambda _: None)
     bar: JobProgress | None = None
     if wishes[0][0]:
         bar = job_bar(comm, total, f"loading {reader.path}", f"load/{wishes[0][1]}")
+    values: dict[str, Any] = dict(texts)
 
     def fill() -> None:
-        reader.fill(planned.jobs, planned.targets, None if bar is None else bar.update)
+        blobs: list[tuple[str, ObjectRecord, Segment, bytearray]] = []
+        for key, item in planned.objects:
+            if item.blob is not None:
+                blobs.append((key, item, *reader.blob_segment(item)))
+        reader.fill(
+            planned.jobs,
+            planned.targets,
+            verify=options.verify,
+            progress=None if bar is None else bar.update,
+            note=_UNDEFINED,
+            also=[segment for _, _, segment, _ in blobs],
+        )
+        for key, item, _, data in blobs:
+            values[key] = _decode(reader, item, flat.leaves.get(key), bytes(data))
 
     exchange_with_bar(comm, fill, bar)
     # Objects are replaced, and Stateful objects given their state, only once every rank has

@@ -4,50 +4,27 @@
 It reads the index without following links (at most :data:`~.index.MAX_INDEX_BYTES`), has
 :func:`~shardwise.checkpoint.index.decode_index` validate all of it (:mod:`._index_file`),
 opens data files only as regular files inside ``<ckpt>/data`` whose size agrees with the index
-(:mod:`._data_files`), and reads in two passes:
-
-1. :meth:`CheckpointReader.verify` (:mod:`._verify`) reads every checksummed block a set of
-   reads touches (each block once, adjacent blocks together) and checks it; nothing is copied
-   anywhere.
-2. :meth:`CheckpointReader.fill` (:mod:`._fill`) then reads the needed bytes straight into
-   their destinations.
-
-So a corrupt block raises before a single byte reaches a caller's tensor, which is what lets
-``load`` promise that a failed load leaves the state dict unchanged. The second pass reads
-bytes the first has just checked; checkpoint files are never modified after their commit.
-
-Both passes read in batches through :meth:`~shardwise.checkpoint.storage.Storage.read_ranges`
-(threads locally, concurrent ranged requests on object stores), or, locally, with positioned
-reads on the I/O threads. The first pass keeps what it verified (:class:`~._kept.KeptBytes`)
-for the second: on remote storage all of it (up to ``TUNING.keep_in_memory_bytes`` in memory,
-the rest in an unlinked temporary local file), so that each byte is requested from the store
-once; locally all of a read that fits in that memory, which the second pass then copies
-instead of reading the file again.
+(:mod:`._data_files`), and reads in one verified pass (:mod:`._read`): each checksummed block a
+read touches is read once, checked, and its bytes used. No read returns while a byte it copied
+is unverified; after a mismatch, the destinations of the read are undefined (partly filled).
+``audit`` checks whole data files without reading them anywhere (``shardwise verify``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from shardwise.checkpoint import planner
-from shardwise.checkpoint._data_files import DataFiles, Read
+from shardwise.checkpoint._data_files import DataFiles
 from shardwise.checkpoint._fill import Job, fill
 from shardwise.checkpoint._index_file import decode, read_index_bytes
 from shardwise.checkpoint._items import LocalBox
-from shardwise.checkpoint._kept import KeptBytes
-from shardwise.checkpoint._verify import (
-    Block,
-    chunk_blocks,
-    file_blocks,
-    section_blocks,
-    touched_file_blocks,
-    verify,
-)
-from shardwise.checkpoint.index import INDEX_NAME, Index, TensorRecord
+from shardwise.checkpoint._read import Segment, audit, read
+from shardwise.checkpoint.index import INDEX_NAME, Index, ObjectRecord, TensorRecord
 from shardwise.checkpoint.index.layouts import LayoutChunks
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.state_dict import display_key
@@ -59,10 +36,7 @@ from shardwise.errors import (
     ChecksumError,
 )
 
-__all__ = ["CheckpointReader", "Job", "decode", "read_index_bytes"]
-
-# The name this module had for the kept bytes before it was split (tests reach them here).
-_KeptBytes = KeptBytes
+__all__ = ["CheckpointReader", "Job", "Segment", "decode", "read_index_bytes"]
 
 
 class CheckpointReader:
@@ -103,7 +77,7 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Close every data file this reader opened, and drop the verified bytes it kept."""
+        """Close every data file this reader opened."""
         self.files.close()
 
     @property
@@ -125,9 +99,6 @@ class CheckpointReader:
     def shown(self, name: str) -> str:
         """The path of data file ``name`` as errors show it."""
         return self.files.shown(name)
-
-    def _extent(self, name: str) -> int:
-        return self.files.extent(name)
 
     def handle(self, name: str, key: str | None = None) -> Reader:
         """Data file ``name`` opened for reads, after checking it is a regular file inside
@@ -202,78 +173,47 @@ class CheckpointReader:
         """The index file as errors name it."""
         return self.storage.url(self.storage.join(INDEX_NAME))
 
-    # -- the two passes ---------------------------------------------------------------------
-
-    def blocks(self, key: str, chunk: SavedChunk, begin: int, end: int) -> Iterable[Block]:
-        """The checksummed blocks of ``chunk`` that its bytes ``[begin, end)`` (relative to
-        the chunk) touch."""
-        if self.index.block_scope == "file":
-            return file_blocks(self.index, key, chunk, chunk.begin + begin, chunk.begin + end)
-        return chunk_blocks(self.index.block_size_of(chunk), key, chunk, begin, end)
-
-    def data_blocks(self, name: str, key: str = "") -> Iterable[Block]:
-        """Version 4: every checksummed block of data file ``name``'s data section (an
-        empty section: its one block of zero bytes), attributed to ``key``."""
-        return section_blocks(self.index, name, key)
-
-    def job_blocks(self, jobs: Iterable[Job]) -> Iterable[Block]:
-        """Every block the reads of ``jobs`` touch."""
-        if self.index.block_scope == "file":
-            return touched_file_blocks(
-                self.index,
-                (
-                    (
-                        job.key,
-                        job.chunk,
-                        job.read.file_offset,
-                        job.read.file_offset + job.read.nbytes,
-                    )
-                    for job in jobs
-                ),
-            )
-        return self._chunk_job_blocks(jobs)
-
-    def _chunk_job_blocks(self, jobs: Iterable[Job]) -> Iterator[Block]:
-        blocks = self.blocks
-        for job in jobs:
-            relative = job.read.file_offset - job.chunk.begin
-            yield from blocks(job.key, job.chunk, relative, relative + job.read.nbytes)
-
-    def verify(
-        self,
-        blocks: Iterable[Block],
-        problems: list[ChecksumError] | None = None,
-        progress: Callable[[int], object] | None = None,
-        keep: bool | None = None,
-    ) -> None:
-        """Read and check every block of ``blocks`` (pass 1: see :func:`._verify.verify`);
-        what it keeps serves the reads that follow (:meth:`fill`, :meth:`blob`) until
-        :meth:`release` or :meth:`close`.
-
-        Raises:
-            ChecksumError: A block does not match its checksum (unless ``problems``).
-            CheckpointDataError: A data file is missing, unsafe, or shorter than the index says.
-        """
-        verify(self.files, blocks, problems, progress, keep)
-
-    def shared_identity(self, name: str) -> list[int] | None:
-        """What another rank of this host compares to know that it reads data file ``name``
-        through the same page cache (see :mod:`._shared_verify`); ``None``: it cannot."""
-        return self.files.handle(name).shared_identity
-
-    def release(self) -> None:
-        """Drop the verified bytes kept so far (see :meth:`verify`)."""
-        self.files.kept.close()
+    # -- reading ----------------------------------------------------------------------------
 
     def fill(
         self,
         jobs: Sequence[Job],
         targets: Sequence[LocalBox],
+        *,
+        verify: bool = True,
         progress: Callable[[int], object] | None = None,
+        note: str = "",
+        also: Sequence[Segment] = (),
     ) -> None:
-        """Perform ``jobs``: read their bytes into the destinations ``targets`` (pass 2, no
-        checksums: run :meth:`verify` on their blocks first)."""
-        fill(self.files, jobs, targets, progress)
+        """Perform ``jobs`` (read their bytes into the destinations ``targets``) and read the
+        segments ``also``, in one pass that verifies every block it reads (see
+        :func:`._fill.fill`).
+
+        Raises:
+            ChecksumError: A block does not match its checksum; the destinations are then
+                undefined (partly filled). ``note`` ends its message.
+            CheckpointDataError: A data file is missing, unsafe, or shorter than the index says.
+        """
+        fill(self.files, jobs, targets, verify=verify, progress=progress, note=note, also=also)
+
+    def blob_segment(self, item: ObjectRecord) -> tuple[Segment, bytearray]:
+        """A segment that reads the stored bytes of object ``item`` (a blob), and the buffer
+        it fills."""
+        chunk = item.blob
+        assert chunk is not None
+        data = bytearray(chunk.nbytes)
+        return Segment(chunk.file, chunk.begin, memoryview(data), item.fqn), data
+
+    def audit(
+        self,
+        names: Iterable[str],
+        problems: list[ChecksumError],
+        progress: Callable[[int], object] | None = None,
+        owners: Mapping[str, Sequence[tuple[int, int, str]]] | None = None,
+    ) -> None:
+        """Check every block of the data files ``names``, collecting mismatches in
+        ``problems`` (``shardwise verify``; see :func:`._read.audit`)."""
+        audit(self.files, names, problems, progress, owners)
 
     # -- whole values -----------------------------------------------------------------------
 
@@ -313,14 +253,8 @@ class CheckpointReader:
             )
         jobs = self.plan(fqn, (box_offsets, box_sizes), 0)
         self.check_files((job.key, job.chunk) for job in jobs)
-        try:
-            if verify:
-                self.verify(self.job_blocks(jobs))
-            result = torch.empty(box_sizes, dtype=record.dtype)
-            self.fill(jobs, [LocalBox(box_offsets, box_sizes, result)])
-        finally:
-            if verify:  # what it kept was for this read only
-                self.release()
+        result = torch.empty(box_sizes, dtype=record.dtype)
+        self.fill(jobs, [LocalBox(box_offsets, box_sizes, result)], verify=verify)
         return result
 
     def blob(self, fqn: str, verify: bool = True) -> bytes:
@@ -328,14 +262,6 @@ class CheckpointReader:
         item = self.index.objects.get(fqn)
         if item is None or item.blob is None:
             raise CheckpointKeyError("not a stored object of the checkpoint", key=fqn)
-        chunk = item.blob
-        self.handle(chunk.file, fqn)
-        data = bytearray(chunk.nbytes)
-        try:
-            if verify:
-                self.verify(self.blocks(fqn, chunk, 0, chunk.nbytes))
-            self.files.read_all([Read.into(chunk.file, chunk.begin, memoryview(data), fqn)])
-        finally:
-            if verify:  # what it kept was for this read only
-                self.release()
+        segment, data = self.blob_segment(item)
+        read(self.files, [segment], verify=verify)
         return bytes(data)

@@ -55,28 +55,19 @@ class Tuning:
     """The most bytes each pass of a load reads in one batch: bounds the buffers in flight."""
 
     read_run_bytes: int = 8 << 20
-    """The verifying pass of a load reads adjacent 1 MiB blocks together up to this much."""
+    """A load reads adjacent checksummed blocks together up to this much (a span, which one
+    I/O thread reads and checks piece by piece)."""
 
     read_gap_bytes: int = 64 << 10
-    """The verifying pass reads through a gap between needed blocks smaller than this rather
-    than issue another read."""
-
-    keep_in_memory_bytes: int = 64 << 20
-    """Verified bytes kept between the two passes of a load. A local load whose verified
-    blocks fit in this many bytes keeps them all in memory and copies from them (each byte is
-    read once); a larger local load keeps nothing and reads again. A load from remote storage
-    keeps this much in memory and the rest in an unlinked temporary file."""
-
-    verify_share: int = 1
-    """1: the ranks of one host that read the same local data file share its verifying pass,
-    each block checked by one of them (:mod:`._shared_verify`); 0: every rank checks every
-    block it reads itself."""
+    """A load with ``verify=False`` reads through a gap between needed bytes smaller than this
+    rather than issue another read."""
 
     hot_buffer_bytes: int = 1 << 20
-    """Each I/O thread's reused buffer: the verifying pass reads into it and hashes while the
-    bytes are in cache, and strided or small reads go through it. Small enough to stay in a
-    core's cache (measured: the read-and-hash loop 49 ms with fresh 8 MiB buffers, 28 ms with
-    a reused 1 MiB one, 300 MiB on tmpfs)."""
+    """A load reads a span in pieces of at most this much, hashing each piece's blocks right
+    after it is read, while the bytes are in the cache; each I/O thread's reused scratch
+    buffer (the bytes of a block that no destination wants) is this large. Measured: the
+    read-and-hash loop 49 ms with fresh 8 MiB buffers, 28 ms with a reused 1 MiB one, 300 MiB
+    on tmpfs."""
 
     read_cost_bytes: int = 64 << 10
     """What one more read costs, in bytes read: a load reads through a gap between two needed
@@ -85,11 +76,6 @@ class Tuning:
     sent_index_bytes: int = 4 << 20
     """A save sends its committed index to every rank with the outcome when it is at most this
     large; above, each rank's returned ``Metadata`` reads it from storage when walked."""
-
-    small_task_bytes: int = 64 << 10
-    """A unit of a load's second pass whose tasks are smaller than this on average runs on
-    the calling thread (measured on 10,000 tensors of 0.25 to 4 KiB copied from kept bytes:
-    22 ms of GIL hand-offs per load on the I/O threads)."""
 
     scatter_run_bytes: int = 16 << 10
     """The shortest contiguous run of a strided read that is read straight into its
@@ -127,21 +113,9 @@ class Tuning:
     """``shardwise consolidate`` reads, casts and writes this many bytes of a tensor at a
     time: the memory a tensor needs beyond itself."""
 
-    layout_index_chunks: int = 4096
-    """A save of more chunks than this writes index version 4 (a layout per tensor, per-file
-    checksums: the index grows with keys and files, not chunks); smaller saves keep versions
-    2/3 (one row per chunk), which every earlier reader reads. Measured (8,004 FSDP-sharded
-    tensors on 4 ranks, ~32,000 chunks): save 866 ms with version 4 against 1,382 ms with
-    version 2, load 901 against 943 ms; one process, 10,000 small tensors: 27 against 35-45
-    µs per tensor saved, 18 against 21-24 loaded."""
-
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "verify_share":
-                if value not in (0, 1):
-                    raise ValueError(f"{_PREFIX}VERIFY_SHARE must be 0 or 1, got {value}")
-                continue
             if not math.isfinite(value):
                 raise ValueError(f"{_PREFIX}{field.name.upper()} must be finite, got {value}")
             if not value > 0:

@@ -75,18 +75,14 @@ class _Checkpoint:
         """Tensor ``fqn`` as consecutive pieces, in C order, of at most ``limit`` bytes each:
         the whole tensor streamed in memory of a piece, however large it is.
 
-        Every block a piece needs is verified before any of its bytes is copied, and each
-        block once (a block a piece shares with the one before was verified for that one).
+        Every block a piece needs is read once for it, checked, and used (a block that two
+        pieces share is read for each).
         """
         reader = self.reader
         record = reader.tensor_record(fqn)
-        verified: set[tuple[str, int]] = set()
         for box in contiguous_boxes(record.size, record.dtype.itemsize, limit):
             jobs = reader.plan(fqn, box, 0)
             reader.check_files((job.key, job.chunk) for job in jobs)
-            blocks = [b for b in reader.job_blocks(jobs) if (b.file, b.begin) not in verified]
-            reader.verify(blocks)
-            verified.update((block.file, block.begin) for block in blocks)
             piece = torch.empty(box[1], dtype=record.dtype)
             reader.fill(jobs, [LocalBox(box[0], box[1], piece)])
             yield piece
@@ -116,31 +112,16 @@ class _Checkpoint:
 
     def save_facts(self) -> dict[str, Any]:
         """Who saved the checkpoint: writer, torch version, world size, checksum algorithm,
-        block size (``None``: one checksum per chunk) and save id."""
-        facts: dict[str, Any] = {
-            "writer": None,
-            "torch": None,
-            "world_size": None,
+        block size and save id."""
+        save = self.index.save
+        return {
+            "writer": save.writer,
+            "torch": save.torch,
+            "world_size": save.world_size,
             "checksum_algorithm": CHECKSUM_ALGORITHM,  # the index refuses any other
             "block_size": self.index.block_size,
-            "save_id": None,
+            "save_id": save.save_id,
         }
-        save, legacy = self.index.save, self.index.legacy
-        if save is not None:
-            facts.update(
-                writer=save.writer, torch=save.torch, world_size=save.world_size,
-                save_id=save.save_id,
-            )  # fmt: skip
-        elif legacy is not None:
-            # Version 1 kept these as free JSON values; shown as they are.
-            planner_data = legacy.planner_data if isinstance(legacy.planner_data, dict) else {}
-            facts.update(
-                writer=planner_data.get("writer"),
-                torch=planner_data.get("torch"),
-                world_size=planner_data.get("world_size"),
-                save_id=None if legacy.storage_meta is None else legacy.storage_meta.save_id,
-            )
-        return facts
 
 
 def contiguous_boxes(size: Sequence[int], itemsize: int, limit: int) -> Iterator[Box]:

@@ -4,7 +4,6 @@ data file, and every data file's safetensors header against the index."""
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from shardwise.checkpoint.format import (
     header_length,
     parse_header,
 )
-from shardwise.checkpoint.index import ObjectRecord, TensorRecord, block_checksums, decode_text
+from shardwise.checkpoint.index import ObjectRecord, TensorRecord, decode_text
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.storage import UnsafePathError
@@ -29,7 +28,6 @@ from shardwise.errors import CheckpointDataError, CheckpointFormatError, Checksu
 
 # A BAD HEADER line names this many disagreements before it says "and N more".
 _MAX_REASONS = 3
-_EMPTY_CHECKSUM = block_checksums(b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +78,8 @@ def _json_problems(checkpoint: _Checkpoint) -> list[str]:
 
 
 def _needed_size(reader: CheckpointReader, name: str, items: Sequence[_Item]) -> int:
-    """The size the index gives data file ``name`` (version 1: up to its last byte range)."""
-    declared = reader.index.files.get(name)
-    if declared is not None:
-        return declared
-    return max((item.chunk.end for item in items), default=0)
+    """The size the index declares for data file ``name``."""
+    return reader.index.files.get(name) or 0
 
 
 def _file_problem(
@@ -144,97 +139,41 @@ def _header_problem(
     return f"BAD HEADER data file {name}: {'; '.join(reasons[:_MAX_REASONS])}{suffix}"
 
 
-def _natural(text: str) -> tuple[Any, ...]:
-    """Sort key putting "block 2" before "block 10"."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
-
-
-def _layers(items: Sequence[_Item]) -> list[dict[str, _Item]]:
-    """``items`` split into groups holding at most one chunk of each key, so that the key of
-    a checksum mismatch found in a group names its chunk (a file usually holds one chunk per
-    key: one group)."""
-    layers: list[dict[str, _Item]] = []
-    seen: dict[str, int] = {}
-    for item in items:
-        position = seen.get(item.fqn, 0)
-        seen[item.fqn] = position + 1
-        if position == len(layers):
-            layers.append({})
-        layers[position][item.fqn] = item
-    return layers
-
-
 def _verify_file(
     reader: CheckpointReader, name: str, items: list[_Item], problems: list[str], bar: Any
 ) -> int:
-    """Check data file ``name``: its type and size, its header, and every block of
-    ``items``. Appends one line per problem; returns the bytes checked."""
+    """Check data file ``name``: its type and size, its header, and every block of its data
+    section (a block is named after the first entry it holds; bytes no entry holds, the
+    padding between entries, under no key). Appends one line per problem; returns the bytes
+    checked."""
     try:
-        handle = reader.handle(name)
+        reader.handle(name)
     except CheckpointDataError as err:
         problems.append(_file_problem(reader, name, items, err))
         return 0
-    needed = _needed_size(reader, name, items)
-    if handle.size > needed:  # version 1 only: version 2 declares every file's size
-        problems.append(
-            f"SIZE data file {name}: {handle.size} bytes, {handle.size - needed} more than "
-            f"the {needed} the index accounts for"
-        )
-    header = _header_problem(reader, name, items, needed)
+    size = _needed_size(reader, name, items)
+    header = _header_problem(reader, name, items, size)
     if header is not None:
         problems.append(header)
-    by_file = reader.index.block_scope == "file"  # version 4: no checksums per chunk
-    for item in () if by_file else items:
-        if item.chunk.nbytes == 0 and item.chunk.checksums != _EMPTY_CHECKSUM:
-            problems.append(
-                f"CHECKSUM key {item.fqn!r} in {name}: {item.describe()} is empty, so its "
-                f"checksum is {_EMPTY_CHECKSUM}, the index says {item.chunk.checksums}"
-            )
-    located: list[tuple[_Item | None, ChecksumError]] = []
-    checked = sum(item.chunk.nbytes for item in items)
-    # Version 4: blocks belong to the file, and one may hold bytes of several entries: each
-    # is checked once, under the first entry it holds; the blocks that hold none (the
-    # padding between entries, an empty section) last, under no key.
-    seen: set[int] = set()
+    found: list[ChecksumError] = []
+    owners = [(item.chunk.begin, item.chunk.end, item.fqn) for item in items]
     try:
-        for layer in _layers(items):
-            found: list[ChecksumError] = []
-            blocks = [
-                block
-                for item in layer.values()
-                for block in reader.blocks(item.fqn, item.chunk, 0, item.chunk.nbytes)
-                if block.begin not in seen
-            ]
-            if by_file:
-                seen.update(block.begin for block in blocks)
-            reader.verify(blocks, problems=found, progress=bar.update)
-            located.extend((layer[str(mismatch.key)], mismatch) for mismatch in found)
-        if by_file:
-            found = []
-            rest = [block for block in reader.data_blocks(name) if block.begin not in seen]
-            reader.verify(rest, problems=found)
-            located.extend((None, mismatch) for mismatch in found)
+        reader.audit([name], found, bar.update, {name: owners})
     except CheckpointDataError as err:
         problems.append(f"UNREADABLE data file {name}: {err.bare_message}")
-        checked = 0
-    located.sort(
-        key=lambda pair: (
-            pair[0].chunk.begin if pair[0] is not None else -1,
-            _natural(pair[1].bare_message),
-        )
-    )
+        return 0
     problems.extend(
-        f"CHECKSUM {'' if item is None else f'key {item.fqn!r} '}in {name}: {mismatch.bare_message}"
-        for item, mismatch in located
+        f"CHECKSUM {f'key {m.key!r} ' if m.key else ''}in {name}: {m.bare_message}" for m in found
     )
-    return checked
+    return size - reader.index.data_starts[name]
 
 
 def _verify(checkpoint: _Checkpoint) -> tuple[list[str], int, int]:
     """Every problem found, the number of chunks and blobs, and the bytes checked."""
     problems = _json_problems(checkpoint)
     by_file = _items_by_file(checkpoint)
-    total = sum(item.chunk.nbytes for items in by_file.values() for item in items)
+    index = checkpoint.index
+    total = sum((index.files[name] or 0) - index.data_starts[name] for name in by_file)
     checked = 0
     with ByteBar(total, f"verifying {checkpoint.path}") as bar:
         for name, items in by_file.items():

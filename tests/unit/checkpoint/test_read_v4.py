@@ -13,7 +13,6 @@ order, from the data section's start; then the ``whole``/``chunks`` entries and 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -22,20 +21,20 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import _fill, _kept, _verify
 from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.index import (
     INDEX_NAME,
+    FileFacts,
+    LayoutRecord,
     ObjectRecord,
     SaveFacts,
     block_checksums,
     data_file_name,
+    encode_index,
 )
 from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps, file_cells
-from shardwise.checkpoint.index.v4 import FileFacts, LayoutRecord, encode_v4
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.reader import CheckpointReader
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.cli import main
 from shardwise.errors import (
     CheckpointDataError,
@@ -145,7 +144,8 @@ def _write_v4(path: Path, pad: dict[int, int] | None = None) -> dict[str, torch.
         records.append(LayoutRecord(key, props, tuple(tensor.shape), layout))
     blob = SavedChunk((), (), names[-1], blob_begin, blob_begin + len(BLOB), "")
     objects = [ObjectRecord("blob", "bytes", blob=blob), ObjectRecord("step", "json", text="7")]
-    (path / INDEX_NAME).write_bytes(encode_v4(FACTS, files, records, objects, BLOCK))
+    index = encode_index(FACTS, list(files.items()), records, objects, BLOCK)
+    (path / INDEX_NAME).write_bytes(index)
     return values
 
 
@@ -176,25 +176,17 @@ def _file(path: Path, number: int) -> Path:
     return path / data_file_name(number, SAVE_ID)
 
 
-def _tune(monkeypatch: pytest.MonkeyPatch, **changes: int) -> None:
-    tuned = dataclasses.replace(TUNING, **changes)
-    for module in (_kept, _verify, _fill):
-        monkeypatch.setattr(module, "TUNING", tuned)
-
-
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["kept", "read-again"])
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
 def test_a_v4_checkpoint_loads_exactly(
-    saved: tuple[Path, dict[str, torch.Tensor]], kept: bool, monkeypatch: pytest.MonkeyPatch
+    saved: tuple[Path, dict[str, torch.Tensor]], verify: bool
 ) -> None:
     path, values = saved
-    if not kept:  # pass 1 keeps nothing: pass 2 reads the files again
-        _tune(monkeypatch, keep_in_memory_bytes=1)
     state = _blank(values)
-    ckpt.load(state, path)
+    ckpt.load(state, path, verify=verify)
     for key, value in values.items():
         assert _equal(state[key], value), key
     assert state["blob"] == BLOB and state["step"] == 7
@@ -257,7 +249,7 @@ def test_read_metadata_describes_the_cells_and_their_file_blocks(
         assert reader.index.block_scope == "file"
 
 
-def test_a_flipped_bit_raises_checksum_error_and_changes_nothing(
+def test_a_flipped_bit_raises_checksum_error_and_replaces_no_python_value(
     saved: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
     path, values = saved
@@ -271,7 +263,8 @@ def test_a_flipped_bit_raises_checksum_error_and_changes_nothing(
     with pytest.raises(ChecksumError, match="block 0 of the file") as caught:
         ckpt.load(state, path)
     assert caught.value.key == "rows"
-    assert _unchanged(state, values)
+    assert "undefined (partly filled)" in str(caught.value)
+    assert state["blob"] is None and state["step"] == 0
     with pytest.raises(ChecksumError):
         ckpt.load_tensor(path, "rows", offsets=[80, 0], sizes=[1, 1])
     # Other cells of the tensor, in files not touched, still read.

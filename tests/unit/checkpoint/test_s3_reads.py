@@ -1,26 +1,27 @@
 """Reads from an object store (moto's S3 server, in the pytest process): ranged, concurrent
-requests, and each byte a load needs requested once, although every block is verified before
-anything is copied.
+requests; each block a load touches requested once, checked, and used (one pass); no local
+temporary file, and memory beyond the destinations bounded by one batch of requests.
 
 A spy on the s3fs file system counts the bytes of every ``get_object`` body; a load's need is
-the checksummed 1 MiB blocks it touches (computed here from the layout, independently of the
-reader) plus the index.
+the checksummed 1 MiB blocks of the data files it touches (computed here from the index
+document, independently of the reader) plus the index.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import tracemalloc
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import _kept as kept_module
-from shardwise.checkpoint import _verify as verify_module
-from shardwise.checkpoint import reader as reader_module
-from shardwise.checkpoint.storage import _local as local_storage_module
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.local_shards import LocalShardsWrapper
 from tests._s3 import S3Bucket, S3Calls, record_s3_calls, s3_bucket, s3_server  # noqa: F401 (fixtures)
 
@@ -49,26 +50,53 @@ def _save(s3: S3Bucket) -> str:
     return url
 
 
-def _blocks(nbytes: int) -> list[int]:
-    """The sizes of the checksummed blocks of an entry of ``nbytes``."""
-    return [min(BLOCK, nbytes - start) for start in range(0, nbytes, BLOCK)] or [0]
+def _index(s3: S3Bucket) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(
+        s3.filesystem().cat_file(f"{s3.name}/ckpt/shardwise.json")
+    )
+    return document
 
 
-def _needed_w(boxes: list[tuple[tuple[int, int], tuple[int, int]]]) -> int:
-    """Bytes of the blocks of ``w``'s saved chunks that the boxes ``((row, col), (rows,
-    cols))`` touch: row by row, each row's byte range in its chunk."""
-    step = ROWS // ROW_BLOCKS
+def _touched(s3: S3Bucket, ranges: list[tuple[int, int, int]]) -> int:
+    """Bytes of the blocks of the data files that the byte ranges ``(file number, begin,
+    end)`` touch (blocks counted from each file's data section, the last one ending at the
+    file's end)."""
+    files = _index(s3)["files"]
     touched: set[tuple[int, int]] = set()
+    for number, begin, end in ranges:
+        start = files[number][2]
+        touched.update(
+            (number, block)
+            for block in range((begin - start) // BLOCK, (end - 1 - start) // BLOCK + 1)
+        )
+    total = 0
+    for number, block in touched:
+        size, start = files[number][1], files[number][2]
+        total += min(BLOCK, size - start - block * BLOCK)
+    return total
+
+
+def _needed_w(s3: S3Bucket, boxes: list[tuple[tuple[int, int], tuple[int, int]]]) -> int:
+    """Bytes of the blocks that the boxes ``((row, col), (rows, cols))`` of ``w`` touch: row
+    by row, each row's byte range in its saved chunk."""
+    (layout,) = [entry[3] for entry in _index(s3)["tensors"] if entry[0] == "w"]
+    assert layout[0] == "chunks"
+    begins = {chunk[0][0]: (chunk[2], chunk[3]) for chunk in layout[1]}  # first row -> place
+    step = ROWS // ROW_BLOCKS
+    ranges = []
     for (row, col), (rows, cols) in boxes:
         for r in range(row, row + rows):
-            chunk, local = divmod(r, step)
-            begin = (local * COLS + col) * 4
-            end = (local * COLS + col + cols) * 4
-            touched.update(
-                (chunk, number) for number in range(begin // BLOCK, (end - 1) // BLOCK + 1)
+            file, begin = begins[r - r % step]
+            local = r % step
+            ranges.append(
+                (file, begin + (local * COLS + col) * 4, begin + (local * COLS + col + cols) * 4)
             )
-    sizes = _blocks(step * COLS * 4)
-    return sum(sizes[number] for _, number in touched)
+    return _touched(s3, ranges)
+
+
+def _all_data(s3: S3Bucket) -> int:
+    """Bytes of every data file's data section."""
+    return sum(entry[1] - entry[2] for entry in _index(s3)["files"] if entry is not None)
 
 
 def _index_bytes(s3: S3Bucket) -> int:
@@ -84,21 +112,13 @@ def _check(calls: S3Calls, needed: int) -> None:
 
 def test_a_full_load_requests_each_needed_byte_once(s3: S3Bucket) -> None:
     url = _save(s3)
-    full = _full()
-    state: dict[str, Any] = {
-        "w": torch.zeros(ROWS, COLS),
-        "bias": torch.zeros(100),
-        "blob": None,
-        "step": 0,
-    }
+    state: dict[str, Any] = {"w": torch.zeros(ROWS, COLS), "bias": torch.zeros(100), "blob": None}
+    state["step"] = 0
     with record_s3_calls(s3.filesystem()) as calls:
         ckpt.load(state, url, storage_options=s3.options)
-    assert torch.equal(state["w"], full)
-    assert torch.equal(state["bias"], torch.arange(100, dtype=torch.float32))
-    assert state["blob"] == BLOB and state["step"] == 7
-    needed = ROWS * COLS * 4 + 400 + sum(_blocks(len(BLOB))) + _index_bytes(s3)
-    _check(calls, needed)
-    # Ranged requests, several at a time: 16 MiB of blocks in runs of at most 8 MiB.
+    assert torch.equal(state["w"], _full()) and state["blob"] == BLOB and state["step"] == 7
+    _check(calls, _all_data(s3) + _index_bytes(s3))
+    # Ranged requests, several at a time, of at most 8 MiB.
     assert calls.most_reads_in_flight > 1
     assert all(size <= 8 << 20 for op, _, size in calls.calls if op == "get_object")
 
@@ -117,7 +137,7 @@ def test_a_resharded_load_requests_only_the_blocks_it_touches_once(s3: S3Bucket)
     assert sorted(result.unexpected_keys) == ["bias", "blob", "step"]
     assert torch.equal(column, full[1 : ROWS - 1, 300000 : 300000 + 8192])
     assert torch.equal(interior, full[2:6, 100000:110000])
-    needed = _needed_w(boxes) + _index_bytes(s3)
+    needed = _needed_w(s3, boxes) + _index_bytes(s3)
     assert needed < ROWS * COLS * 4 * 0.7  # whole blocks are skipped
     _check(calls, needed)
 
@@ -129,55 +149,61 @@ def test_load_tensor_of_one_box_requests_its_blocks_once(s3: S3Bucket) -> None:
             url, "w", offsets=[2, 500000], sizes=[3, 20000], storage_options=s3.options
         )
     assert torch.equal(box, _full()[2:5, 500000:520000])
-    _check(calls, _needed_w([((2, 500000), (3, 20000))]) + _index_bytes(s3))
+    _check(calls, _needed_w(s3, [((2, 500000), (3, 20000))]) + _index_bytes(s3))
 
 
-def test_verified_bytes_beyond_the_memory_budget_go_to_a_temporary_file(
-    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # With 2 MiB kept in memory, most of the 16 MiB go to the temporary file; still one
-    # request per needed byte, and the values come back intact.
-    url = _save(s3)
-    monkeypatch.setattr(
-        kept_module, "TUNING", dataclasses.replace(TUNING, keep_in_memory_bytes=2 << 20)
+def _load_measured(endpoint: str, bucket: str) -> None:
+    """Load the checkpoint of :func:`_save` from bucket ``bucket`` and print the peak of the
+    Python memory allocated meanwhile (run in a process of its own, without the server)."""
+
+    def no_file(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a load made a temporary file")
+
+    for name in ("TemporaryFile", "NamedTemporaryFile", "mkstemp", "SpooledTemporaryFile"):
+        setattr(tempfile, name, no_file)
+    s3 = S3Bucket(endpoint, bucket)
+    state: dict[str, Any] = {"w": torch.zeros(ROWS, COLS), "blob": None}
+    # The storage library's own start (botocore's service models: about 10 MiB) first.
+    ckpt.read_metadata(s3.url("ckpt"), storage_options=s3.options)
+    tracemalloc.start()
+    ckpt.load(state, s3.url("ckpt"), storage_options=s3.options)
+    peak = tracemalloc.get_traced_memory()[1]
+    assert torch.equal(state["w"], _full()) and state["blob"] == BLOB
+    print(peak)
+
+
+def test_no_temporary_file_and_memory_bounded_by_a_batch(s3: S3Bucket) -> None:
+    # 19 MiB loaded in batches of 2 MiB of requests, in a process of its own (the server,
+    # which copies what it sends, stays in this one): no local file is made, and the Python
+    # memory allocated at any time (buffers, response bodies) stays a few batches, not the
+    # size of what is loaded (19 MiB). With the defaults (batches of 32 MiB of spans of at
+    # most 8 MiB), that is the 64 MiB bound of docs/format.md.
+    _save(s3)
+    batch = 2 << 20
+    env = {
+        **os.environ,
+        "SHARDWISE_READ_BATCH_BYTES": str(batch),
+        "SHARDWISE_STORAGE_BATCH_BYTES": str(batch),
+        "SHARDWISE_REQUEST_BYTES": str(batch),
+        "SHARDWISE_READ_RUN_BYTES": str(batch),
+    }
+    code = (
+        "from tests.unit.checkpoint.test_s3_reads import _load_measured; "
+        f"_load_measured({s3.endpoint!r}, {s3.name!r})"
     )
-    spilled: list[int] = []
-    write_spill = reader_module._KeptBytes._write_spill
-
-    def counting(self: Any, data: memoryview) -> int | None:
-        spilled.append(len(data))
-        return write_spill(self, data)
-
-    monkeypatch.setattr(reader_module._KeptBytes, "_write_spill", counting)
-    state = {"w": torch.zeros(ROWS, COLS)}
-    with record_s3_calls(s3.filesystem()) as calls:
-        ckpt.load(state, url, storage_options=s3.options)
-    assert torch.equal(state["w"], _full())
-    assert sum(spilled) >= (16 - 2) << 20
-    _check(calls, ROWS * COLS * 4 + _index_bytes(s3))
-
-
-def test_a_full_temporary_disk_only_costs_a_second_request(
-    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The temporary file cannot be written (a full disk): the bytes it would hold are
-    # requested again in the second pass, and the load is still right.
-    url = _save(s3)
-    monkeypatch.setattr(
-        kept_module, "TUNING", dataclasses.replace(TUNING, keep_in_memory_bytes=2 << 20)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[3],
     )
-
-    def full_disk(*args: Any, **kwargs: Any) -> Any:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(local_storage_module.tempfile, "TemporaryFile", full_disk)
-    state = {"w": torch.zeros(ROWS, COLS)}
-    with record_s3_calls(s3.filesystem()) as calls:
-        ckpt.load(state, url, storage_options=s3.options)
-    assert torch.equal(state["w"], _full())
-    data = ROWS * COLS * 4
-    assert data + (data - (2 << 20)) <= calls.bytes_read() <= 2.1 * data
-    assert calls.requested_twice() >= data - (2 << 20)
+    assert done.returncode == 0, done.stderr
+    peak = int(done.stdout.split()[-1])
+    # The blob's bytes are a destination (its value); the rest is the batch in flight, and
+    # the request bodies of s3fs.
+    assert peak < len(BLOB) + 3 * batch, peak
 
 
 def test_unverified_loads_read_each_byte_once_too(s3: S3Bucket) -> None:
@@ -189,32 +215,16 @@ def test_unverified_loads_read_each_byte_once_too(s3: S3Bucket) -> None:
     _check(calls, ROWS * COLS * 4 + _index_bytes(s3))
 
 
-def test_blocks_larger_than_a_read_are_checked_in_pieces_and_kept(
-    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Reads of at most 256 KiB: each 1 MiB block is read in 4 pieces (as a version-1 chunk,
-    # one block however large, always is), hashed in order, and kept once it matched.
-    url = _save(s3)
-    monkeypatch.setattr(
-        verify_module, "TUNING", dataclasses.replace(TUNING, read_run_bytes=256 << 10)
-    )
-    state = {"w": torch.zeros(ROWS, COLS)}
-    with record_s3_calls(s3.filesystem()) as calls:
-        ckpt.load(state, url, storage_options=s3.options)
-    assert torch.equal(state["w"], _full())
-    _check(calls, ROWS * COLS * 4 + _index_bytes(s3))
-    data_reads = [size for op, key, size in calls.calls if op == "get_object" and "/data/" in key]
-    assert data_reads and max(data_reads) <= 256 << 10
-
-
-def test_a_corrupt_object_raises_before_anything_is_copied(s3: S3Bucket) -> None:
+def test_a_corrupt_object_raises_and_replaces_no_python_value(s3: S3Bucket) -> None:
     url = _save(s3)
     fs = s3.filesystem()
     (name,) = [key for key in s3.keys("ckpt/data")]
     data = bytearray(fs.cat_file(f"{s3.name}/{name}"))
-    data[-5] ^= 0xFF  # in the last block of the blob or of a chunk
+    data[-5] ^= 0xFF  # in the last block: of the blob
     fs.pipe_file(f"{s3.name}/{name}", bytes(data))
-    state: dict[str, Any] = {"w": torch.full((ROWS, COLS), 7.0), "blob": None}
-    with pytest.raises(ckpt.ChecksumError, match="checksum mismatch"):
+    state: dict[str, Any] = {"w": torch.full((ROWS, COLS), 7.0), "blob": None, "step": None}
+    with pytest.raises(ckpt.ChecksumError, match="checksum mismatch") as raised:
         ckpt.load(state, url, storage_options=s3.options)
-    assert torch.equal(state["w"], torch.full((ROWS, COLS), 7.0)) and state["blob"] is None
+    assert raised.value.key == "blob"
+    assert "undefined (partly filled)" in str(raised.value)
+    assert state["blob"] is None and state["step"] is None

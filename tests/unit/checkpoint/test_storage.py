@@ -20,7 +20,6 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from shardwise.checkpoint import reader as reader_module
 from shardwise.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,
@@ -201,24 +200,6 @@ def test_a_storage_error_is_a_checkpoint_error_and_an_os_error(memory_url: str) 
 def test_long_messages_are_cut() -> None:
     text = describe_storage_error(OSError("x" * 1000))
     assert len(text) < 400 and text.endswith("...)")
-
-
-def test_kept_bytes_across_segments_and_the_temporary_file() -> None:
-    kept = reader_module._KeptBytes(memory_limit=100)
-    kept.keep("f", 0, memoryview(bytearray(DATA[:80])))  # in memory
-    kept.keep("f", 80, memoryview(bytearray(DATA[80:300])))  # spilled: over the limit
-    kept.keep("f", 400, memoryview(bytearray(DATA[400:500])))  # spilled
-    assert kept.spilled == 320
-    kept.keep("f", 100, memoryview(bytearray(DATA[100:200])))  # kept already: not again
-    assert kept.spilled == 320
-    out = memoryview(bytearray(250))
-    assert kept.read("f", 20, out)  # memory, then the temporary file
-    assert bytes(out) == DATA[20:270]
-    assert not kept.read("f", 250, memoryview(bytearray(200)))  # 300-400 was never kept
-    assert not kept.read("g", 0, memoryview(bytearray(1)))
-    assert kept.read("g", 0, memoryview(bytearray(0)))
-    kept.close()
-    assert kept.spilled == 0 and not kept.read("f", 0, memoryview(bytearray(1)))
 
 
 def test_a_local_writer_gives_its_file_up(tmp_path: Path) -> None:

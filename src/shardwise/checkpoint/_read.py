@@ -1,0 +1,503 @@
+"""The one read pass of a checkpoint: each checksummed block a read touches is read once,
+checked, and its bytes used (:func:`read`); and the audit of whole data files
+(:func:`audit`).
+
+A read is a list of :class:`Segment`: bytes ``[begin, begin + len(memory))`` of a data file
+that go into ``memory`` (a destination tensor's bytes, or a staging buffer). Per file, the
+blocks the segments touch are grouped into *spans* of adjacent blocks (at most
+``TUNING.read_run_bytes``), and each span is read in *pieces*:
+
+- **Locally**, a piece is one scatter read (``preadv``) of at most
+  ``TUNING.hot_buffer_bytes``: every byte a segment wants goes straight into its memory, every
+  other byte of the touched blocks (the rest of a block shared with another entry, the gaps
+  of a column band) into a scratch buffer of the thread, reused piece after piece. The piece's
+  blocks are hashed right after, while their bytes are in the cache. No staging copy, no
+  second read: the cost over an unverified read is the hash (xxh3, a few ms per GiB).
+- **On an object store**, a span is one ranged request (sent concurrently, batches of at most
+  ``TUNING.read_batch_bytes``), into the one segment it serves when it serves one, else into
+  a buffer from which the segments' bytes are copied once the blocks matched. Each byte is
+  requested once; nothing goes to a local file; memory beyond the destinations is one batch.
+
+Without ``verify``, spans are the segments themselves (gaps of at most
+``TUNING.read_gap_bytes`` read through into scratch), and nothing is hashed.
+
+A block that does not match raises :class:`ChecksumError` (or is collected, for an audit)
+after the span is read: the bytes of a span may have reached their segments' memory before
+the mismatch is known. So a failed read leaves its destinations undefined; what the caller
+does with that is its contract (``load`` says so in the error and replaces no Python value).
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import xxhash
+
+from shardwise.checkpoint import tuning
+from shardwise.checkpoint._data_files import DataFiles
+from shardwise.checkpoint.storage import RangeRequest, batches, run_concurrently
+from shardwise.errors import ChecksumError
+
+__all__ = ["Segment", "audit", "read", "scratch"]
+
+_HEX = 16
+# Buffers per scatter read (the kernel takes up to 1,024 in one ``preadv``).
+_MAX_BUFFERS = 1024
+
+_local = threading.local()
+
+
+def scratch() -> memoryview:
+    """This thread's reused buffer of ``TUNING.hot_buffer_bytes`` (made once per thread and
+    size: no allocation and no page faults per piece)."""
+    size = tuning.TUNING.hot_buffer_bytes
+    buffer: memoryview | None = getattr(_local, "buffer", None)
+    if buffer is None or len(buffer) != size:
+        buffer = _local.buffer = memoryview(bytearray(size))
+    return buffer
+
+
+@dataclass(slots=True)
+class Segment:
+    """Bytes ``[begin, begin + len(memory))`` of data file ``file``, read into ``memory``
+    (bytes, writable); ``key`` names the entry in errors."""
+
+    file: str
+    begin: int
+    memory: memoryview
+    key: str
+
+    @property
+    def end(self) -> int:
+        return self.begin + len(self.memory)
+
+
+@dataclass(slots=True)
+class _Span:
+    """Bytes ``[begin, end)`` of ``file`` read together, and the segments (in file order)
+    whose bytes lie in them; ``checked``: the span is whole blocks, each hashed."""
+
+    file: str
+    begin: int
+    end: int
+    segments: list[Segment] = field(default_factory=list)
+    checked: bool = True
+    owners: list[_Owner] | None = None  # an audit's entries, to name blocks (else segments)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def key(self) -> str:
+        return self.segments[0].key if self.segments else ""
+
+    @property
+    def wanted(self) -> int:
+        """The bytes of the span that segments want (an audit: all of them)."""
+        if self.owners is not None:
+            return self.length
+        return sum(min(s.end, self.end) - max(s.begin, self.begin) for s in self.segments)
+
+
+def read(
+    files: DataFiles,
+    segments: Iterable[Segment],
+    *,
+    verify: bool = True,
+    progress: Callable[[int], object] | None = None,
+    note: str = "",
+) -> None:
+    """Read every segment, verifying every block it touches (with ``verify``).
+
+    Segments may overlap (two destinations of the same bytes): a segment whose bytes another
+    one already takes is read in a later round, its blocks read and checked again.
+
+    Args:
+        files: The data files (opened and checked on first use).
+        segments: What to read where.
+        verify: Check the checksum of every block touched.
+        progress: Called with the bytes of segments read, batch after batch.
+        note: Appended to a checksum error's message (what the mismatch means to the caller).
+
+    Raises:
+        ChecksumError: A block does not match its checksum.
+        CheckpointDataError: A data file is missing, unsafe, or shorter than the index says.
+    """
+    pending = [segment for segment in segments if len(segment.memory)]
+    while pending:
+        spans, pending = _plan(files, pending, verify)
+        _perform(files, spans, None, progress, note)
+
+
+def audit(
+    files: DataFiles,
+    names: Iterable[str],
+    problems: list[ChecksumError],
+    progress: Callable[[int], object] | None = None,
+    owners: Mapping[str, Sequence[tuple[int, int, str]]] | None = None,
+) -> None:
+    """Read and check every block of the data sections of the files ``names``, collecting
+    mismatches in ``problems`` (nothing is copied anywhere). ``owners`` (per file, the byte
+    ranges ``(begin, end, key)`` of its entries, in file order) name a block's first entry in
+    its error; ``progress`` is called with the bytes checked."""
+    spans = []
+    run = _run_bytes(files)
+    for name in names:
+        files.handle(name)
+        start, size = files.index.data_starts[name], files.index.files[name] or 0
+        if start == size:  # an empty section: one block of zero bytes
+            _compare(files, name, 0, xxhash.xxh3_64_hexdigest(b""), "", problems, "")
+            continue
+        named = [_Owner(*owner) for owner in (owners or {}).get(name, ())]
+        for begin in range(start, size, run):
+            end = min(begin + run, size)
+            spans.append(
+                _Span(name, begin, end, owners=[o for o in named if o.touches(begin, end)])
+            )
+    _perform(files, spans, problems, progress, "")
+
+
+class _Owner(NamedTuple):
+    """The bytes ``[begin, end)`` of an entry ``key`` (for naming a block in an audit)."""
+
+    begin: int
+    end: int
+    key: str
+
+    def touches(self, begin: int, end: int) -> bool:
+        return self.begin < end and begin < self.end
+
+
+def _run_bytes(files: DataFiles) -> int:
+    """The length of a span: ``TUNING.read_run_bytes``, in whole blocks."""
+    size = files.index.block_size or 1
+    return max(1, tuning.TUNING.read_run_bytes // size) * size
+
+
+def _plan(
+    files: DataFiles, segments: list[Segment], verify: bool
+) -> tuple[list[_Span], list[Segment]]:
+    """The spans that read ``segments`` (those of them that no earlier one overlaps), and the
+    segments left for a later round."""
+    segments.sort(key=lambda s: (s.file, s.begin))
+    taken: list[Segment] = []
+    later: list[Segment] = []
+    file, end = "", 0
+    for segment in segments:
+        if segment.file == file and segment.begin < end:
+            later.append(segment)
+            continue
+        taken.append(segment)
+        file, end = segment.file, segment.end
+    spans: list[_Span] = []
+    start = 0
+    for number in range(1, len(taken) + 1):
+        if number == len(taken) or taken[number].file != taken[start].file:
+            group = taken[start:number]
+            for segment in group:  # a missing or unsafe file fails before any read
+                files.handle(segment.file, segment.key)
+            spans.extend(_blocks_spans(files, group) if verify else _plain_spans(group))
+            start = number
+    return spans, later
+
+
+def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
+    """Spans of the blocks that ``group`` (segments of one file, in order, disjoint) touches:
+    adjacent blocks together, at most a run each, every span whole blocks."""
+    if not group:
+        return []
+    index = files.index
+    name = group[0].file
+    size = index.block_size
+    assert size is not None
+    start, file_end = index.data_starts[name], index.files[name] or 0
+    run = _run_bytes(files)
+    spans: list[_Span] = []
+    for segment in group:
+        first = start + (segment.begin - start) // size * size
+        last = min(start + -(-(segment.end - start) // size) * size, file_end)
+        if spans and first < spans[-1].end:  # shares a block with the span before
+            first = spans[-1].end
+            spans[-1].segments.append(segment)
+        while first < last:
+            span = _Span(name, first, min(first + run, last), [segment])
+            if spans and spans[-1].end == first and spans[-1].length + span.length <= run:
+                spans[-1].end = span.end  # the span before grows to a run
+                if spans[-1].segments[-1] is not segment:
+                    spans[-1].segments.append(segment)
+            else:
+                spans.append(span)
+            first = span.end
+    return spans
+
+
+def _plain_spans(group: list[Segment]) -> list[_Span]:
+    """Spans of exactly the bytes ``group`` wants (no checksums): segments closer than
+    ``TUNING.read_gap_bytes`` (the gap read through) together, at most a run each."""
+    gap = min(tuning.TUNING.read_gap_bytes, tuning.TUNING.hot_buffer_bytes)
+    run = tuning.TUNING.read_run_bytes
+    spans: list[_Span] = []
+    for segment in group:
+        last = spans[-1] if spans else None
+        if last is not None and segment.begin - last.end <= gap and segment.end - last.begin <= run:
+            last.end = segment.end
+            last.segments.append(segment)
+        else:
+            spans.append(_Span(segment.file, segment.begin, segment.end, [segment], False))
+    return spans
+
+
+def _perform(
+    files: DataFiles,
+    spans: list[_Span],
+    problems: list[ChecksumError] | None,
+    progress: Callable[[int], object] | None,
+    note: str,
+) -> None:
+    """Read every span (on the I/O threads locally, as concurrent requests remotely)."""
+    remote = files.storage.remote
+    # Batches bound the buffers in flight of remote reads and pace the progress reports;
+    # local reads hold no buffers of their own and, without progress, go in one batch (no
+    # thread waits at the end of a batch for the slowest span of it).
+    limit = tuning.TUNING.read_batch_bytes if remote or progress is not None else sys.maxsize
+    for batch in batches(spans, _length, limit):
+        if remote:
+            _read_remote(files, batch, problems, note)
+        else:
+            found = run_concurrently(batch, _length, lambda span: _read_local(files, span, note))
+            for mismatches in found:
+                _found(mismatches, problems)
+        with files.lock:
+            files.bytes_verified += sum(span.length for span in batch if span.checked)
+        if progress is not None:
+            progress(sum(span.wanted for span in batch))
+
+
+def _length(span: _Span) -> int:
+    return span.length
+
+
+def _found(mismatches: list[ChecksumError], problems: list[ChecksumError] | None) -> None:
+    if mismatches and problems is None:
+        raise mismatches[0]
+    if problems is not None:
+        problems.extend(mismatches)
+
+
+def _parts(span: _Span) -> Iterator[tuple[int, memoryview | None]]:
+    """The bytes of ``span`` in order as ``(length, memory)``: a segment's memory, or None
+    for bytes no segment wants."""
+    position = span.begin
+    for segment in span.segments:
+        begin, end = max(segment.begin, span.begin), min(segment.end, span.end)
+        if begin > position:
+            yield begin - position, None
+        yield end - begin, segment.memory[begin - segment.begin : end - segment.begin]
+        position = end
+    if span.end > position:
+        yield span.end - position, None
+
+
+def _pieces(span: _Span, limit: int, buffer: memoryview) -> Iterator[list[memoryview]]:
+    """The buffers of each scatter read of ``span``: at most ``limit`` bytes and
+    :data:`_MAX_BUFFERS` buffers each; bytes no segment wants go into ``buffer`` (distinct
+    places within a piece when the span is hashed, one place when nobody looks at them)."""
+    piece: list[memoryview] = []
+    length = used = 0
+    for size, memory in _parts(span):
+        offset = 0
+        while offset < size:
+            if length == limit or len(piece) == _MAX_BUFFERS:
+                yield piece
+                piece, length, used = [], 0, 0
+            take = min(size - offset, limit - length)
+            if memory is not None:
+                piece.append(memory[offset : offset + take])
+            elif span.checked:
+                piece.append(buffer[used : used + take])
+                used += take
+            else:
+                piece.append(buffer[:take])
+            length += take
+            offset += take
+    if piece:
+        yield piece
+
+
+def _read_local(files: DataFiles, span: _Span, note: str) -> list[ChecksumError]:
+    """Read ``span`` piece by piece on this thread, hashing each piece's blocks right after
+    it is read; returns the mismatches."""
+    buffer = scratch()
+    # Hashed pieces fit the scratch buffer (their unwanted bytes have distinct places there);
+    # unhashed ones are as long as a run.
+    limit = len(buffer) if span.checked else tuning.TUNING.read_run_bytes
+    checker = _Checker(files, span, note) if span.checked else None
+    position = span.begin
+    for piece in _pieces(span, limit, buffer):
+        if len(piece) == 1:
+            files.read_into(span.file, position, piece[0], span.key)
+        else:
+            files.read_vector(span.file, position, piece, span.key)
+        if checker is not None:
+            for part in piece:
+                checker.feed(part)
+        position += sum(len(part) for part in piece)
+    return checker.mismatches if checker is not None else []
+
+
+def _read_remote(
+    files: DataFiles, spans: list[_Span], problems: list[ChecksumError] | None, note: str
+) -> None:
+    """Read ``spans`` as one batch of concurrent requests: each into the one segment it
+    serves when it is exactly that segment's bytes, else into a new buffer, hashed, and
+    copied to its segments once its blocks matched."""
+    found: list[list[ChecksumError]] = [[] for _ in spans]
+
+    def finish(number: int, data: memoryview) -> None:
+        span = spans[number]
+        if span.checked:
+            checker = _Checker(files, span, note)
+            checker.feed(data)
+            found[number] = checker.mismatches
+            if checker.mismatches:
+                return
+        if _direct(span) is None:
+            for segment in span.segments:
+                begin, end = max(segment.begin, span.begin), min(segment.end, span.end)
+                target = segment.memory[begin - segment.begin : end - segment.begin]
+                target[:] = data[begin - span.begin : end - span.begin]
+
+    requests = [
+        RangeRequest(files.handle(span.file, span.key), span.begin, span.length, _direct(span))
+        for span in spans
+    ]
+    files.read_ranges(requests, [span.key for span in spans], finish)
+    for mismatches in found:
+        _found(mismatches, problems)
+
+
+def _direct(span: _Span) -> memoryview | None:
+    """The memory ``span``'s bytes go to as they are (one segment, exactly the span)."""
+    if len(span.segments) == 1:
+        segment = span.segments[0]
+        if segment.begin <= span.begin and span.end <= segment.end:
+            return segment.memory[span.begin - segment.begin : span.end - segment.begin]
+    return None
+
+
+class _Checker:
+    """Hashes the bytes of a span (whole blocks), fed in order, block by block."""
+
+    __slots__ = ("_begin", "_end", "_files", "_hasher", "_note", "_position", "_span", "mismatches")
+
+    def __init__(self, files: DataFiles, span: _Span, note: str) -> None:
+        self._files = files
+        self._span = span
+        self._note = note
+        self._hasher: xxhash.xxh3_64 | None = None
+        self._begin = self._position = span.begin
+        self._end = self._block_end(span.begin)
+        self.mismatches: list[ChecksumError] = []
+
+    def _block_end(self, begin: int) -> int:
+        index = self._files.index
+        assert index.block_size is not None
+        return min(begin + index.block_size, index.files[self._span.file] or 0)
+
+    def feed(self, data: memoryview) -> None:
+        """Hash ``data``, the span's next bytes."""
+        offset = 0
+        while offset < len(data):
+            take = min(len(data) - offset, self._end - self._position)
+            part = data[offset : offset + take]
+            offset += take
+            if self._hasher is None and take == self._end - self._begin:
+                digest = xxhash.xxh3_64_hexdigest(part)  # a whole block in one piece: one call
+            else:
+                if self._hasher is None:
+                    self._hasher = xxhash.xxh3_64()
+                self._hasher.update(part)
+                self._position += take
+                if self._position < self._end:
+                    continue
+                digest = self._hasher.hexdigest()
+            self._done(digest)
+
+    def _done(self, digest: str) -> None:
+        """The block ``[_begin, _end)`` hashed to ``digest``: compare, move to the next."""
+        index = self._files.index
+        assert index.block_size is not None
+        name = self._span.file
+        number = (self._begin - index.data_starts[name]) // index.block_size
+        span = self._span
+        key = _key_at(span.segments if span.owners is None else span.owners, self._begin, self._end)
+        _compare(self._files, name, number, digest, key, self.mismatches, self._note)
+        self._hasher = None
+        self._begin = self._position = self._end
+        self._end = self._block_end(self._end)
+
+
+def _key_at(segments: Sequence[Segment | _Owner], begin: int, end: int) -> str:
+    """The key of the first of ``segments`` (in file order) with bytes in ``[begin, end)``."""
+    number = bisect.bisect_right(segments, begin, key=lambda s: s.end)
+    if number < len(segments) and segments[number].begin < end:
+        return segments[number].key
+    return ""
+
+
+def _compare(
+    files: DataFiles,
+    name: str,
+    number: int,
+    digest: str,
+    key: str,
+    mismatches: list[ChecksumError],
+    note: str,
+) -> None:
+    """Add the mismatch of block ``number`` of file ``name`` to ``mismatches``, if it is one."""
+    index = files.index
+    expected = index.file_checksums[name][number * _HEX : (number + 1) * _HEX]
+    if digest == expected:
+        return
+    assert index.block_size is not None
+    begin = index.data_starts[name] + number * index.block_size
+    end = min(begin + index.block_size, index.files[name] or 0)
+    what = (
+        "the data"
+        if not key
+        else ("a stored object" if key in index.objects else "a chunk of this tensor")
+    )
+    what += f" in block {number} of the file (bytes {begin}-{end})"
+    if key and _shared_block(files, key, name, begin, end):
+        # The block is named after the first entry read from it: a checksum cannot tell
+        # which of its entries' bytes changed.
+        what += ", which also holds bytes of other entries (the changed bytes may be theirs)"
+    mismatches.append(
+        ChecksumError(
+            f"checksum mismatch for {what}: expected {expected}, got {digest} — the data file "
+            f"is corrupt{note}",
+            key=key,
+            file=files.shown(name),
+            rank=files.rank,
+        )
+    )
+
+
+def _shared_block(files: DataFiles, key: str, name: str, begin: int, end: int) -> bool:
+    """Whether block ``[begin, end)`` of ``name`` may hold bytes of entries other than
+    ``key``'s (as far as the index tells without building every chunk: a blob's or a
+    single-chunk tensor's bytes are known; anything else is said to share)."""
+    item = files.index.objects.get(key)
+    chunk = item.blob if item is not None else None
+    if chunk is None:
+        tensor = files.index.tensors.get(key)
+        chunks = tensor.chunks if tensor is not None else ()
+        if type(chunks) is tuple and len(chunks) == 1:
+            chunk = chunks[0]
+    return chunk is None or chunk.file != name or not chunk.begin <= begin < end <= chunk.end
