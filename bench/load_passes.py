@@ -1,4 +1,4 @@
-"""What the two read passes of a load cost beyond the raw bytes: one process, tmpfs.
+"""What the verified read pass of a load costs beyond the raw bytes: one process, tmpfs.
 
 Three states, each saved once, then loaded ``--repeat`` times (median), with and without
 verification, beside the raw limit (one ``preadv`` per saved chunk into the destination
@@ -98,9 +98,9 @@ def _like(state: dict[str, Any]) -> dict[str, Any]:
 
 class _Counted:
     """The bytes read by the readers that loads open (summed at close), and the time spent in
-    each pass (``verify``, ``fill``)."""
+    the read pass (``fill``)."""
 
-    _TIMED = ("verify", "fill")
+    _TIMED = ("fill",)
 
     def __init__(self) -> None:
         self.read = 0

@@ -416,15 +416,12 @@ class Runner:
                 self.data.clear_targets()
             extra: dict[str, float] = {}
             if method == SHARDWISE and step.case == "reshard-cols":
-                with _PassBytes() as counted:
+                with _ReadBytes() as counted:
                     seconds, mem = measure(step.run)
                 # What this rank read from the data files against what it needed (its
-                # column block): both passes, and the copy pass alone.
+                # column block): the checksummed blocks its reads touch, each once.
                 needed = self.data.cols_target.numel() * self.data.cols_target.element_size()
-                extra = {
-                    "read": counted.total / needed,
-                    "read_copy_pass": counted.copy_pass / needed,
-                }
+                extra = {"read": counted.total / needed}
             else:
                 seconds, mem = measure(step.run)
             if rep == 0 and self.config.verify and step.check is not None:
@@ -496,37 +493,26 @@ class Runner:
                 )
 
 
-class _PassBytes:
-    """The bytes this process's checkpoint readers read from data files while in the
-    ``with`` (summed when each reader closes), and those of the copy pass (``fill``)."""
+class _ReadBytes:
+    """The bytes this process's checkpoint readers read from data files while in the ``with``
+    (summed when each reader closes)."""
 
     def __init__(self) -> None:
         self.total = 0
-        self.copy_pass = 0
         self._close = CheckpointReader.close
-        self._fill = CheckpointReader.fill
 
-    def __enter__(self) -> _PassBytes:
-        close, fill = self._close, self._fill
+    def __enter__(self) -> _ReadBytes:
+        close = self._close
 
         def counting_close(reader: CheckpointReader) -> None:
             self.total += reader.bytes_read
             close(reader)
 
-        def counting_fill(reader: CheckpointReader, *args: Any, **kwargs: Any) -> None:
-            before = reader.bytes_read
-            try:
-                fill(reader, *args, **kwargs)
-            finally:
-                self.copy_pass += reader.bytes_read - before
-
         CheckpointReader.close = counting_close  # type: ignore[method-assign]
-        CheckpointReader.fill = counting_fill  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         CheckpointReader.close = self._close  # type: ignore[method-assign]
-        CheckpointReader.fill = self._fill  # type: ignore[method-assign]
 
 
 def main(rank: int, config: Config) -> None:

@@ -239,7 +239,8 @@ def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
 
 def _plain_spans(group: list[Segment]) -> list[_Span]:
     """Spans of exactly the bytes ``group`` wants (no checksums): segments closer than
-    ``TUNING.read_gap_bytes`` (the gap read through) together, at most a run each."""
+    ``TUNING.read_gap_bytes`` (the gap read through) together, at most a run each (a larger
+    segment in runs, which the I/O threads share)."""
     gap = min(tuning.TUNING.read_gap_bytes, tuning.TUNING.hot_buffer_bytes)
     run = tuning.TUNING.read_run_bytes
     spans: list[_Span] = []
@@ -248,8 +249,10 @@ def _plain_spans(group: list[Segment]) -> list[_Span]:
         if last is not None and segment.begin - last.end <= gap and segment.end - last.begin <= run:
             last.end = segment.end
             last.segments.append(segment)
-        else:
-            spans.append(_Span(segment.file, segment.begin, segment.end, [segment], False))
+            continue
+        for begin in range(segment.begin, segment.end, run):
+            end = min(begin + run, segment.end)
+            spans.append(_Span(segment.file, begin, end, [segment], False))
     return spans
 
 
