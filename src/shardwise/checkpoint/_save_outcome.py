@@ -1,8 +1,7 @@
 """What every rank of a save learns once the coordinator committed the index, and what it
 returns: a :class:`Metadata` whose entries are decoded when first looked at, from the index
 itself when it is small (sent with the outcome), else read from storage, so that no rank but
-the coordinator receives a version 2/3 index's chunk list (``docs/design/scale.md``,
-*Wired*)."""
+the coordinator receives anything O(ranks) (``docs/design/scale.md``, *Wired*)."""
 
 from __future__ import annotations
 
@@ -17,10 +16,6 @@ from shardwise.errors import CheckpointError
 
 __all__ = ["outcome", "returned_metadata"]
 
-# The largest index the coordinator sends every rank with the outcome of a save (a version 2
-# index is O(chunks): above this, each rank's return value reads it only if it is walked).
-SENT_INDEX_BYTES = TUNING.sent_index_bytes
-
 
 def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
     """What the coordinator tells every rank once the index ``data`` is committed: the facts
@@ -33,7 +28,7 @@ def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
         "version": metadata.version,
         "checkpoint_id": metadata.storage_meta.checkpoint_id,
     }
-    if len(data) <= SENT_INDEX_BYTES:
+    if len(data) <= TUNING.sent_index_bytes:
         facts["index"] = data.decode()
     return facts
 
@@ -45,17 +40,6 @@ def returned_metadata(
     :func:`outcome`). Its entries are decoded when first looked at, from the index received
     or else from storage: a training loop that ignores the return value pays for neither."""
     text = received.get("index")
-    if "checkpoint_id" not in received or "planner_data" not in received:
-        # An outcome without the facts (a coordinator of an earlier shardwise, which sent the
-        # index alone): the index, decoded now, says everything.
-        if text is None:
-            raise CheckpointError(
-                f"the checkpoint at {path} was committed, but its coordinator sent an outcome "
-                "this shardwise cannot read; do all ranks run the same shardwise version? "
-                "Read its metadata with read_metadata",
-                file=path,
-            )
-        return decode_index(text.encode()).to_metadata()
     loaded: list[Metadata] = []
 
     def load() -> Metadata:

@@ -8,9 +8,8 @@ of chunks it writes (:func:`own_file_writes`). All of it is O(its own entries).
 
 **The coordinator** merges the distinct tables (ranks with equal tables send only a digest),
 reconciles a key that some ranks describe as ``local`` after a failed check, agrees on tied
-tensors, plans with :func:`~.layout_plan.plan_save` (:func:`plan_from_tables`) and chooses the
-index version by the count of chunks; it then has every chunk's box and writer for a version
-2/3 index (:meth:`CoordinatorPlan.tensor_plans`), or the layouts of version 4 (``_save_v4``).
+tensors and plans with :func:`~.layout_plan.plan_save` (:func:`plan_from_tables`): the layouts
+the index is built from (``_save_index``).
 """
 
 from __future__ import annotations
@@ -18,14 +17,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
 from shardwise._boxes import Box, origin
-from shardwise.checkpoint import planner, tuning
+from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import TensorValue
 from shardwise.checkpoint._json import compact
 from shardwise.checkpoint.index.layouts import Grid
@@ -56,9 +55,6 @@ class RankTable:
         meshes: The meshes the ``mesh`` rows name, as group ranks.
         local: This rank's boxes of each ``local`` key, ``[[offsets, sizes], ...]``.
         cells: For each ``mesh`` key, this rank's grid cell (``None``: it holds no element).
-        empty: The empty box this rank holds of a ``mesh`` key whose cell it has none of (an
-            empty shard past the end, ceil rule): a version 2/3 index lists it, as a 0-byte
-            chunk that one of its holders writes.
         digest: xxh3-128 of ``rows`` and ``meshes``.
     """
 
@@ -66,7 +62,6 @@ class RankTable:
     meshes: list[Mesh]
     local: dict[str, list[list[list[int]]]]
     cells: dict[str, tuple[int, ...] | None]
-    empty: dict[str, list[list[int]]] = field(default_factory=dict)
     digest: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -193,8 +188,6 @@ def rank_table(
                 row, cell = found
                 table.rows.append(row)
                 table.cells[key] = cell
-                if cell is None and value.boxes:
-                    table.empty[key] = [list(value.boxes[0].offsets), list(value.boxes[0].sizes)]
                 continue
         size = value.size
         table.rows.append(
@@ -235,16 +228,13 @@ def own_file_writes(
     tensors: Mapping[str, TensorValue],
     assignment: Mapping[str, Any],
     rank: int,
-) -> tuple[list[WriteAssignment], int | None]:
+) -> tuple[list[WriteAssignment], int]:
     """What this rank writes: its grid cells (derived from its own rows and the rule: the
     replica of a replicated cell is chosen by the key's number in the plan), and the
     ``whole`` keys and ``local`` boxes the coordinator gave it, in the order of its data file,
-    with the number of grid cells that lead it.
-
-    For a version 2/3 index (no ``"layout"`` in the assignment) everything is sorted by key
-    and offsets, and the count is ``None``. For version 4 the grid cells come first, sorted
-    by key (the order of the index's ``tensors`` rows; a rank holds at most one cell of a
-    key), then the other entries sorted likewise (``docs/format.md``, *Version 4*)."""
+    with the number of grid cells that lead it: the grid cells first, sorted by key (the
+    order of the index's ``tensors`` rows; a rank holds at most one cell of a key), then the
+    other entries sorted by key and offsets (``docs/format.md``, *Writing the index*)."""
     skip = set(assignment.get("demoted", ())) | set(assignment.get("aliases", ()))
     numbers = assignment.get("numbers")
     rules: list[dict[Any, Any]] = [{} for _ in table.meshes]
@@ -279,8 +269,6 @@ def own_file_writes(
     def order(item: WriteAssignment) -> tuple[str, tuple[int, ...]]:
         return item.fqn, item.offsets
 
-    if not assignment.get("layout"):
-        return sorted(cells + others, key=order), None
     return sorted(cells, key=order) + sorted(others, key=order), len(cells)
 
 
@@ -296,42 +284,12 @@ class CoordinatorPlan:
         aliases: Tied keys -> the key they are tied to (not written).
         assignments: What to tell each rank (``scatter_json``).
         total: Bytes every rank writes together (tensor data; blobs apart).
-        empty: Per grid key, its empty boxes (shards past the end) and their writers
-            (versions 2/3 only).
-        layout: Whether the save writes index version 4: it has more chunks (grid cells,
-            whole tensors, boxes, empty boxes) than ``TUNING.layout_index_chunks``. Every
-            assignment then carries ``"layout": true``.
     """
 
     plan: SavePlan
     aliases: dict[str, str]
     assignments: list[dict[str, Any]]
     total: int
-    empty: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)
-    layout: bool = False
-
-    def tensor_plans(self) -> dict[str, TensorPlan]:
-        """Every written key with its boxes, each held by its writer: what the version 2/3
-        index lists (O(chunks): a grid's cells are enumerated; never called for version 4)."""
-        plans = {}
-        for key, row in self.plan.rows.items():
-            if key in self.aliases:
-                continue
-            holders: dict[Box, list[int]]
-            grid = self.plan.grids.get(key)
-            if grid is not None:
-                holders = {}
-                for number in range(grid.num_cells):
-                    cell = grid.cell_at(number)
-                    holders[grid.box(cell)] = [grid.file_of(cell)]
-                for box, writer in self.empty.get(key, ()):
-                    holders.setdefault(box, [writer])
-            elif key in self.plan.whole:
-                holders = {((0,) * len(row.size), row.size): [self.plan.whole[key]]}
-            else:
-                holders = {box: [writer] for box, writer in self.plan.chunks[key]}
-            plans[key] = TensorPlan(key, row.dtype, row.size, row.properties, row.itemsize, holders)
-        return plans
 
 
 def _mesh_key(mesh: Sequence[Any]) -> Mesh:
@@ -345,9 +303,8 @@ def plan_from_tables(
     world_size: int,
     blob_bytes: Mapping[int, int],
 ) -> CoordinatorPlan:
-    """Plan a save from every rank's envelope ``{"digest", "local", "table"?, "aliases"?,
-    "empty"?}`` (``"table"`` when its digest is not the coordinator's, ``"empty"`` its empty
-    shards of ``mesh`` keys), in group-rank order.
+    """Plan a save from every rank's envelope ``{"digest", "local", "table"?, "aliases"?}``
+    (``"table"`` when its digest is not the coordinator's), in group-rank order.
 
     Raises:
         ValueError: Ranks disagree about a key's facts, or its chunks do not tile it (the
@@ -403,11 +360,7 @@ def plan_from_tables(
                 key: [(tuple(o), tuple(s)) for o, s in boxes]
                 for key, boxes in envelope["local"].items()
             }
-    empty: dict[str, dict[Box, list[int]]] = {}
-    for rank, envelope in enumerate(envelopes):
-        for key, (offsets, sizes) in envelope.get("empty", {}).items():
-            empty.setdefault(key, {}).setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
-    demoted = _reconcile(tables, holders, meshes, local, empty)
+    demoted = _reconcile(tables, holders, meshes, local)
     _fill_sizes(tables, local)
     aliases = _agree_aliases(tables, holders, meshes, local, envelopes, world_size)
     plan = plan_save(tables, holders, meshes, local, world_size, blob_bytes, skip=aliases)
@@ -417,29 +370,7 @@ def plan_from_tables(
         for number, table in enumerate(tables)
     ]
     assignments = plan.assignments()
-    # The empty boxes of grid keys, each written (0 bytes) by its lowest holder.
-    empties: dict[str, list[tuple[Box, int]]] = {}
-    for key, boxes in empty.items():
-        grid = plan.grids.get(key)
-        if grid is not None:
-            # A tensor with no element has empty cells: an empty box that is one of them is
-            # written as that cell.
-            cells = set()
-            if not math.prod(grid.size):
-                cells = {grid.box(grid.cell_at(n)) for n in range(grid.num_cells)}
-            empties[key] = [(box, min(ranks)) for box, ranks in boxes.items() if box not in cells]
-    # The version: 4 (layouts) above the tunable's count of chunks. Version 4 lists no empty
-    # boxes past the end of a grid (they are not cells); versions 2/3 list them, 0 bytes each.
-    num_chunks = plan.num_chunks + sum(len(boxes) for boxes in empties.values())
-    layout = num_chunks > tuning.TUNING.layout_index_chunks
-    if layout:
-        empties = {}
-    for key, written in empties.items():
-        for (offsets, _), writer in written:
-            assignments[writer]["chunks"].append([key, list(offsets)])
     for rank, assignment in enumerate(assignments):
-        if layout:
-            assignment["layout"] = True
         table_numbers = per_table_numbers[rank_tables[rank]]
         if table_numbers is not None:
             assignment["numbers"] = table_numbers
@@ -453,7 +384,7 @@ def plan_from_tables(
         for key in plan.grids
         if key not in aliases
     )
-    return CoordinatorPlan(plan, aliases, assignments, total, empties, layout)
+    return CoordinatorPlan(plan, aliases, assignments, total)
 
 
 def _reconcile(
@@ -461,7 +392,6 @@ def _reconcile(
     holders: Sequence[Sequence[int]],
     meshes: Sequence[Mesh],
     local: dict[int, dict[str, list[Box]]],
-    empty: Mapping[str, Mapping[Box, Sequence[int]]],
 ) -> dict[int, set[str]]:
     """Make ``local`` for every table a key that some ranks describe as ``mesh`` and others
     as ``local`` (their own boxes failed the rule's check), the facts being equal: the mesh
@@ -502,12 +432,8 @@ def _reconcile(
         for _, n, i, row in found:
             layout = row.layout
             if demote and layout[0] != "local":
-                empties = {r: box for box, ranks in empty.get(key, {}).items() for r in ranks}
                 for rank in holders[n]:
-                    boxes = _boxes_of(row, rank, meshes, local)
-                    if not boxes and rank in empties:
-                        boxes = [empties[rank]]
-                    local.setdefault(rank, {})[key] = boxes
+                    local.setdefault(rank, {})[key] = _boxes_of(row, rank, meshes, local)
                     if layout[0] == "mesh":
                         demoted.setdefault(rank, set()).add(key)
                 layout = _LOCAL

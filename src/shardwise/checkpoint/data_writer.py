@@ -2,11 +2,10 @@
 *Data files* and *Checksums: blocks*), and checking that the coordinator sees every rank's.
 
 The file is a safetensors file laid out before the first byte is written. Entries go
-straight from tensor memory to the file, each 1 MiB block checksummed right before it is
-written, while it is in cache: the blocks of each entry (index versions 2/3), or those of the
-whole data section, hashed as a stream across entries (version 4: no per-entry checksums).
-Small entries are gathered into one buffer to save system calls, GPU tensors are copied to
-the host through one reused pinned buffer. Every size here is a tunable of
+straight from tensor memory to the file, each 1 MiB block of the data section checksummed
+right before it is written, while it is in cache, hashed as a stream across entries (no
+per-entry checksums). Small entries are gathered into one buffer to save system calls, GPU
+tensors are copied to the host through one reused pinned buffer. Every size here is a tunable of
 :mod:`shardwise.checkpoint.tuning`.
 """
 
@@ -24,7 +23,7 @@ from shardwise._progress import JobProgress
 from shardwise.checkpoint import planner
 from shardwise.checkpoint._items import LocalBox, ObjectValue, TensorValue
 from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
-from shardwise.checkpoint.index import BLOCK_SIZE, DATA_DIR, Index, block_checksums, data_file_name
+from shardwise.checkpoint.index import BLOCK_SIZE, DATA_DIR, Index, data_file_name
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointDataError
@@ -51,7 +50,7 @@ def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
 
 
 class _FileBlocks:
-    """The block checksums of a stream of bytes (a version-4 file's data section): xxh3_64 of
+    """The block checksums of a stream of bytes (a file's data section): xxh3_64 of
     each ``block_size`` bytes, hashed as the bytes go by (one block of zero bytes when none
     did)."""
 
@@ -82,10 +81,8 @@ class _FileBlocks:
 
 
 class _ChecksummingWriter:
-    """Writes entries to a file, gathering small writes, and checksums them: each entry's
-    blocks (versions 2/3: :meth:`entry` returns them), or, with ``file_blocks``, the blocks of
-    the whole data section as it streams by (version 4: :meth:`entry` returns ``""``). See
-    ``docs/format.md``.
+    """Writes entries to a file, gathering small writes, and checksums the blocks of its data
+    section as it streams by (``file_blocks``; see ``docs/format.md``).
 
     Entries below ``TUNING.small_write_bytes`` wait and go out together in one vectored write
     (``writev``): tiny ones copied into a shared buffer, the others straight from tensor
@@ -93,7 +90,7 @@ class _ChecksummingWriter:
     The tensors the views borrow are held (``_held``) until they are written.
     """
 
-    def __init__(self, writer: Writer, file_blocks: _FileBlocks | None = None) -> None:
+    def __init__(self, writer: Writer, file_blocks: _FileBlocks) -> None:
         self._writer = writer
         self._parts: list[memoryview | bytearray] = []
         self._tiny = bytearray()  # the tiny entries after the last part
@@ -108,9 +105,10 @@ class _ChecksummingWriter:
         self._pending += len(data)
         self._unsummed += len(data)
 
-    def entry(self, tensor: torch.Tensor) -> str:
+    def entry(self, tensor: torch.Tensor) -> None:
         if not tensor.is_cpu:  # pragma: no cover - needs a GPU
-            return self._staged_entry(tensor)
+            self._staged_entry(tensor)
+            return
         # Values as they are: a lazily conjugated or negated view is resolved (a copy). The
         # flags are read first: three calls that return the tensor itself cost more.
         if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
@@ -118,19 +116,16 @@ class _ChecksummingWriter:
         view = checked_bytes(tensor)
         if len(view) < TUNING.small_write_bytes:
             self._wait(view, tensor)
-            return "" if self._file_blocks is not None else block_checksums(view)
+            return
         self.flush()
-        sums = []
         piece_bytes = TUNING.write_piece_bytes
         for start in range(0, len(view), piece_bytes):
             piece = view[start : start + piece_bytes]
-            sums.append(self._summed(piece))
+            self._file_blocks.update(piece)
             self._writer.write(piece)
-        return "".join(sums)
 
-    def blob(self, payload: bytes) -> str:
+    def blob(self, payload: bytes) -> None:
         self._wait(memoryview(payload), None)
-        return "" if self._file_blocks is not None else block_checksums(payload)
 
     def _wait(self, view: memoryview, owner: torch.Tensor | None) -> None:
         """Queue ``view`` (of ``owner``'s memory) for the next vectored write."""
@@ -147,19 +142,10 @@ class _ChecksummingWriter:
         if self._pending >= TUNING.write_buffer_bytes or len(self._parts) >= _MAX_PARTS:
             self.flush()
 
-    def _summed(self, piece: memoryview) -> str:
-        """Checksum ``piece`` (about to be written): its own blocks' checksums, or ``""``
-        once it is in the file's."""
-        if self._file_blocks is None:
-            return block_checksums(piece)
-        self._file_blocks.update(piece)
-        return ""
-
-    def _staged_entry(self, tensor: torch.Tensor) -> str:  # pragma: no cover - needs a GPU
+    def _staged_entry(self, tensor: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
         # Copy device memory to the host in bounded pieces (a multiple of the block size)
         # through one reused pinned buffer.
         self.flush()
-        sums = []
         source = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         staging = _pinned_staging(min(TUNING.staging_bytes, max(source.numel(), 1)))
         for start in range(0, source.numel(), staging.numel()):
@@ -167,11 +153,8 @@ class _ChecksummingWriter:
             target = staging[: piece.numel()]
             target.copy_(piece, non_blocking=False)
             view = byte_view(target)
-            sums.append(self._summed(view))
+            self._file_blocks.update(view)
             self._writer.write(view)
-        if self._file_blocks is not None:
-            return ""
-        return "".join(sums) or block_checksums(b"")
 
     def flush(self) -> None:
         if self._tiny:
@@ -179,14 +162,13 @@ class _ChecksummingWriter:
             self._tiny = bytearray()
         if not self._parts:
             return
-        if self._file_blocks is not None:
-            skip = self._unsummed
-            for part in self._parts:
-                if skip >= len(part):
-                    skip -= len(part)
-                    continue
-                self._file_blocks.update(memoryview(part)[skip:])
-                skip = 0
+        skip = self._unsummed
+        for part in self._parts:
+            if skip >= len(part):
+                skip -= len(part)
+                continue
+            self._file_blocks.update(memoryview(part)[skip:])
+            skip = 0
         self._unsummed = 0
         self._writer.write_vector(self._parts)
         self._parts = []
@@ -229,25 +211,22 @@ def write_data_file(
     blobs: list[tuple[str, ObjectValue]],
     sync_files: bool,
     progress: JobProgress | None,
-    *,
-    grid_cells: int | None = None,
+    grid_cells: int,
 ) -> dict[str, Any]:
     """Write this rank's data file: the chunks ``assignments`` names (their data taken from
-    ``tensors``), then the ``blobs``.
+    ``tensors``), then the ``blobs``; no file when there are none (``docs/format.md``,
+    *Writing the index*).
 
     Args:
-        grid_cells: ``None`` for a version 2/3 index. For version 4, how many of
-            ``assignments`` (leading) are grid cells, in the file's order: their byte ranges
-            are not reported (readers derive them), and the file is written even when it
-            holds nothing, since grid file numbers are group ranks.
+        grid_cells: How many of ``assignments`` (leading) are grid cells, in the file's
+            order: their byte ranges are not reported (readers derive them).
 
     Returns:
-        Versions 2/3: ``{"file": [name, size], "entries": {key: [begin, end, block
-        checksums]}}``, empty when this rank writes nothing. Version 4: ``{"file": [name,
-        size], "data_start", "checksums": the data section's block checksums, "grid_bytes":
-        bytes of the grid cells, "begins": {key: begin} of the other entries and blobs}``.
+        ``{"file": [name, size], "data_start", "checksums": the data section's block
+        checksums, "grid_bytes": bytes of the grid cells, "begins": {key: begin} of the other
+        entries and blobs}``; empty when this rank writes nothing.
     """
-    if not assignments and not blobs and grid_cells is None:
+    if not assignments and not blobs:
         return {}
     name = data_file_name(rank, save_id)
     entries = []
@@ -272,25 +251,18 @@ def write_data_file(
     # closed. Either way no index names it before every rank has written its file.
     staging = f"{final}.tmp" if storage.atomic_rename else final
     writer = open_fresh(storage, staging, rank)
-    written: dict[str, list[Any]] = {}
-    file_blocks = None if grid_cells is None else _FileBlocks()
+    file_blocks = _FileBlocks()
     try:
         out = _ChecksummingWriter(writer, file_blocks)
         out.header(layout.header)
-        for tensor, entry, (begin, end) in zip(sources, entries, layout.ranges, strict=False):
+        for tensor, (begin, end) in zip(sources, layout.ranges, strict=False):
             if tensor.requires_grad:
                 tensor = tensor.detach()
-            sums = out.entry(tensor)
-            if file_blocks is None:  # version 4 reports begins only, below
-                written[entry.key] = [begin, end, sums]
+            out.entry(tensor)
             if progress is not None:
                 progress.update(end - begin)
-        for (_fqn, blob), entry, (begin, end) in zip(
-            blobs, entries[len(assignments) :], layout.ranges[len(assignments) :], strict=True
-        ):
-            sums = out.blob(blob.payload)
-            if file_blocks is None:
-                written[entry.key] = [begin, end, sums]
+        for _fqn, blob in blobs:
+            out.blob(blob.payload)
         out.flush()
     except BaseException:
         writer.abort()
@@ -300,9 +272,6 @@ def write_data_file(
         storage.rename(staging, final)
         if sync_files:
             storage.sync_dir(storage.join(DATA_DIR))
-    if file_blocks is None:
-        return {"file": [name, layout.size], "entries": written}
-    assert grid_cells is not None
     data_start = len(layout.header)
     grid_end = layout.ranges[grid_cells - 1][1] if grid_cells else data_start
     others = zip(entries[grid_cells:], layout.ranges[grid_cells:], strict=True)

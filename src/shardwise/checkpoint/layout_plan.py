@@ -11,10 +11,10 @@ same on every rank that holds it:
   (an ``EnumerableShardingSpec``).
 - ``["local"]``: anything else; the rank sends its own boxes.
 
-:func:`mesh_grid` turns a mesh layout into a version-4 :class:`~.index.layouts.Grid`, and
+:func:`mesh_grid` turns a mesh layout into the index's :class:`~.index.layouts.Grid`, and
 :func:`plan_save` is the coordinator's whole decision: who writes what, in O(tensors + ranks
 + irregular chunks x log) instead of O(ranks x tensors). Data file numbers are group ranks:
-the index lists one file per rank, in rank order.
+the index lists one file per rank, in rank order (``null`` for a rank that wrote nothing).
 """
 
 from __future__ import annotations
@@ -25,14 +25,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from shardwise._boxes import Box
-from shardwise.checkpoint._json import compact
 from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps
 from shardwise.checkpoint.planner import check_tiling
 
-__all__ = ["Mesh", "SavePlan", "TableRow", "mesh_grid", "plan_save", "table_digest"]
+__all__ = ["Mesh", "SavePlan", "TableRow", "mesh_grid", "plan_save"]
 
 # (shape, group ranks in row-major order)
 Mesh = tuple[tuple[int, ...], tuple[int, ...]]
@@ -200,13 +197,6 @@ class TableRow:
         return cls(key, dtype, itemsize, tuple(size), properties, tuple(layout))
 
 
-def table_digest(rows: Sequence[TableRow]) -> str:
-    """The digest of a table (xxh3_128 of its JSON): ranks whose digest is the coordinator's
-    send only the digest, not the table."""
-    text = compact([row.to_json() for row in rows], sort_keys=True)
-    return str(xxhash.xxh3_128_hexdigest(text))
-
-
 @dataclass(slots=True)
 class SavePlan:
     """The coordinator's decisions for one save.
@@ -224,18 +214,6 @@ class SavePlan:
     whole: dict[str, int] = field(default_factory=dict)
     chunks: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)
     loads: list[int] = field(default_factory=list)
-
-    @property
-    def num_chunks(self) -> int:
-        """Chunks the save writes: grid cells, whole tensors, boxes (a save of more than
-        ``TUNING.layout_index_chunks`` is written as version 4)."""
-        cells = sum(grid.num_cells for grid in self.grids.values())
-        return cells + len(self.whole) + sum(len(boxes) for boxes in self.chunks.values())
-
-    def grid_list(self) -> list[tuple[str, Grid, int]]:
-        """``(key, grid, itemsize)`` of every grid key in row order: what
-        :func:`~.index.layouts.file_cells` takes to list a rank's cells in file order."""
-        return [(key, grid, self.rows[key].itemsize) for key, grid in self.grids.items()]
 
     def assignments(self) -> list[dict[str, Any]]:
         """What each rank is told to write besides its grid cells (which it derives from

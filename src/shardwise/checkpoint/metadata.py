@@ -8,7 +8,8 @@ checkpoint protocol).
 
 JSON: every class has ``to_dict``/``from_dict``, its plain JSON-able body, built from and
 checked by the rules of :mod:`shardwise.checkpoint.metadata_json`. :class:`Metadata`'s body is
-the version-1 checkpoint index (``docs/format.md``), also as text (``to_json``/``from_json``).
+a whole document, also as text (``to_json``/``from_json``); it is not a checkpoint index (see
+``docs/format.md``), and no checkpoint reader accepts it as one.
 """
 
 from __future__ import annotations

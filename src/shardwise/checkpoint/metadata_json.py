@@ -1,11 +1,12 @@
 """The rules of the JSON forms of the checkpoint metadata classes, apart from the classes.
 
 Each class of :mod:`shardwise.checkpoint.metadata` writes and reads a plain JSON-able body
-(``to_dict`` / ``from_dict``); :class:`~shardwise.checkpoint.metadata.Metadata`'s is the
-version-1 checkpoint index (``docs/format.md``, *Version 1*), which the index reader still
-accepts. What makes a body valid lives here, without the classes (which build themselves from
-what these functions return): the index's format and version, its keys, non-negative sizes,
-chunks inside their tensor, values with an exact JSON form. Readers reject anything else with
+(``to_dict`` / ``from_dict``); :class:`~shardwise.checkpoint.metadata.Metadata`'s is a whole
+document (``to_json`` / ``from_json``: one object per key, DCP's shape), which is not a
+checkpoint index: no checkpoint reader accepts it (its ``format_version`` 1 is not the
+index's). What makes a body valid lives here, without the classes (which build themselves from
+what these functions return): the document's format and version, its keys, non-negative
+sizes, chunks inside their tensor, values with an exact JSON form. Readers reject anything else with
 :class:`~shardwise.errors.CheckpointFormatError`; writers refuse what readers would refuse
 (``TypeError`` for a value of the wrong type).
 """
@@ -40,11 +41,11 @@ __all__ = [
     "storage_info_to_json",
 ]
 
-#: Value of the ``format`` field of a checkpoint index.
+#: Value of the ``format`` field of a ``Metadata`` document.
 INDEX_FORMAT = "shardwise-checkpoint"
-#: Version of the checkpoint index written by ``Metadata.to_json``; readers reject others.
+#: Version of the document ``Metadata.to_json`` writes; ``Metadata.from_json`` rejects others.
 INDEX_VERSION = 1
-# The keys of a version-1 index document, in the order written.
+# The keys of a ``Metadata`` document, in the order written.
 _INDEX_KEYS = (
     "format",
     "format_version",
@@ -162,7 +163,8 @@ def storage_info_to_json(info: object, where: str) -> Any:
 
 
 def index_body(data: object) -> Mapping[str, Any]:
-    """The fields of a parsed version-1 index, once its format, version and keys are right.
+    """The fields of a parsed ``Metadata`` document, once its format, version and keys are
+    right.
 
     Raises:
         CheckpointFormatError: Not a shardwise checkpoint index, an unsupported format

@@ -1,6 +1,8 @@
-"""Pure planning for save and load: which rank writes which chunk, and which bytes each rank
+"""Pure planning for save and load: the records both share (a chunk as stored, a chunk a
+rank writes, a tensor's holders), the agreement on tied tensors, and which bytes each rank
 reads for each target box. No I/O, no collectives: every rank runs the same functions on the
-same exchanged metadata and reaches the same plan.
+same exchanged metadata and reaches the same plan. (Who writes what is planned from layouts,
+in :mod:`.layout_plan`.)
 """
 
 from __future__ import annotations
@@ -17,52 +19,18 @@ from shardwise.checkpoint._tiling import check_tiling
 from shardwise.checkpoint.tuning import TUNING
 
 __all__ = [
-    "READ_COST",
     "Box",
     "Candidates",
+    "ChunkLookup",
     "ChunkRead",
     "SavedChunk",
     "TensorPlan",
-    "assign_writers",
+    "WriteAssignment",
+    "agree_aliases",
     "check_tiling",
-    "flatten_state_dict",
-    "merge_tensor_plans",
     "plan_reads",
     "whole_reads",
 ]
-
-
-#: What one more read call costs, in bytes read: :func:`plan_reads` reads a gap between two
-#: needed runs rather than issue another read when the gap is smaller. Measured on local
-#: files: a positioned read with its bookkeeping costs about as much as copying 64 KiB (so a
-#: column block of a narrow tensor is one read, not one read per row). From
-#: ``TUNING.read_cost_bytes``.
-READ_COST = TUNING.read_cost_bytes
-
-
-def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts flattened to dotted keys (``{"a": {"b": 1}}`` → ``{"a.b": 1}``).
-
-    Only plain ``dict`` values nest; everything else is a leaf.
-
-    Raises:
-        ValueError: Two paths flatten to the same key.
-    """
-    flat: dict[str, Any] = {}
-    for key, value in state_dict.items():
-        if not isinstance(key, str):
-            raise TypeError(f"state_dict keys must be strings, found {key!r}")
-        name = f"{prefix}{key}"
-        if type(value) is dict and value:
-            nested = flatten_state_dict(value, prefix=f"{name}.")
-            duplicates = nested.keys() & flat.keys()
-            flat.update(nested)
-        else:
-            duplicates = {name} & flat.keys()
-            flat[name] = value
-        if duplicates:
-            raise ValueError(f"state_dict keys {sorted(duplicates)} appear twice after flattening")
-    return flat
 
 
 def numel(sizes: Sequence[int]) -> int:
@@ -72,7 +40,8 @@ def numel(sizes: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class TensorPlan:
-    """Everything the ranks said about one tensor: its global facts and who holds which box.
+    """Everything the ranks said about one tensor: its global facts and who holds which box
+    (what :func:`agree_aliases` compares).
 
     Attributes:
         fqn: The state-dict key.
@@ -89,50 +58,6 @@ class TensorPlan:
     properties: dict[str, Any]
     itemsize: int
     holders: dict[Box, list[int]] = field(default_factory=dict)
-
-
-def merge_tensor_plans(local_plans: Sequence[Sequence[dict[str, Any]]]) -> dict[str, TensorPlan]:
-    """Merge every rank's tensor entries (in group-rank order) into one plan per key.
-
-    Each entry is ``{"fqn", "dtype", "size", "properties", "itemsize", "chunks": [[offsets,
-    sizes], ...]}``. Identical boxes held by several ranks (replicated data) become one box
-    with several holders.
-
-    Raises:
-        ValueError: Ranks disagree on a tensor's dtype or size, or its distinct boxes overlap
-            or do not cover it.
-    """
-    local_plans = _fill_unknown_sizes(local_plans)
-    merged: dict[str, TensorPlan] = {}
-    first_rank: dict[str, int] = {}
-    for rank, entries in enumerate(local_plans):
-        for entry in entries:
-            fqn = entry["fqn"]
-            plan = merged.get(fqn)
-            if plan is None:
-                plan = TensorPlan(
-                    fqn=fqn,
-                    dtype=entry["dtype"],
-                    size=tuple(entry["size"]),
-                    properties=entry["properties"],
-                    itemsize=entry["itemsize"],
-                )
-                merged[fqn] = plan
-                first_rank[fqn] = rank
-            elif plan.dtype != entry["dtype"] or plan.size != tuple(entry["size"]):
-                raise ValueError(
-                    f"cannot save {fqn!r}: rank {first_rank[fqn]} has dtype {plan.dtype} and "
-                    f"size {list(plan.size)}, rank {rank} has dtype {entry['dtype']} and size "
-                    f"{entry['size']}"
-                )
-            for offsets, sizes in entry["chunks"]:
-                box = (tuple(offsets), tuple(sizes))
-                holders = plan.holders.setdefault(box, [])
-                if not holders or holders[-1] != rank:  # ranks come in order
-                    holders.append(rank)
-    for plan in merged.values():
-        _validate_tiling(plan)
-    return merged
 
 
 def agree_aliases(
@@ -170,41 +95,6 @@ def agree_aliases(
     return {alias: target for alias, target in agreed.items() if target not in agreed}
 
 
-def _fill_unknown_sizes(
-    local_plans: Sequence[Sequence[dict[str, Any]]],
-) -> list[list[dict[str, Any]]]:
-    """Entries whose size is ``None`` (known only from the union of every rank's boxes, e.g. a
-    standalone LocalShardsWrapper) get the bounding size of all boxes of that key."""
-    unknown = {
-        entry["fqn"] for entries in local_plans for entry in entries if entry["size"] is None
-    }
-    bounds: dict[str, list[int]] = {}
-    for entries in local_plans:
-        for entry in entries:
-            if entry["fqn"] not in unknown:
-                continue
-            for offsets, sizes in entry["chunks"]:
-                if numel(sizes) == 0:
-                    continue  # an empty shard's offsets may lie past the end (ceil rule)
-                stops = [o + s for o, s in zip(offsets, sizes, strict=True)]
-                known = bounds.get(entry["fqn"])
-                bounds[entry["fqn"]] = stops if known is None else list(map(max, known, stops))
-    return [
-        [
-            {**entry, "size": bounds.get(entry["fqn"], [])} if entry["size"] is None else entry
-            for entry in entries
-        ]
-        for entries in local_plans
-    ]
-
-
-def _validate_tiling(plan: TensorPlan) -> None:
-    try:
-        check_tiling(plan.size, list(plan.holders))
-    except ValueError as err:
-        raise ValueError(f"cannot save {plan.fqn!r}: its chunks do not tile it: {err}") from err
-
-
 @dataclass(slots=True)
 class WriteAssignment:
     """One chunk a rank writes (treated as immutable; not frozen, which costs a fifth of a
@@ -214,44 +104,6 @@ class WriteAssignment:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
-
-
-def assign_writers(
-    plans: Mapping[str, TensorPlan],
-    world_size: int,
-    preassigned: Mapping[int, int] | None = None,
-) -> list[list[WriteAssignment]]:
-    """Choose one writer per distinct chunk, balancing bytes across ranks.
-
-    Largest chunks first, each to the holder with the fewest bytes so far (lowest rank on a
-    tie): every rank's total is within one chunk of the even share whenever the chunk may go to
-    any rank (replicated data), and duplicates are written exactly once.
-
-    Args:
-        plans: Output of :func:`merge_tensor_plans`.
-        world_size: Number of ranks.
-        preassigned: Bytes already given to a rank (e.g. object blobs on the coordinator).
-
-    Returns:
-        Per rank, its chunks sorted by key and offsets (the order inside its data file).
-    """
-    load = [0] * world_size
-    for rank, nbytes in (preassigned or {}).items():
-        load[rank] += nbytes
-    work = []
-    for plan in plans.values():
-        for (offsets, sizes), holders in plan.holders.items():
-            nbytes = numel(sizes) * plan.itemsize if plan.size else plan.itemsize
-            work.append((nbytes, plan.fqn, offsets, sizes, holders))
-    work.sort(key=lambda item: (-item[0], item[1], item[2]))
-    assigned: list[list[WriteAssignment]] = [[] for _ in range(world_size)]
-    for nbytes, fqn, offsets, sizes, holders in work:
-        writer = min(holders, key=lambda rank: (load[rank], rank))
-        load[writer] += nbytes
-        assigned[writer].append(WriteAssignment(fqn, offsets, sizes, nbytes))
-    for items in assigned:
-        items.sort(key=lambda item: (item.fqn, item.offsets))
-    return assigned
 
 
 @dataclass(slots=True)
@@ -398,7 +250,7 @@ def plan_reads(
     target: Box,
     chunks: Sequence[SavedChunk],
     itemsize: int,
-    read_cost: int = READ_COST,
+    read_cost: int | None = None,
     lookup: Candidates | None = None,
 ) -> list[ChunkRead]:
     """The reads that fill ``target`` from ``chunks``.
@@ -408,15 +260,20 @@ def plan_reads(
     its first to its last element: one read per row reads exactly the needed bytes, one read
     of the whole overlap reads the gaps between its rows too. The split minimizing
     ``reads * read_cost + bytes read`` is chosen, so a gap is skipped exactly when it is
-    larger than what another read costs (with ``read_cost=0``, only needed bytes are read).
+    larger than what another read costs (``read_cost``, by default
+    ``TUNING.read_cost_bytes``: measured on local files, a positioned read with its
+    bookkeeping costs about as much as copying 64 KiB; with ``read_cost=0``, only needed
+    bytes are read).
     Reads are ordered by file and offset. ``lookup`` (a :class:`ChunkLookup` of ``chunks``,
-    or a version-4 grid's ``LayoutChunks``, which answers by arithmetic) finds the
+    or a grid's ``LayoutChunks``, which answers by arithmetic) finds the
     overlapping chunks without comparing ``target`` with each: pass one when planning many
     boxes of one tensor.
 
     Raises:
         ValueError: The chunks do not cover ``target``.
     """
+    if read_cost is None:
+        read_cost = TUNING.read_cost_bytes
     if len(chunks) == 1:  # one chunk that is the whole target (the common case): one read
         only = chunks[0]
         if only.offsets == target[0] and only.sizes == target[1]:

@@ -8,11 +8,12 @@ Order of work (see ``docs/format.md`` for the files):
    on one rank raises on all).
 2. The coordinator plans (dedups replicated chunks, balances bytes across ranks) and sends
    each rank only what it writes.
-3. Each rank writes its chunks into one safetensors file under a temporary name, straight from
-   tensor memory, checksumming as it goes; then fsyncs and renames it.
-4. The byte ranges and block checksums go to the coordinator, which writes the sealed index
-   (version 4, by layouts, for a save of more chunks than ``TUNING.layout_index_chunks``:
-   see ``_save_v4``) to a temporary name, fsyncs it and renames it to ``shardwise.json`` —
+3. Each rank that holds something to write writes it into one safetensors file under a
+   temporary name, straight from tensor memory, checksumming as it goes; then fsyncs and
+   renames it. A rank with nothing to write writes no file.
+4. The byte ranges and block checksums go to the coordinator, which builds the sealed index
+   (``_save_index``), writes it to a temporary name, fsyncs it and renames it to
+   ``shardwise.json`` —
    the commit point — then tells every rank, and removes the data files that the index it
    replaced named and the new one does not (never any other file). Nobody returns before the
    commit.
@@ -38,25 +39,16 @@ import torch
 from shardwise import __version__ as _version
 from shardwise import collectives
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import _save_outcome, _save_tables, _save_v4, data_writer, planner
-from shardwise.checkpoint._items import (
-    ObjectValue,
-)
+from shardwise.checkpoint import _save_index, _save_outcome, _save_tables, data_writer
 from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint._snapshot import Snapshot, describe_or_error
-from shardwise.checkpoint.format import bytes_key, chunk_key
 from shardwise.checkpoint.index import (
     DATA_DIR,
     INDEX_NAME,
     MAX_INDEX_BYTES,
     TEXT_ENCODINGS,
     Index,
-    ObjectRecord,
     SaveFacts,
-    TensorRecord,
-    build_index,
-    decode_index,
-    encode_index,
     is_data_file_name,
     is_temporary_name,
     paused_gc,
@@ -64,10 +56,8 @@ from shardwise.checkpoint.index import (
 from shardwise.checkpoint.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
-from shardwise.checkpoint.planner import SavedChunk
 from shardwise.checkpoint.storage import Storage, UnsafePathError, open_shared_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
-from shardwise.metadata import TensorProperties
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -79,52 +69,6 @@ logger = logging.getLogger(__name__)
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
 # The temporary name under which the save lock is written (see LocalStorage.replace_small).
 _TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
-
-
-def _build_index(
-    plans: dict[str, planner.TensorPlan],
-    aliases: dict[str, str],
-    objects: dict[str, ObjectValue],
-    written: list[dict[str, Any]],
-    world_size: int,
-    save_id: str,
-    path: str,
-) -> tuple[bytes, Index]:
-    """The sealed index of this save (every rank builds the same bytes), and its records as
-    a reader reads them back."""
-    files = {part["file"][0]: part["file"][1] for part in written if part}
-    where: dict[str, tuple[str, list[Any]]] = {}
-    for part in written:
-        for key, entry in part.get("entries", {}).items():
-            where[key] = (part["file"][0], entry)
-
-    def stored(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> SavedChunk:
-        file, (begin, end, sums) = where[key]
-        return SavedChunk(offsets, sizes, file, begin, end, sums)
-
-    tensors = []
-    properties: dict[tuple[Any, ...], TensorProperties] = {}  # few distinct ones
-    for fqn, plan in plans.items():
-        chunks = tuple(
-            stored(chunk_key(fqn, offsets), offsets, sizes)
-            for offsets, sizes in sorted(plan.holders)
-        )
-        known = tuple(plan.properties.items())
-        props = properties.get(known)
-        if props is None:
-            props = properties[known] = TensorProperties.from_dict(plan.properties)
-        tensors.append(TensorRecord(fqn, props, plan.size, chunks))
-    records = []
-    for fqn, value in objects.items():
-        if value.encoding in TEXT_ENCODINGS:
-            records.append(ObjectRecord(fqn, value.encoding, text=value.payload.decode()))
-        else:
-            records.append(ObjectRecord(fqn, value.encoding, blob=stored(bytes_key(fqn), (), ())))
-    facts = _save_facts(world_size, save_id, path)
-    ordered = sorted(tensors, key=lambda record: record.fqn)
-    records.sort(key=lambda record: record.fqn)
-    data = encode_index(facts, files, ordered, records, aliases=aliases)
-    return data, build_index(facts, files, ordered, records, aliases)
 
 
 def _save_facts(world_size: int, save_id: str, path: str) -> SaveFacts:
@@ -246,8 +190,6 @@ def _save_snapshot(
         if table is None:
             table = _save_tables.rank_table(snapshot.tensors, comm.rank, _group_rank_of(comm))
         sent: dict[str, Any] = {"digest": table.digest, "local": table.local}
-        if table.empty:
-            sent["empty"] = table.empty
         if table.digest != coordinator_digest:
             sent["table"] = table.to_json()
         if snapshot.aliases:
@@ -357,19 +299,8 @@ def _save_snapshot(
             # What is committed must read back as built (the decoder validates everything a
             # reader checks), and every data file it names must be visible here.
             try:
-                if planned.layout:
-                    facts = _save_facts(comm.world_size, save_id, path)
-                    data, index = _save_v4.build_layout_index(planned, objects, written, facts)
-                else:
-                    data, index = _build_index(
-                        planned.tensor_plans(),
-                        planned.aliases,
-                        objects,
-                        written,
-                        comm.world_size,
-                        save_id,
-                        path,
-                    )
+                facts = _save_facts(comm.world_size, save_id, path)
+                data, index = _save_index.build_index(planned, objects, written, facts)
             except (KeyError, IndexError, TypeError, AttributeError) as err:
                 # Building raises CheckpointError only: anything else is file facts of
                 # another shape than this rank's (another shardwise on some rank).
@@ -384,8 +315,6 @@ def _save_snapshot(
                     f"{MAX_INDEX_BYTES} a reader reads; JSON values are kept in the index, so "
                     "store large ones as tensors or bytes. Nothing was committed"
                 )
-            if not planned.layout and decode_index(data) != index:
-                raise CheckpointError("the index of this save does not read back as built")
             data_writer.check_visible(storage, index, path)
             _commit(storage, data, options.sync_files, save_id)
             committed = True

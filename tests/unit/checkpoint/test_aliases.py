@@ -1,6 +1,6 @@
 """Tied tensors (one tensor under several keys, as ``model.state_dict()`` gives tied weights)
-are written once: the index names the other keys as aliases (format version 3), and every
-key loads, tied or not, into any destination."""
+are written once: the index names the other keys as aliases, and every key loads, tied or
+not, into any destination."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint import planner
 from shardwise.checkpoint.index import (
-    ALIASES_VERSION,
-    FORMAT_VERSION,
+    FileFacts,
+    LayoutRecord,
     decode_index,
     encode_index,
     seal,
@@ -44,15 +44,14 @@ def test_tied_weights_are_written_once_and_named_as_alias(tmp_path):
     model = _tied_model(0)
     ckpt.save({"model": model.state_dict()}, tmp_path / "tied")
     index = _index(tmp_path / "tied")
-    assert index.format_version == ALIASES_VERSION
     # The first key in state-dict order is the one stored; the later one names it.
     assert index.aliases == {"model.head.weight": "model.embed.weight"}
     assert index.tensors["model.head.weight"].chunks == index.tensors["model.embed.weight"].chunks
 
     untied = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
     ckpt.save(untied, tmp_path / "untied")
-    assert _index(tmp_path / "untied").format_version == FORMAT_VERSION
     assert _index(tmp_path / "untied").aliases == {}
+    assert b'"aliases"' not in (tmp_path / "untied" / "shardwise.json").read_bytes()
     saved_once = _data_bytes(tmp_path / "tied")
     assert _data_bytes(tmp_path / "untied") - saved_once >= 32 * 8 * 4
 
@@ -165,7 +164,7 @@ def test_agreement_needs_equal_global_facts_and_no_chains():
     assert planner.agree_aliases([{"b": "zzz"}, {"b": "zzz"}], merged) == {}
 
 
-# -- the index (format version 3) --------------------------------------------------------------
+# -- the index's aliases ----------------------------------------------------------------------
 
 
 def _saved_index(tmp_path) -> bytes:
@@ -194,8 +193,8 @@ def _resealed(data: bytes, change) -> bytes:
         (lambda d: d.update(aliases=[["x", "model.embed.weight"]] * 2), "twice"),
         (lambda d: d.update(aliases=[["x", 3]]), "string"),
         (lambda d: d.update(aliases=[["x\x00zz", "model.embed.weight"]]), "NUL"),
-        (lambda d: d.update(format_version=2), "exactly the keys"),
-        (lambda d: d.pop("aliases"), "exactly the keys"),
+        # The aliases come last, before the seal.
+        (lambda d: d.update(objects=d.pop("objects")), "exactly the keys"),
     ],
 )
 def test_malformed_aliases_are_refused(tmp_path, change, message):
@@ -204,22 +203,16 @@ def test_malformed_aliases_are_refused(tmp_path, change, message):
         decode_index(data)
 
 
-def test_an_alias_in_a_version_2_index_is_refused(tmp_path):
-    data = _resealed(_saved_index(tmp_path), lambda d: d.update(format_version=FORMAT_VERSION))
-    with pytest.raises(CheckpointFormatError, match="version 2 must have exactly the keys"):
-        decode_index(data)
-
-
-def test_version_3_index_round_trips(tmp_path):
+def test_an_index_with_aliases_round_trips(tmp_path):
     index = decode_index(_saved_index(tmp_path))
-    assert index.format_version == ALIASES_VERSION
-    tensors = [index.tensors[key] for key in index.tensors if key not in index.aliases]
-    assert index.save is not None
-    again = encode_index(
-        index.save,
-        {name: size for name, size in index.files.items() if size is not None},
-        tensors,
-        index.objects.values(),
-        aliases=index.aliases,
-    )
+    tensors = [
+        LayoutRecord(key, record.properties, record.size, tuple(record.chunks))
+        for key, record in index.tensors.items()
+        if key not in index.aliases
+    ]
+    files = [
+        (name, FileFacts(size, index.data_starts[name], index.file_checksums[name]))
+        for name, size in index.files.items()
+    ]
+    again = encode_index(index.save, files, tensors, index.objects.values(), aliases=index.aliases)
     assert decode_index(again) == index

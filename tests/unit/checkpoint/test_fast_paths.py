@@ -1,8 +1,8 @@
-"""The fast paths of the tiling check and of a v2/v3 decoder's chunk rows, each against the
+"""The fast paths of the tiling check and of the decoder's ``whole`` rows, each against the
 general path it shortcuts: ``_tiling.split_tiles`` (a split along one dim, in arithmetic)
 must only ever accept what the general sweep accepts, and both must agree with a brute-force
-count of the elements each box covers; ``decode._plain_chunks`` (a chunk row's checks written
-out) must only ever return what the field-by-field path returns; ``plan_reads`` of a box that
+count of the elements each box covers; ``decode._whole`` (a whole row's checks written out)
+must only ever return what the field-by-field path returns; ``plan_reads`` of a box that
 is a saved chunk reads that chunk whole, and ``whole_reads`` plans the whole tensor as
 intersecting would."""
 
@@ -18,15 +18,18 @@ from hypothesis import strategies as st
 
 from shardwise.checkpoint import _tiling, planner
 from shardwise.checkpoint.index import decode
-from shardwise.checkpoint.index.checks import Ranges
+from shardwise.checkpoint.index.checks import Ranges, row_of
 from shardwise.checkpoint.planner import Box, ChunkRead
 from shardwise.errors import CheckpointFormatError
 from tests.unit.checkpoint.test_planner import _chunks_of, _tiling_and_targets
 
-_FILES = [
+# File numbers 0 to 2 of an index; number 1 is null (a rank that wrote nothing).
+_FILES: list[str | None] = [
     "data/rank-00000.0123456789abcdef.safetensors",
-    "data/rank-00001.0123456789abcdef.safetensors",
+    None,
+    "data/rank-00002.0123456789abcdef.safetensors",
 ]
+_NAMES = [name for name in _FILES if name is not None]
 
 
 def _tiles(size: tuple[int, ...], boxes: list[Box]) -> bool:
@@ -149,63 +152,50 @@ def test_split_check_leaves_the_unusual_to_the_general_check() -> None:
         planner.check_tiling((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])
 
 
-# -- chunk rows ------------------------------------------------------------------------------
+# -- whole layouts ----------------------------------------------------------------------------
 
-_VALUES: list[Any] = [0, 1, 7, -1, 1 << 62, True, 1.0, "1", None, [], [1], {}]
+_VALUES: list[Any] = [0, 1, 2, 7, -1, 1 << 62, (1 << 62) - 1, True, 1.0, "1", None, [], [1], {}]
 
 
 @st.composite
-def _chunk_rows(draw: st.DrawFn) -> list[Any]:
-    """A tensor's chunk rows as a writer writes them, perhaps with a field (or a row, or an
-    int inside a dims list) replaced by something else."""
-    rows: list[Any] = []
-    begin = 8
-    for _ in range(draw(st.integers(1, 4))):
-        ndim = draw(st.integers(0, 2))
-        offsets = [draw(st.integers(0, 9)) for _ in range(ndim)]
-        sizes = [draw(st.integers(0, 9)) for _ in range(ndim)]
-        nbytes = math.prod(sizes) * 4
-        blocks = max(1, -(-nbytes // 64))
-        rows.append([offsets, sizes, draw(st.integers(0, 1)), begin, "a" * 16 * blocks])
-        begin += nbytes
+def _whole_rows(draw: st.DrawFn) -> tuple[list[Any], tuple[int, ...]]:
+    """A ``whole`` layout as a writer writes it, perhaps with a field replaced (or one too
+    many), and the tensor's size."""
+    size = tuple(draw(st.lists(st.integers(0, 9), max_size=2)))
+    row: list[Any] = ["whole", draw(st.integers(0, 2)), draw(st.integers(0, 1 << 20))]
     if draw(st.booleans()):
-        row = draw(st.integers(0, len(rows) - 1))
-        field = draw(st.integers(-1, 4))
-        value = draw(st.sampled_from([*_VALUES, "b" * 16, [0] * 65]))
+        field = draw(st.integers(-1, 2))
         if field < 0:
-            rows[row] = value if draw(st.booleans()) else [*rows[row], 0]
-        elif field < 2 and rows[row][field] and draw(st.booleans()):
-            rows[row][field][draw(st.integers(0, len(rows[row][field]) - 1))] = value
+            row.append(0)
         else:
-            rows[row][field] = value
-    return rows
+            row[field] = draw(st.sampled_from(_VALUES))
+    return row, size
 
 
 def _outcome(work: Any) -> tuple[Any, ...]:
-    """What decoding chunk rows gives: the chunks and the ranges added, or the error."""
-    ranges = Ranges(dict.fromkeys(_FILES, 1 << 20))
+    """What decoding a layout gives: the chunks and the ranges added, or the error."""
+    ranges = Ranges(dict.fromkeys(_NAMES, 1 << 20), dict.fromkeys(_NAMES, 64))
     try:
         chunks = work(ranges)
     except CheckpointFormatError as err:
         return ("error", str(err))
-    return ("chunks", chunks, ranges._ranges, ranges._checksums)
+    return ("chunks", chunks, ranges._ranges)
 
 
 @settings(max_examples=600, deadline=None)
-@given(_chunk_rows())
-def test_plain_chunk_rows_decode_as_the_field_by_field_path_decodes_them(rows: list[Any]) -> None:
-    plain = decode._plain_chunks(rows, _FILES, 4, 64)
-    checked = _outcome(lambda ranges: decode._chunks_one_by_one("t", rows, _FILES, 4, 64, ranges))
-    if plain is None:  # the decoder then takes the field-by-field path: it must fail
-        assert checked[0] == "error"
-        return
+@given(_whole_rows())
+def test_whole_rows_decode_as_the_field_by_field_path_decodes_them(case: Any) -> None:
+    # File 1 is a rank that wrote nothing (null).
+    row, size = case
+    fast = _outcome(lambda ranges: decode._whole(row, size, 4, _FILES, ranges, "t"))
 
-    def fast(ranges: Ranges) -> list[Any]:
-        assert plain is not None
-        ranges.add_all(plain, "t")
-        return plain
+    def checked(ranges: Ranges) -> Any:
+        _, file, begin = row_of(row, 3, "a whole layout", "t")
+        chunk = decode._chunk(tuple(0 for _ in size), size, file, begin, 4, _FILES, "t")
+        ranges.add(chunk, "t")
+        return chunk
 
-    assert _outcome(fast) == checked
+    assert fast == _outcome(checked)
 
 
 # -- reads of a saved chunk's own box --------------------------------------------------------

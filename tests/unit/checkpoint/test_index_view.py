@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from shardwise.checkpoint.index import (
+    FileFacts,
     Index,
+    LayoutRecord,
     ObjectRecord,
     SaveFacts,
-    TensorRecord,
-    build_index,
     decode_index,
     encode_index,
 )
@@ -29,12 +29,10 @@ from shardwise.checkpoint.metadata import (
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
-FILES = {
-    "data/rank-00000.0123456789abcdef.safetensors": 1 << 20,
-    "data/rank-00001.0123456789abcdef.safetensors": 1 << 20,
-}
-F0, F1 = FILES
-SUM = "0" * 16
+F0 = "data/rank-00000.0123456789abcdef.safetensors"
+F1 = "data/rank-00001.0123456789abcdef.safetensors"
+SUM = "0" * 16  # the one block of each file's data section, from byte 64
+FILES = [(F0, FileFacts(1 << 20, 64, SUM)), (F1, FileFacts(1 << 20, 64, SUM))]
 FACTS = SaveFacts("shardwise test", "2.13.0", 2, "0123456789abcdef", "/ckpt")
 FLOAT = TensorProperties(dtype=torch.float32)
 
@@ -43,22 +41,22 @@ def _index() -> Index:
     """Two row chunks of ``w``, a whole ``b``, two keys with one dotted name (``{0: x,
     "0": y}``), a JSON object, a blob, and a tie."""
     tensors = [
-        TensorRecord(
+        LayoutRecord(
             "w",
             FLOAT,
             (4, 2),
             (
-                SavedChunk((0, 0), (2, 2), F0, 64, 80, SUM),
-                SavedChunk((2, 0), (2, 2), F1, 64, 80, SUM),
+                SavedChunk((0, 0), (2, 2), F0, 64, 80, ""),
+                SavedChunk((2, 0), (2, 2), F1, 64, 80, ""),
             ),
         ),
-        TensorRecord("b", FLOAT, (3,), (SavedChunk((0,), (3,), F0, 80, 92, SUM),)),
-        TensorRecord("s.0", FLOAT, (), (SavedChunk((), (), F0, 92, 96, SUM),)),
-        TensorRecord("s.0\x001", FLOAT, (), (SavedChunk((), (), F0, 96, 100, SUM),)),
+        LayoutRecord("b", FLOAT, (3,), (SavedChunk((0,), (3,), F0, 80, 92, ""),)),
+        LayoutRecord("s.0", FLOAT, (), (SavedChunk((), (), F0, 92, 96, ""),)),
+        LayoutRecord("s.0\x001", FLOAT, (), (SavedChunk((), (), F0, 96, 100, ""),)),
     ]
     objects = [
         ObjectRecord("step", "json", text="7"),
-        ObjectRecord("rng", "bytes", blob=SavedChunk((), (), F1, 80, 100, SUM)),
+        ObjectRecord("rng", "bytes", blob=SavedChunk((), (), F1, 80, 100, "")),
     ]
     data = encode_index(FACTS, FILES, tensors, objects, aliases={"head": "w"})
     return decode_index(data)
@@ -71,7 +69,14 @@ def _eager(index: Index) -> tuple[dict[str, object], dict[MetadataIndex, object]
     storage: dict[MetadataIndex, object] = {}
 
     def info(chunk: SavedChunk) -> dict[str, object]:
-        return {"file": chunk.file, "begin": chunk.begin, "end": chunk.end, "checksums": [SUM]}
+        return {
+            "file": chunk.file,
+            "begin": chunk.begin,
+            "end": chunk.end,
+            "checksums": [SUM],
+            "block_scope": "file",
+            "blocks_begin": 64,
+        }
 
     # The second key of one dotted name keeps its internal key.
     for name, key in [("w", "w"), ("b", "b"), ("s.0", "s.0"), ("s.0\x001", "s.0\x001")]:
@@ -111,7 +116,7 @@ def test_view_equals_the_eager_metadata() -> None:
         "block_size": 1 << 20,
     }
     assert metadata.storage_meta == StorageMeta("/ckpt", "0123456789abcdef")
-    assert metadata.version == "3"
+    assert metadata.version == "4"
     # Key order: tensors in save order, aliases, objects (as the eager build gave them).
     assert list(metadata.state_dict_metadata) == [
         "w",
@@ -189,15 +194,3 @@ def test_view_pickles_serializes_and_converts_like_the_eager_metadata() -> None:
     assert copied == eager
     assert metadata.to_dict() == eager.to_dict()
     assert repr(metadata.state_dict_metadata) == repr(entries)
-
-
-def test_build_index_views_equal_decoded_views() -> None:
-    index = _index()
-    built = build_index(
-        FACTS,
-        FILES,
-        [index.tensors[key] for key in ("w", "b", "s.0", "s.0\x001")],
-        index.objects.values(),
-        aliases={"head": "w"},
-    )
-    assert built.to_metadata() == index.to_metadata()

@@ -1,7 +1,7 @@
-"""The pure checkpoint planner (``shardwise.checkpoint.planner``): flattening, merging every
-rank's view of a tensor, choosing writers (dedup and balance), and planning the reads of a
-resharded load — including a property test that any saved tiling read back into any other
-tiling through an in-memory fake storage reassembles the tensor exactly, with lean reads."""
+"""The pure checkpoint planner (``shardwise.checkpoint.planner``): planning the reads of a
+resharded load — including a property test that any saved tiling, its writers chosen by the
+save's planner (dedup), read back into any other tiling through an in-memory fake storage
+reassembles the tensor exactly, with lean reads."""
 
 from __future__ import annotations
 
@@ -15,27 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise.checkpoint import planner
+from shardwise.checkpoint.layout_plan import TableRow, plan_save
 from shardwise.checkpoint.planner import Box, ChunkRead, SavedChunk
+from shardwise.checkpoint.tuning import TUNING
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _entry(
-    fqn: str,
-    size: list[int] | None,
-    chunks: list[tuple[list[int], list[int]]],
-    dtype: str = "float32",
-    itemsize: int = 4,
-) -> dict[str, Any]:
-    """One rank's description of one tensor, as save exchanges it."""
-    return {
-        "fqn": fqn,
-        "dtype": dtype,
-        "size": size,
-        "properties": {"dtype": dtype},
-        "itemsize": itemsize,
-        "chunks": [[list(o), list(s)] for o, s in chunks],
-    }
 
 
 def _region(tensor: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
@@ -78,159 +62,6 @@ def _apply(
     else:
         piece = values.as_strided(sizes, read.strides)
     _region(out, (0,) * out.dim(), read.overlap).copy_(piece)
-
-
-# -- flatten_state_dict ----------------------------------------------------------------------
-
-
-def test_flatten_nested_dicts_to_dotted_keys() -> None:
-    leaf = torch.ones(1)
-    flat = planner.flatten_state_dict(
-        {"model": {"layer": {"w": leaf, "b": 2}}, "step": 3, "empty": {}, "lst": [{"a": 1}]}
-    )
-    assert list(flat) == ["model.layer.w", "model.layer.b", "step", "empty", "lst"]
-    assert flat["model.layer.w"] is leaf
-    assert flat["empty"] == {}  # an empty dict is a value, not a level
-    assert flat["lst"] == [{"a": 1}]  # only dicts nest
-
-
-def test_flatten_rejects_collisions_and_non_string_keys() -> None:
-    with pytest.raises(
-        ValueError, match=re.escape("state_dict keys ['a.b'] appear twice after flattening")
-    ):
-        planner.flatten_state_dict({"a": {"b": 1}, "a.b": 2})
-    with pytest.raises(TypeError, match=re.escape("state_dict keys must be strings, found 1")):
-        planner.flatten_state_dict({"a": {1: 2}})
-
-
-# -- merge_tensor_plans ----------------------------------------------------------------------
-
-
-def test_merge_dedups_identical_boxes_and_records_every_holder() -> None:
-    halves = [([0, 0], [2, 4]), ([2, 0], [2, 4])]
-    plans = planner.merge_tensor_plans(
-        [
-            [_entry("w", [4, 4], [halves[0]]), _entry("r", [3], [([0], [3])])],
-            [_entry("w", [4, 4], [halves[1]]), _entry("r", [3], [([0], [3])])],
-            [_entry("w", [4, 4], [halves[0]]), _entry("r", [3], [([0], [3])])],
-        ]
-    )
-    assert plans["w"].holders == {((0, 0), (2, 4)): [0, 2], ((2, 0), (2, 4)): [1]}
-    assert plans["r"].holders == {((0,), (3,)): [0, 1, 2]}
-    assert plans["w"].size == (4, 4)
-    assert plans["w"].itemsize == 4
-
-
-def test_merge_fills_the_size_of_wrapper_entries_ignoring_empty_shards() -> None:
-    # A LocalShardsWrapper does not know the global size: the union of boxes gives it. An
-    # empty trailing shard at offset 6 (ceil rule: 5 rows over 4) must not stretch it.
-    plans = planner.merge_tensor_plans(
-        [
-            [_entry("w", None, [([0, 0], [2, 7]), ([2, 0], [2, 7])])],
-            [_entry("w", None, [([4, 0], [1, 7]), ([6, 0], [0, 7])])],
-        ]
-    )
-    assert plans["w"].size == (5, 7)
-    assert set(plans["w"].holders) == {
-        ((0, 0), (2, 7)),
-        ((2, 0), (2, 7)),
-        ((4, 0), (1, 7)),
-        ((6, 0), (0, 7)),
-    }
-
-
-def test_merge_rejects_disagreement_overlap_and_gaps() -> None:
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "cannot save 'w': rank 0 has dtype float32 and size [4, 4], rank 1 has dtype int64 "
-            "and size [4, 4]"
-        ),
-    ):
-        planner.merge_tensor_plans(
-            [
-                [_entry("w", [4, 4], [([0, 0], [4, 4])])],
-                [_entry("w", [4, 4], [([0, 0], [4, 4])], dtype="int64", itemsize=8)],
-            ]
-        )
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "cannot save 'w': its chunks do not tile it: Shards chunk(offsets=[0, 0], "
-            "sizes=[2, 4]) and "
-        ),
-    ):
-        planner.merge_tensor_plans(
-            [[_entry("w", [4, 4], [([0, 0], [2, 4])])], [_entry("w", [4, 4], [([1, 0], [3, 4])])]]
-        )
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "cannot save 'w': its chunks do not tile it: Total volume of shards: 8 does not "
-            "match tensor volume: 16"
-        ),
-    ):
-        planner.merge_tensor_plans([[_entry("w", [4, 4], [([0, 0], [2, 4])])]])
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "cannot save 's': its chunks do not tile it: a 0-d tensor must be one chunk"
-        ),
-    ):
-        planner.merge_tensor_plans([[_entry("s", [], [([], []), ([0], [1])])]])
-
-
-# -- assign_writers --------------------------------------------------------------------------
-
-
-def test_replicated_tensors_are_written_once_and_balanced() -> None:
-    # 40 replicated tensors of different sizes on 4 ranks: each written by exactly one rank,
-    # and every rank's bytes within one tensor of the even share.
-    world = 4
-    sizes = [(7 * i) % 23 + 3 * i + 1 for i in range(40)]
-    entries = [_entry(f"t{i}", [n], [([0], [n])]) for i, n in enumerate(sizes)]
-    merged = planner.merge_tensor_plans([entries] * world)
-    assignments = planner.assign_writers(merged, world)
-    written = sorted(item.fqn for items in assignments for item in items)
-    assert written == sorted(f"t{i}" for i in range(40))
-    loads = [sum(item.nbytes for item in items) for items in assignments]
-    assert sum(loads) == 4 * sum(sizes)
-    share = sum(loads) / world
-    largest = 4 * max(sizes)
-    assert all(abs(load - share) <= largest for load in loads), (loads, share, largest)
-    # Each rank's list is in (fqn, offsets) order: the order inside its data file.
-    for items in assignments:
-        assert [(i.fqn, i.offsets) for i in items] == sorted((i.fqn, i.offsets) for i in items)
-    # Deterministic: every rank computing the plan gets the same one.
-    assert planner.assign_writers(merged, world) == assignments
-
-
-def test_writers_are_holders_and_preassigned_bytes_count() -> None:
-    # Rank 1 alone holds the sharded tensor's second half; the replicated tensor goes to the
-    # rank with the least bytes, counting the coordinator's blob bytes.
-    merged = planner.merge_tensor_plans(
-        [
-            [_entry("w", [4], [([0], [2])]), _entry("r", [2], [([0], [2])])],
-            [_entry("w", [4], [([2], [2])]), _entry("r", [2], [([0], [2])])],
-        ]
-    )
-    plain = planner.assign_writers(merged, 2)
-    assert [[(i.fqn, i.offsets) for i in items] for items in plain] == [
-        [("r", (0,)), ("w", (0,))],
-        [("w", (2,))],
-    ]
-    shifted = planner.assign_writers(merged, 2, {0: 100})
-    assert [[(i.fqn, i.offsets) for i in items] for items in shifted] == [
-        [("w", (0,))],
-        [("r", (0,)), ("w", (2,))],
-    ]
-    assert [i.nbytes for i in shifted[1]] == [8, 8]
-
-
-def test_zero_d_tensor_is_one_element_of_bytes() -> None:
-    merged = planner.merge_tensor_plans([[_entry("s", [], [([], [])], "float64", 8)]] * 3)
-    assignments = planner.assign_writers(merged, 3)
-    assert assignments == [[planner.WriteAssignment("s", (), (), 8)], [], []]
 
 
 # -- plan_reads ------------------------------------------------------------------------------
@@ -361,7 +192,7 @@ def reshard_cases(draw: st.DrawFn) -> dict[str, Any]:
         "holders": holders,
         "target": draw(tilings(shape)),
         "dtype": draw(st.sampled_from([torch.int8, torch.int16, torch.int32, torch.int64])),
-        "read_cost": draw(st.sampled_from([1, 16, planner.READ_COST])),
+        "read_cost": draw(st.sampled_from([1, 16, TUNING.read_cost_bytes])),
     }
 
 
@@ -371,20 +202,18 @@ def test_any_tiling_reads_back_into_any_tiling_exactly(case: dict[str, Any]) -> 
     shape, world, dtype = case["shape"], case["world"], case["dtype"]
     full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape).to(dtype)
     itemsize = full.element_size()
-    local_plans = []
-    for rank in range(world):
-        mine = [b for b, r in zip(case["saved"], case["holders"], strict=True) if rank in r]
-        local_plans.append([_entry("t", list(shape), mine, "x", itemsize)] if mine else [])
-    merged = planner.merge_tensor_plans(local_plans)
-    assignments = planner.assign_writers(merged, world)
+    local = {
+        rank: {"t": [b for b, r in zip(case["saved"], case["holders"], strict=True) if rank in r]}
+        for rank in range(world)
+    }
+    row = TableRow("t", "x", itemsize, shape, {}, ("local",))
+    plan = plan_save([[row]], [range(world)], [], local, world)
 
     # Every distinct box written exactly once, by one of its holders.
-    written = [
-        (item.offsets, item.sizes, rank) for rank, items in enumerate(assignments) for item in items
-    ]
-    assert sorted((o, s) for o, s, _ in written) == sorted(set(merged["t"].holders))
+    written = [(offsets, sizes, rank) for (offsets, sizes), rank in plan.chunks["t"]]
+    assert sorted((o, s) for o, s, _ in written) == sorted(set(case["saved"]))
     for offsets, sizes, rank in written:
-        assert rank in merged["t"].holders[(offsets, sizes)]
+        assert (offsets, sizes) in local[rank]["t"]
 
     # "Write" the files, then plan and execute the reads of every target box.
     storage = FakeStorage()

@@ -91,7 +91,7 @@ def test_ties_need_every_rank_holding_elements() -> None:
         [[], ["a"]],
     )
     assert all(a["aliases"] == ["b"] for a in planned.assignments)
-    assert set(planned.tensor_plans()) == {"a"}
+    assert set(planned.plan.whole) == {"a"}  # "b" is not written
     # Rank 1 sees two tensors: both are written.
     one = [_envelope(table, table.digest, **tied), _envelope(table, table.digest)]
     assert _save_tables.plan_from_tables(table, one, WORLD, {}).aliases == {}

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
-from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
@@ -16,14 +14,11 @@ from shardwise.checkpoint import planner
 from shardwise.checkpoint._json import json_depth, untag
 from shardwise.checkpoint.index.names import (
     ENCODINGS,
-    FIRST_DATA_BYTE,
-    HEX,
     MAX_DEPTH,
     MAX_DIMS,
     MAX_INT,
-    QUANTIZED,
 )
-from shardwise.checkpoint.index.records import ObjectRecord, TensorRecord
+from shardwise.checkpoint.index.records import ObjectRecord
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.errors import CheckpointFormatError
 from shardwise.metadata import TensorProperties
@@ -31,7 +26,7 @@ from shardwise.metadata import TensorProperties
 __all__ = ["ENCODINGS", "decode_text", "fail", "load_json_value"]
 
 HEX_DIGITS = re.compile(r"[0-9a-f]*")
-# A \uD800-\uDFFF escape (an odd run of backslashes before "u"): versions 2-4 are written with
+# A \uD800-\uDFFF escape (an odd run of backslashes before "u"): the index is written with
 # raw UTF-8, so such an escape can only be a lone surrogate, which no Python text can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -98,14 +93,9 @@ def decode_text(record: ObjectRecord, like: object = None) -> Any:
         raise CheckpointFormatError(f"malformed tagged JSON value: {err}", key=record.fqn) from err
 
 
-def is_int(value: object) -> bool:
-    return type(value) is int and 0 <= value < MAX_INT  # type: ignore[operator]
-
-
 def int_of(value: object, what: str, key: str | None = None) -> int:
-    if not is_int(value):
+    if type(value) is not int or not 0 <= value < MAX_INT:
         fail(f"{what} must be an integer in [0, 2**62), got {value!r}", key)
-    assert isinstance(value, int)
     return value
 
 
@@ -131,53 +121,41 @@ def row_of(value: object, length: int, what: str, key: str | None = None) -> lis
 
 
 class Ranges:
-    """Byte ranges per data file: checked to lie after the header (or, with ``starts``, at or
-    after the file's data section), inside the file's declared size, and not to overlap (so
-    the declared bytes fit the files)."""
+    """Byte ranges per data file: checked to lie in the file's data section (from its
+    ``starts`` entry to its declared size) and not to overlap (so the declared bytes fit the
+    files)."""
 
-    def __init__(self, files: dict[str, int | None], starts: dict[str, int] | None = None) -> None:
+    def __init__(self, files: dict[str, int], starts: dict[str, int]) -> None:
         self.files = files
-        self._starts = starts or {}
+        self._starts = starts
         self._ranges: dict[str, list[tuple[int, int, str]]] = {name: [] for name in files}
-        self._checksums: list[str] = []
 
     def add(self, chunk: SavedChunk, key: str) -> None:
-        self.add_all((chunk,), key)
-
-    def add_all(self, chunks: Iterable[SavedChunk], key: str) -> None:
-        """Add the byte ranges of ``chunks`` (in order: the first out of place raises)."""
-        starts, files, ranges = self._starts, self.files, self._ranges
-        for chunk in chunks:
-            self._checksums.append(chunk.checksums)
-            if chunk.begin < starts.get(chunk.file, FIRST_DATA_BYTE):
-                fail(f"a byte range starts at {chunk.begin}, inside the file's header", key)
-            size = files[chunk.file]
-            if size is not None and chunk.end > size:
-                fail(
-                    f"the byte range [{chunk.begin}, {chunk.end}) ends past the declared size "
-                    f"{size} of {chunk.file}",
-                    key,
-                )
-            if chunk.end > chunk.begin:
-                ranges[chunk.file].append((chunk.begin, chunk.end, key))
+        """Add the byte range of ``chunk`` (a file of the index)."""
+        if chunk.begin < self._starts[chunk.file]:
+            fail(f"a byte range starts at {chunk.begin}, inside the file's header", key)
+        size = self.files[chunk.file]
+        if chunk.end > size:
+            fail(
+                f"the byte range [{chunk.begin}, {chunk.end}) ends past the declared size "
+                f"{size} of {chunk.file}",
+                key,
+            )
+        if chunk.end > chunk.begin:
+            self._ranges[chunk.file].append((chunk.begin, chunk.end, key))
 
     def add_range(self, file: str, begin: int, end: int, key: str) -> bool:
         """Add ``[begin, end)`` of ``file`` (a name of the index, ``0 <= begin <= end``),
         where :meth:`add` would accept it; False (nothing added) where it would raise, so
         that the caller runs :meth:`add` for the message."""
-        if end >= MAX_INT or begin < self._starts.get(file, FIRST_DATA_BYTE):
-            return False
-        size = self.files[file]
-        if size is not None and end > size:
+        if end >= MAX_INT or begin < self._starts[file] or end > self.files[file]:
             return False
         if end > begin:
             self._ranges[file].append((begin, end, key))
         return True
 
     def check(self) -> None:
-        if HEX_DIGITS.fullmatch("".join(self._checksums)) is None:
-            bad = next(s for s in self._checksums if HEX_DIGITS.fullmatch(s) is None)
-            fail(f"malformed block checksums {bad[:40]!r}: expected lowercase hex digits")
+        """No two ranges of a file overlap."""
         for name, ranges in self._ranges.items():
             ranges.sort()
             for (_, end, first), (begin, _, second) in itertools.pairwise(ranges):
@@ -192,37 +170,6 @@ class Ranges:
     def total(self) -> int:
         """The bytes of every range."""
         return sum(end - begin for ranges in self._ranges.values() for begin, end, _ in ranges)
-
-
-def checked_tensor(
-    fqn: str,
-    properties: TensorProperties,
-    size: tuple[int, ...],
-    chunks: list[SavedChunk],
-    block_size: int | None,
-    ranges: Ranges,
-) -> TensorRecord:
-    if properties.dtype in QUANTIZED:
-        fail(
-            f"{properties.dtype} is a quantized dtype, which a checkpoint cannot hold (its "
-            "scale and zero point are not stored)",
-            fqn,
-        )
-    itemsize = properties.dtype.itemsize
-    if math.prod(size) * itemsize >= MAX_INT:
-        fail(f"the size {list(size)} is too large", fqn)
-    for chunk in chunks:
-        expected = math.prod(chunk.sizes) * itemsize
-        if chunk.nbytes != expected:
-            fail(
-                f"the chunk at offsets {list(chunk.offsets)} has {chunk.nbytes} bytes stored, "
-                f"{expected} expected for sizes {list(chunk.sizes)} of {properties.dtype}",
-                fqn,
-            )
-        check_checksums(chunk, block_size, fqn)
-        ranges.add(chunk, fqn)
-    check_chunks_tile(fqn, size, chunks)
-    return TensorRecord(fqn, properties, size, tuple(chunks))
 
 
 def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk]) -> None:
@@ -242,14 +189,6 @@ def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk])
             fail(f"the saved chunks do not tile the tensor of size {list(size)}: {err}", fqn)
 
 
-def check_checksums(chunk: SavedChunk, block_size: int | None, key: str) -> None:
-    """The checksum string has one 16-digit checksum per block (its digits are checked for
-    all chunks at once by :meth:`Ranges.check`)."""
-    count = 1 if block_size is None else max(1, -(-chunk.nbytes // block_size))
-    if len(chunk.checksums) != count * HEX:
-        fail(f"malformed block checksums (expected {count} of 16 hex digits)", key)
-
-
 _INT_SUFFIX = re.compile(r"[^\x00]*\x00(0|[1-9][0-9]{0,3})(,(0|[1-9][0-9]{0,3}))*")
 
 
@@ -257,7 +196,7 @@ _INT_PART = re.compile(r"-?(0|[1-9][0-9]{0,18})")
 
 
 def check_int_suffix(key: str) -> None:
-    """A version-2 key with int parts: ``<dotted key>\x00<positions>``, the positions of
+    """A key with int parts: ``<dotted key>\x00<positions>``, the positions of
     the int parts in the ``.``-split key, increasing and inside it."""
     if _INT_SUFFIX.fullmatch(key) is None:
         fail(f"malformed key {key!r}: a NUL may only introduce the positions of int parts")
@@ -268,13 +207,6 @@ def check_int_suffix(key: str) -> None:
         fail(f"malformed key {key!r}: int positions out of order or out of range")
     if any(_INT_PART.fullmatch(segments[n]) is None for n in numbers):
         fail(f"malformed key {key!r}: a part marked as an int is not one")
-
-
-def check_text(value: str, what: str, key: str | None = None) -> None:
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        fail(f"{what} holds a lone surrogate, which is not text", key)
 
 
 def has_surrogate_escape(data: bytes) -> bool:

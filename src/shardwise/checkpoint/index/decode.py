@@ -1,20 +1,23 @@
-"""The strict decoder: :func:`decode_index` reads every version (1 to 4) and trusts nothing.
+"""The strict decoder: :func:`decode_index` reads an index and trusts nothing.
 
-It checks the seal first, then every type, name, number, tiling and byte range, and returns
-records; every failure is a :class:`~shardwise.errors.CheckpointFormatError` naming the key.
-Only what needs the files themselves (their real size, their type) is left to the reader.
-Version 2 and 3 rows are decoded here, version 4 layouts in :mod:`.v4`, version 1 in
-:mod:`.legacy`.
+It checks the seal first, then every type, name, number, layout, tiling and byte range, and
+returns records; every failure is a :class:`~shardwise.errors.CheckpointFormatError` naming
+the key. Only what needs the files themselves (their real size, their type) is left to the
+reader, and, per data file when a chunk of it is first needed, that its grid cells are packed
+as the format says (:class:`FileOrders`: O(tensors) per file read, not O(chunks) per reader).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import xxhash
 
+from shardwise._boxes import origin
 from shardwise.checkpoint.index.checks import (
+    HEX_DIGITS,
     Ranges,
     check_chunks_tile,
     dims_of,
@@ -23,6 +26,7 @@ from shardwise.checkpoint.index.checks import (
     int_of,
     parse_json,
     row_of,
+    text_of,
 )
 from shardwise.checkpoint.index.fields import (
     decode_aliases,
@@ -33,35 +37,37 @@ from shardwise.checkpoint.index.fields import (
     decode_save_facts,
     decode_tensor_head,
     expected_keys,
+    file_of,
 )
-from shardwise.checkpoint.index.legacy import decode_v1
+from shardwise.checkpoint.index.layouts import FileOrder, Grid, LayoutChunks, file_cells
 from shardwise.checkpoint.index.names import (
-    ALIASES_VERSION,
+    FIRST_DATA_BYTE,
     FORMAT,
     FORMAT_VERSION,
     HEX,
-    LAYOUT_VERSION,
-    MAX_DIMS,
     MAX_INDEX_BYTES,
     MAX_INT,
     SEAL_KEY,
     SEAL_LENGTH,
+    num_blocks,
     paused_gc,
 )
 from shardwise.checkpoint.index.records import Index, TensorRecord
-from shardwise.checkpoint.index.v4 import decode_v4
 from shardwise.checkpoint.planner import SavedChunk
 
-__all__ = ["decode_index"]
+__all__ = ["FileOrders", "decode_index"]
+
+_CHECKSUM_KEYS = ("algorithm", "block_size", "scope")
 
 
 def decode_index(data: bytes) -> Index:
-    """Read and validate a checkpoint index of format version 1 to 4.
+    """Read and validate a checkpoint index.
 
     Raises:
-        CheckpointFormatError: The index is corrupt (its seal does not match), malformed, of
-            an unknown version, or describes chunks, names or byte ranges that cannot be
-            right (see ``docs/format.md``, *Validation*).
+        CheckpointFormatError: The index is corrupt (its seal does not match or is missing),
+            malformed, of a version this shardwise does not read, or describes layouts,
+            names or byte ranges that cannot be right (see ``docs/format.md``,
+            *Validation*).
     """
     if len(data) > MAX_INDEX_BYTES:
         fail(f"the checkpoint index has {len(data)} bytes, more than a reader accepts")
@@ -78,154 +84,270 @@ def decode_index(data: bytes) -> Index:
                 "changed or damaged byte)"
             )
     with paused_gc():
-        return _decode(data, sealed)
-
-
-def _decode(data: bytes, sealed: bool) -> Index:
-    document = parse_json(data, "the checkpoint index")
-    if type(document) is not dict:
-        fail(f"a checkpoint index must be a JSON object, got {type(document).__name__}")
-    if document.get("format") != FORMAT:
-        fail(
-            f"not a shardwise checkpoint index: format is {document.get('format')!r}, "
-            f"expected {FORMAT!r}"
-        )
-    version = document.get("format_version")
-    if type(version) is int and version in (FORMAT_VERSION, ALIASES_VERSION, LAYOUT_VERSION):
+        document = parse_json(data, "the checkpoint index")
+        if type(document) is not dict:
+            fail(f"a checkpoint index must be a JSON object, got {type(document).__name__}")
+        if document.get("format") != FORMAT:
+            fail(
+                f"not a shardwise checkpoint index: format is {document.get('format')!r}, "
+                f"expected {FORMAT!r}"
+            )
+        # Checked before anything else: another version may have other fields (see
+        # docs/format.md, *Versioning*).
+        version = document.get("format_version")
+        if type(version) is not int or version != FORMAT_VERSION:
+            fail(
+                f"unsupported checkpoint format version {version!r}; this shardwise reads "
+                f"version {FORMAT_VERSION} (a newer shardwise may read it)"
+            )
         if not sealed:
             fail("the checkpoint index is corrupt: its checksum (index_checksum) is missing")
         if b"\\u" in data and has_surrogate_escape(data):
             fail("the checkpoint index holds a lone surrogate, which is not text")
-        if version == LAYOUT_VERSION:
-            return decode_v4(document)
-        return _decode_v2(document, version)
-    if type(version) is int and version == 1:
-        return decode_v1(document)
-    fail(
-        f"unsupported checkpoint format version {version!r}; this shardwise reads versions 1, "
-        f"{FORMAT_VERSION}, {ALIASES_VERSION} and {LAYOUT_VERSION} (a newer shardwise may "
-        "read it)"
-    )
+        return _decode(document)
 
 
-def _decode_v2(document: dict[str, Any], version: int) -> Index:
-    expected = expected_keys(with_aliases=version == ALIASES_VERSION)
+class FileOrders:
+    """The :class:`FileOrder` of each data file of an index, computed the first time a chunk
+    of the file is asked for (O(tensors) per file: only the files a reader reads). A grid
+    cell in a file the index lists as ``null`` is refused then too."""
+
+    __slots__ = ("_ends", "_grids", "_names", "_orders", "_starts")
+
+    def __init__(
+        self,
+        grids: list[tuple[str, Grid, int]],
+        names: Sequence[str | None],
+        starts: Mapping[str, int],
+        ends: Mapping[str, int],
+    ) -> None:
+        self._grids = grids
+        self._names = names
+        self._starts = starts
+        self._ends = ends
+        self._orders: dict[int, FileOrder] = {}
+
+    def __call__(self, file: int) -> FileOrder:
+        order = self._orders.get(file)
+        if order is None:
+            name = self._names[file]
+            if name is None:
+                key = next(file_cells(self._grids, file))[0]  # the grid that asks
+                fail(f"a grid cell is in file {file}, a rank that wrote no data file (null)", key)
+            try:
+                order = FileOrder(self._grids, file, self._starts[name], self._ends[name])
+            except ValueError as err:
+                fail(f"the grid cells of {name} are not packed as its size says: {err}")
+            self._orders[file] = order
+        return order
+
+
+def _decode(document: dict[str, Any]) -> Index:
+    """A parsed, sealed index of this version, every field checked (see ``docs/format.md``,
+    *Validation*); the packing of grid cells is checked per file when a chunk of it is
+    first asked for (:class:`FileOrders`)."""
+    expected = expected_keys(with_aliases="aliases" in document)
     if tuple(document) != expected:
-        fail(
-            f"the checkpoint index of version {version} must have exactly the keys "
-            f"{list(expected)} in order"
-        )
+        fail(f"the checkpoint index must have exactly the keys {list(expected)} in order")
     facts = decode_save_facts(document["save"])
-    block_size = decode_checksum(document["checksum"], ("algorithm", "block_size"))["block_size"]
+    checksum = decode_checksum(document["checksum"], _CHECKSUM_KEYS)
+    if checksum["scope"] != "file":
+        fail(f"unsupported checksum scope {checksum['scope']!r}; this version has 'file'")
+    block_size: int = checksum["block_size"]
 
-    file_rows = document["files"]
-    if type(file_rows) is not list:
-        fail("files must be a list")
-    files: dict[str, int | None] = {}
-    names: list[str] = []
-    for row in file_rows:
-        name, size = row_of(row, 2, "a files entry")
-        name = decode_file_name(name, files)
-        files[name] = int_of(size, f"the size of {name}")
-        names.append(name)
+    files, names, starts, sums = _files(document["files"], block_size)
     properties = decode_properties(document["properties"])
-
-    ranges = Ranges(files)
+    ranges = Ranges(files, starts)
     tensors: dict[str, TensorRecord] = {}
+    grids: list[tuple[str, Grid, int]] = []
+    ends: dict[str, int] = {}  # filled once every range is known
+    orders = FileOrders(grids, names, starts, ends)
     rows = document["tensors"]
     if type(rows) is not list:
         fail("tensors must be a list")
+    grid_bytes = 0
+    known_grids: dict[tuple[Any, ...], Grid] = {}  # a model repeats a few shapes
     for row in rows:
-        fqn, props, size, chunk_rows = decode_tensor_head(row, properties, tensors)
+        fqn, props, size, layout = decode_tensor_head(row, properties, tensors)
         itemsize = props.dtype.itemsize
-        if type(chunk_rows) is not list:
-            fail("chunks must be a list", fqn)
-        chunks = _plain_chunks(chunk_rows, names, itemsize, block_size)
-        if chunks is None:  # a row is not as the writer writes it: find and name the fault
-            chunks = _chunks_one_by_one(fqn, chunk_rows, names, itemsize, block_size, ranges)
+        kind = layout[0] if type(layout) is list and layout else None
+        chunks: Sequence[SavedChunk]
+        if kind == "grid":
+            grid = _known_grid(layout, size, names, fqn, known_grids)
+            grids.append((fqn, grid, itemsize))
+            grid_bytes += math.prod(size) * itemsize
+            chunks = LayoutChunks(fqn, grid, itemsize, names, orders)
+        elif kind == "whole":
+            chunks = (_whole(layout, size, itemsize, names, ranges, fqn),)
+        elif kind == "chunks":
+            _, chunk_rows = row_of(layout, 2, "a chunks layout", fqn)
+            if type(chunk_rows) is not list:
+                fail("chunks must be a list", fqn)
+            chunks = tuple(_chunk_row(r, itemsize, names, fqn) for r in chunk_rows)
+            for chunk in chunks:
+                ranges.add(chunk, fqn)
+            check_chunks_tile(fqn, size, list(chunks))
         else:
-            ranges.add_all(chunks, fqn)
-        check_chunks_tile(fqn, size, chunks)
-        tensors[fqn] = TensorRecord(fqn, props, size, tuple(chunks))
+            fail("a layout must be a list starting with 'grid', 'whole' or 'chunks'", fqn)
+        tensors[fqn] = TensorRecord(fqn, props, size, chunks)
 
-    objects = decode_objects(
-        document["objects"], tensors, names, block_size, ranges, with_checksums=True
-    )
+    objects = decode_objects(document["objects"], tensors, names, ranges)
     ranges.check()
+    data_bytes = sum(files.values()) - sum(starts.values())
+    if grid_bytes + ranges.total() > data_bytes:
+        fail(
+            f"the index describes {grid_bytes + ranges.total()} bytes of tensors and objects, "
+            f"more than the {data_bytes} bytes of data its files declare"
+        )
+    for name, nbytes in files.items():
+        first = ranges.first_begin(name)
+        ends[name] = nbytes if first is None else first
     aliases = {}
-    if version == ALIASES_VERSION:
+    if "aliases" in document:
         aliases = decode_aliases(document["aliases"], tensors, objects)
-    return Index(version, block_size, files, tensors, objects, save=facts, aliases=aliases)
+    return Index(
+        FORMAT_VERSION,
+        block_size,
+        files,
+        tensors,
+        objects,
+        facts,
+        aliases=aliases,
+        data_starts=starts,
+        file_checksums=sums,
+    )
 
 
-def _plain_chunks(
-    rows: list[Any], names: list[str], itemsize: int, block_size: int
-) -> list[SavedChunk] | None:
-    """The chunks of a tensor's ``rows`` when every row is well formed, else ``None`` (and
-    :func:`_chunks_one_by_one` finds the first fault and words it).
-
-    The hottest loop of a reader, once per chunk of the checkpoint: it makes every check of
-    :func:`_chunks_one_by_one` but its byte ranges (left to the caller, in the same order),
-    written out without a call per field, and without side effects, so that failing here
-    changes nothing."""
-    chunks = []
-    num_files = len(names)
+def _files(
+    rows: object, block_size: int
+) -> tuple[dict[str, int], list[str | None], dict[str, int], dict[str, str]]:
+    """The ``files`` rows: ``[name, size, data_start, block checksums of the data]``, or
+    ``null`` for a rank that wrote no data file. Returns the files, the name of each file
+    number (``None`` for a null), and the data start and checksums of each file."""
+    if type(rows) is not list:
+        fail("files must be a list")
+    files: dict[str, int] = {}
+    names: list[str | None] = []
+    starts: dict[str, int] = {}
+    sums: dict[str, str] = {}
     for row in rows:
-        if type(row) is not list or len(row) != 5:
-            return None
-        offsets, sizes, file, begin, sums = row
-        if (
-            type(file) is not int
-            or type(begin) is not int
-            or type(offsets) is not list
-            or type(sizes) is not list
-            or type(sums) is not str
-            or not 0 <= file < num_files
-            or not 0 <= begin < MAX_INT
-            or len(offsets) > MAX_DIMS
-            or len(sizes) > MAX_DIMS
-        ):
-            return None
-        for value in offsets:
-            if type(value) is not int or not 0 <= value < MAX_INT:
-                return None
-        for value in sizes:
-            if type(value) is not int or not 0 <= value < MAX_INT:
-                return None
-        nbytes = math.prod(sizes) * itemsize
-        end = begin + nbytes
-        blocks = 1 if nbytes <= block_size else -(-nbytes // block_size)
-        if end >= MAX_INT or len(sums) != blocks * HEX:
-            return None
-        chunks.append(SavedChunk(tuple(offsets), tuple(sizes), names[file], begin, end, sums))
-    return chunks
+        if row is None:
+            names.append(None)
+            continue
+        name, size, start, checksums = row_of(row, 4, "a files entry")
+        name = decode_file_name(name, files)
+        size = int_of(size, f"the size of {name}")
+        start = int_of(start, f"the data start of {name}")
+        if not FIRST_DATA_BYTE <= start <= size:
+            fail(f"the data of {name} starts at {start}, outside [{FIRST_DATA_BYTE}, {size}]")
+        checksums = text_of(checksums, f"the block checksums of {name}")
+        if len(checksums) != num_blocks(size - start, block_size) * HEX:
+            fail(
+                f"malformed block checksums of {name} (expected "
+                f"{num_blocks(size - start, block_size)} of 16 hex digits)"
+            )
+        if HEX_DIGITS.fullmatch(checksums) is None:
+            fail(f"malformed block checksums of {name}: expected lowercase hex digits")
+        files[name], starts[name], sums[name] = size, start, checksums
+        names.append(name)
+    return files, names, starts, sums
 
 
-def _chunks_one_by_one(
+def _known_grid(
+    layout: list[Any],
+    size: tuple[int, ...],
+    names: Sequence[str | None],
     fqn: str,
-    rows: list[Any],
-    names: list[str],
+    known: dict[tuple[Any, ...], Grid],
+) -> Grid:
+    """:func:`_grid`, answered from ``known`` for a layout of only ints that an earlier row
+    of this index gave with the same size (a model's tensors repeat a few shapes: 8,000 rows
+    hold a few dozen distinct grids). What :func:`_grid` refuses is never in ``known``; ints
+    are checked by type first, so that ``True`` or ``3.0`` (equal to ``1`` and ``3`` as keys)
+    never find a grid."""
+    if len(layout) == 3:
+        _, steps, placement = layout
+        if (
+            type(steps) is list
+            and type(placement) is list
+            and all([type(value) is int for value in steps])
+            and all([type(value) is int for value in placement])
+        ):
+            key = (size, tuple(steps), tuple(placement))
+            grid = known.get(key)
+            if grid is None:
+                grid = known[key] = _grid(layout, size, names, fqn)
+            return grid
+    return _grid(layout, size, names, fqn)
+
+
+def _grid(layout: list[Any], size: tuple[int, ...], names: Sequence[str | None], fqn: str) -> Grid:
+    """A ``["grid", steps, [first, strides...]]`` layout of a tensor of ``size``."""
+    _, steps, placement = row_of(layout, 3, "a grid layout", fqn)
+    steps = dims_of(steps, "grid steps", fqn)
+    if len(steps) != len(size) or not all(steps):
+        fail(f"a grid needs one step >= 1 per dim of the size {list(size)}", fqn)
+    if type(placement) is not list or len(placement) != len(size) + 1:
+        fail("a grid's files must be [first, one stride per dim]", fqn)
+    first, *strides = (int_of(v, "a grid file number", fqn) for v in placement)
+    grid = Grid(size, steps, first, tuple(strides))
+    if grid.num_cells > len(names):
+        # A writer's grid has one cell per rank that holds a piece. The bound keeps a reader's
+        # work per file O(tensors) whatever sizes the index declares.
+        fail(f"a grid of {grid.num_cells} cells has more cells than there are files", fqn)
+    if grid.last_file >= len(names):
+        fail(f"the grid's cells reach file {grid.last_file}, which does not exist", fqn)
+    if names[grid.first] is None or names[grid.last_file] is None:
+        # Cells between are checked with the packing of their file (FileOrders).
+        fail("a grid cell is in a file of a rank that wrote no data file (null)", fqn)
+    return grid
+
+
+def _chunk(
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    file: object,
+    begin: object,
     itemsize: int,
-    block_size: int,
+    names: Sequence[str | None],
+    fqn: str,
+) -> SavedChunk:
+    name = file_of(file, names, fqn)
+    begin = int_of(begin, "begin", fqn)
+    end = begin + math.prod(sizes) * itemsize
+    if end >= MAX_INT:
+        fail("malformed chunk", fqn)
+    return SavedChunk(offsets, sizes, name, begin, end, "")
+
+
+def _whole(
+    layout: list[Any],
+    size: tuple[int, ...],
+    itemsize: int,
+    names: Sequence[str | None],
     ranges: Ranges,
-) -> list[SavedChunk]:
-    """The chunks of a tensor's ``rows``, each row checked field by field and its byte range
-    added to ``ranges`` in turn: the first fault raises, naming what is wrong."""
-    chunks = []
-    for row in rows:
-        offsets, sizes, file, begin, sums = row_of(row, 5, "a chunk", fqn)
-        if type(file) is not int or not 0 <= file < len(names):
-            fail(f"file index {file!r} does not exist", fqn)
-        begin = int_of(begin, "begin", fqn)
-        offsets = dims_of(offsets, "chunk offsets", fqn)
-        sizes = dims_of(sizes, "chunk sizes", fqn)
-        nbytes = math.prod(sizes) * itemsize
-        end = begin + nbytes
-        if type(sums) is not str or end >= MAX_INT:
-            fail("malformed chunk", fqn)
-        if len(sums) != max(1, -(-nbytes // block_size)) * HEX:
-            fail("malformed block checksums (one of 16 hex digits per block expected)", fqn)
-        chunk = SavedChunk(offsets, sizes, names[file], begin, end, sums)
-        ranges.add(chunk, fqn)
-        chunks.append(chunk)
-    return chunks
+    fqn: str,
+) -> SavedChunk:
+    """A ``["whole", file, begin]`` layout's one chunk, its byte range added to ``ranges``.
+    The hot path of a reader of many small tensors: the checks of :func:`_chunk` and
+    :meth:`Ranges.add` written out for a well-formed row, which they then run for any
+    other to raise."""
+    if len(layout) == 3:
+        _, file, begin = layout
+        if type(file) is int and 0 <= file < len(names) and type(begin) is int and begin >= 0:
+            end = begin + math.prod(size) * itemsize
+            name = names[file]
+            if name is not None and ranges.add_range(name, begin, end, fqn):
+                return SavedChunk(origin(len(size)), size, name, begin, end, "")
+    _, file, begin = row_of(layout, 3, "a whole layout", fqn)
+    chunk = _chunk(tuple(0 for _ in size), size, file, begin, itemsize, names, fqn)
+    ranges.add(chunk, fqn)
+    # Unreachable while the two agree; a reader still refuses the row, as a format error.
+    fail("malformed whole layout", fqn)
+
+
+def _chunk_row(row: object, itemsize: int, names: Sequence[str | None], fqn: str) -> SavedChunk:
+    offsets, sizes, file, begin = row_of(row, 4, "a chunk", fqn)
+    offsets = dims_of(offsets, "chunk offsets", fqn)
+    sizes = dims_of(sizes, "chunk sizes", fqn)
+    return _chunk(offsets, sizes, file, begin, itemsize, names, fqn)

@@ -1,18 +1,18 @@
-"""The writer's side of the index: the sealed bytes of versions 2 and 3
-(:func:`encode_index`), and the :class:`Index` a writer holds without parsing what it wrote
-(:func:`build_index`)."""
+"""The writer's side of the index: the sealed bytes of an index (:func:`encode_index`) from
+the records a save builds (:class:`FileFacts`, :class:`LayoutRecord`, objects)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from shardwise._codec import MEMORY_FORMAT_NAMES, dtype_name
 from shardwise.checkpoint._json import compact
+from shardwise.checkpoint.index.layouts import Grid
 from shardwise.checkpoint.index.names import (
-    ALIASES_VERSION,
     BLOCK_SIZE,
     CHECKSUM_ALGORITHM,
     FORMAT,
@@ -20,51 +20,117 @@ from shardwise.checkpoint.index.names import (
     SEAL_KEY,
     paused_gc,
 )
-from shardwise.checkpoint.index.records import Index, ObjectRecord, SaveFacts, TensorRecord
+from shardwise.checkpoint.index.records import ObjectRecord, SaveFacts
+from shardwise.checkpoint.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
-__all__ = ["PropertyTable", "build_index", "document_of", "encode_index", "object_rows", "seal"]
+__all__ = ["FileFacts", "LayoutRecord", "PropertyTable", "encode_index", "seal"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileFacts:
+    """A data file as the index records it.
+
+    Attributes:
+        size: Its size in bytes.
+        data_start: The first byte of its data section (after the safetensors header).
+        checksums: The block checksums of ``[data_start, size)``, concatenated.
+    """
+
+    size: int
+    data_start: int
+    checksums: str
+
+
+@dataclass(slots=True)
+class LayoutRecord:
+    """A tensor as a writer describes it: a :class:`Grid` (file numbers are positions in the
+    index's ``files``), or its chunks with their byte ranges (one chunk that is the whole
+    tensor is written as a ``whole`` layout; checksums are not used). Treated as immutable;
+    not frozen, which costs a fifth of a microsecond per field on construction, per tensor."""
+
+    fqn: str
+    properties: TensorProperties
+    size: tuple[int, ...]
+    layout: Grid | Sequence[SavedChunk]
 
 
 def encode_index(
     save: SaveFacts,
-    files: Mapping[str, int],
-    tensors: Iterable[TensorRecord],
+    files: Sequence[tuple[str, FileFacts] | None],
+    tensors: Iterable[LayoutRecord],
     objects: Iterable[ObjectRecord],
     block_size: int = BLOCK_SIZE,
     aliases: Mapping[str, str] | None = None,
 ) -> bytes:
-    """The sealed index of a checkpoint (see ``docs/format.md``): version 2, or version 3
-    when there are ``aliases`` (alias key -> the tensor key it is tied to; the alias is not
-    among ``tensors``)."""
+    """The sealed index (see ``docs/format.md``): ``files`` in the order their numbers refer
+    to (``None``: a rank that wrote no file, ``null`` in the index); grid cells packed in
+    each file as :class:`~.layouts.FileOrder` says, the other entries at the begins they
+    carry; ``aliases`` (alias key -> the tensor key it is tied to) are not among
+    ``tensors``."""
     with paused_gc():
-        return _encode(save, files, tensors, objects, block_size, aliases or {})
+        numbers = {entry[0]: number for number, entry in enumerate(files) if entry is not None}
+        properties = PropertyTable()
+        rows = []
+        last: tuple[TensorProperties | None, int] = (None, -1)  # most rows share the last's
+        for tensor in tensors:
+            if tensor.properties is not last[0]:
+                last = (tensor.properties, properties.number(tensor.properties))
+            rows.append([tensor.fqn, last[1], list(tensor.size), _layout_row(tensor, numbers)])
+        file_rows: list[list[Any] | None] = []
+        for entry in files:
+            if entry is None:
+                file_rows.append(None)
+            else:
+                name, facts = entry
+                file_rows.append([name, facts.size, facts.data_start, facts.checksums])
+        document: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "save": {
+                "writer": save.writer,
+                "torch": save.torch,
+                "world_size": save.world_size,
+                "save_id": save.save_id,
+                "checkpoint_id": save.checkpoint_id,
+            },
+            "checksum": {
+                "algorithm": CHECKSUM_ALGORITHM,
+                "block_size": block_size,
+                "scope": "file",
+            },
+            "files": file_rows,
+            "properties": properties.table(),
+            "tensors": rows,
+            "objects": _object_rows(objects, numbers),
+        }
+        if aliases:
+            document["aliases"] = [[alias, aliases[alias]] for alias in sorted(aliases)]
+        return seal(document)
 
 
-def build_index(
-    save: SaveFacts,
-    files: Mapping[str, int],
-    tensors: Iterable[TensorRecord],
-    objects: Iterable[ObjectRecord],
-    aliases: Mapping[str, str] | None = None,
-    block_size: int = BLOCK_SIZE,
-) -> Index:
-    """The :class:`Index` that :func:`decode_index` gives for :func:`encode_index` of the
-    same arguments, built directly (a writer need not parse what it just wrote)."""
-    records = {tensor.fqn: tensor for tensor in tensors}
-    aliases = dict(aliases or {})
-    for alias, target in sorted(aliases.items()):
-        record = records[target]
-        records[alias] = TensorRecord(alias, record.properties, record.size, record.chunks)
-    return Index(
-        ALIASES_VERSION if aliases else FORMAT_VERSION,
-        block_size,
-        dict(files),
-        records,
-        {item.fqn: item for item in objects},
-        save=save,
-        aliases=aliases,
-    )
+def _layout_row(tensor: LayoutRecord, numbers: Mapping[str, int]) -> list[Any]:
+    layout = tensor.layout
+    if isinstance(layout, Grid):
+        return ["grid", list(layout.steps), [layout.first, *layout.strides]]
+    if len(layout) == 1 and layout[0].sizes == tensor.size and not any(layout[0].offsets):
+        return ["whole", numbers[layout[0].file], layout[0].begin]
+    return [
+        "chunks",
+        [[list(c.offsets), list(c.sizes), numbers[c.file], c.begin] for c in layout],
+    ]
+
+
+def _object_rows(objects: Iterable[ObjectRecord], numbers: Mapping[str, int]) -> list[list[Any]]:
+    """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]``."""
+    rows: list[list[Any]] = []
+    for item in objects:
+        if item.blob is None:
+            rows.append([item.fqn, item.encoding, item.text])
+        else:
+            blob = item.blob
+            rows.append([item.fqn, item.encoding, [numbers[blob.file], blob.begin, blob.nbytes]])
+    return rows
 
 
 class PropertyTable:
@@ -96,89 +162,8 @@ class PropertyTable:
         return [list(row) for row in self.rows]
 
 
-def document_of(
-    version: int,
-    save: SaveFacts,
-    checksum: dict[str, Any],
-    files: list[list[Any]],
-    properties: PropertyTable,
-    tensors: list[list[Any]],
-    objects: list[list[Any]],
-    aliases: Mapping[str, str],
-) -> dict[str, Any]:
-    """An index document of versions 2-4 without its seal (keys in the format's order)."""
-    document: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": version,
-        "save": {
-            "writer": save.writer,
-            "torch": save.torch,
-            "world_size": save.world_size,
-            "save_id": save.save_id,
-            "checkpoint_id": save.checkpoint_id,
-        },
-        "checksum": checksum,
-        "files": files,
-        "properties": properties.table(),
-        "tensors": tensors,
-        "objects": objects,
-    }
-    if aliases:
-        document["aliases"] = [[alias, aliases[alias]] for alias in sorted(aliases)]
-    return document
-
-
-def object_rows(
-    objects: Iterable[ObjectRecord], file_numbers: Mapping[str, int], *, with_checksums: bool
-) -> list[list[Any]]:
-    """The ``objects`` rows (a blob's checksums only when they are per chunk)."""
-    rows: list[list[Any]] = []
-    for item in objects:
-        if item.blob is None:
-            rows.append([item.fqn, item.encoding, item.text])
-            continue
-        blob = item.blob
-        stored: list[Any] = [file_numbers[blob.file], blob.begin, blob.nbytes]
-        if with_checksums:
-            stored.append(blob.checksums)
-        rows.append([item.fqn, item.encoding, stored])
-    return rows
-
-
-def _encode(
-    save: SaveFacts,
-    files: Mapping[str, int],
-    tensors: Iterable[TensorRecord],
-    objects: Iterable[ObjectRecord],
-    block_size: int,
-    aliases: Mapping[str, str],
-) -> bytes:
-    file_numbers = {name: number for number, name in enumerate(files)}
-    properties = PropertyTable()
-    tensor_rows = []
-    for tensor in tensors:
-        chunks = [
-            [list(c.offsets), list(c.sizes), file_numbers[c.file], c.begin, c.checksums]
-            for c in tensor.chunks
-        ]
-        tensor_rows.append(
-            [tensor.fqn, properties.number(tensor.properties), list(tensor.size), chunks]
-        )
-    document = document_of(
-        ALIASES_VERSION if aliases else FORMAT_VERSION,
-        save,
-        {"algorithm": CHECKSUM_ALGORITHM, "block_size": block_size},
-        [[name, size] for name, size in files.items()],
-        properties,
-        tensor_rows,
-        object_rows(objects, file_numbers, with_checksums=True),
-        aliases,
-    )
-    return seal(document)
-
-
 def seal(document: Mapping[str, Any]) -> bytes:
-    """``document`` (a version-2 index without its last key) as compact JSON ending with its
+    """``document`` (an index without its last key) as compact JSON ending with its
     seal, ``"index_checksum":"<xxh3_64 of every byte before it>"}``."""
     # Raw UTF-8: the reader then refuses every \uD8xx escape outright.
     text = compact(document)

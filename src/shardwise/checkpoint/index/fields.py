@@ -1,17 +1,16 @@
-"""The fields that versions 2, 3 and 4 of the index share, each decoded and checked: the
-save facts, the checksum settings, the file table, the property table, the head of a tensor
-row, the objects and the aliases (see ``docs/format.md``, *Validation*)."""
+"""The fields of the index, each decoded and checked: the save facts, the checksum settings,
+a data file's name, the property table, the head of a tensor row, the objects and the aliases
+(see ``docs/format.md``, *Validation*). The layouts of tensors are decoded in :mod:`.decode`."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardwise.checkpoint.index.checks import (
     Ranges,
-    check_checksums,
     check_int_suffix,
     dims_of,
     fail,
@@ -63,7 +62,7 @@ _KEYS = (
 
 
 def expected_keys(with_aliases: bool) -> tuple[str, ...]:
-    """The keys of an index of versions 2-4, in order (``aliases`` before the seal)."""
+    """The keys of an index, in order (``aliases``, when there are ties, before the seal)."""
     return (*_KEYS[:-1], "aliases", _KEYS[-1]) if with_aliases else _KEYS
 
 
@@ -105,7 +104,7 @@ def decode_checksum(checksum: object, keys: tuple[str, ...]) -> dict[str, Any]:
     return checksum
 
 
-def decode_file_name(name: object, files: dict[str, int | None]) -> str:
+def decode_file_name(name: object, files: Mapping[str, int]) -> str:
     """A data file's name: the writer's pattern, not listed before."""
     name = text_of(name, "a data file name")
     if not name.startswith(f"{DATA_DIR}/") or not is_data_file_name(name[5:]):
@@ -157,17 +156,24 @@ def decode_tensor_head(
     return fqn, props, tuple(size_row), last
 
 
+def file_of(number: object, names: Sequence[str | None], key: str) -> str:
+    """The name of file ``number`` of the index, which must exist and hold something."""
+    if type(number) is not int or not 0 <= number < len(names):
+        fail(f"file index {number!r} does not exist", key)
+    name = names[number]
+    if name is None:
+        fail(f"file index {number} names a rank that wrote no data file (null)", key)
+    return name
+
+
 def decode_objects(
     rows: object,
     tensors: dict[str, TensorRecord],
-    names: list[str],
-    block_size: int,
+    names: Sequence[str | None],
     ranges: Ranges,
-    *,
-    with_checksums: bool,
 ) -> dict[str, ObjectRecord]:
-    """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes, checksums]``
-    (``[file, begin, nbytes]`` when the checksums are the files', version 4)."""
+    """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]`` (its checksums
+    are its file's)."""
     objects: dict[str, ObjectRecord] = {}
     if type(rows) is not list:
         fail("objects must be a list")
@@ -183,17 +189,12 @@ def decode_objects(
         if encoding in TEXT_ENCODINGS:
             objects[fqn] = ObjectRecord(fqn, encoding, text=text_of(payload, "a JSON value", fqn))
             continue
-        stored = row_of(payload, 4 if with_checksums else 3, "a stored object", fqn)
-        file, begin, nbytes = stored[:3]
-        sums = stored[3] if with_checksums else ""
-        if type(file) is not int or not 0 <= file < len(names):
-            fail(f"file index {file!r} does not exist", fqn)
+        file, begin, nbytes = row_of(payload, 3, "a stored object", fqn)
+        name = file_of(file, names, fqn)
         begin, nbytes = int_of(begin, "begin", fqn), int_of(nbytes, "nbytes", fqn)
-        if type(sums) is not str or begin + nbytes >= MAX_INT:
+        if begin + nbytes >= MAX_INT:
             fail("malformed stored object", fqn)
-        blob = SavedChunk((), (), names[file], begin, begin + nbytes, sums)
-        if with_checksums:
-            check_checksums(blob, block_size, fqn)
+        blob = SavedChunk((), (), name, begin, begin + nbytes, "")
         ranges.add(blob, fqn)
         objects[fqn] = ObjectRecord(fqn, encoding, blob=blob)
     return objects
@@ -206,7 +207,7 @@ def decode_aliases(
     Each alias is added to ``tensors`` with its target's record (call after the byte ranges
     are checked: they share the bytes)."""
     if type(rows) is not list or not rows:
-        fail("aliases must be a non-empty list (version 3 is written only when there are some)")
+        fail("aliases must be a non-empty list (an index without ties has no aliases key)")
     aliases: dict[str, str] = {}
     for row in rows:
         alias, target = row_of(row, 2, "an aliases entry")

@@ -1,4 +1,4 @@
-"""Version 4's tensor layouts: a tensor described by its rule instead of one row per chunk.
+"""The index's tensor layouts: a tensor described by its rule instead of one row per chunk.
 
 A ``grid`` cuts each dim by the ceil rule (``torch.chunk``'s, which FSDP, tensor parallelism
 and ``ChunkShardingSpec`` use) and maps each cell to a data file by an affine rule, so that a
@@ -192,7 +192,7 @@ class FileOrder:
 
 
 class LayoutChunks(Sequence[SavedChunk]):
-    """The chunks of a grid tensor as a sequence (``TensorRecord.chunks`` of version 4),
+    """The chunks of a grid tensor as a sequence (its ``TensorRecord.chunks``),
     built only when asked for: ``candidates`` finds those that overlap a box without
     building the others (the same method as :class:`~shardwise.checkpoint.planner.
     ChunkLookup`, so ``plan_reads`` takes it as its ``lookup``).
@@ -201,7 +201,8 @@ class LayoutChunks(Sequence[SavedChunk]):
         key: The tensor's key.
         grid: Its grid.
         itemsize: Bytes per element.
-        names: The index's file names, by number.
+        names: The index's file names, by number (``None``: a null file, which ``order``
+            refuses).
         order: The :class:`FileOrder` of a file number (computed once per file, by the
             index that owns this sequence).
     """
@@ -213,7 +214,7 @@ class LayoutChunks(Sequence[SavedChunk]):
         key: str,
         grid: Grid,
         itemsize: int,
-        names: Sequence[str],
+        names: Sequence[str | None],
         order: Callable[[int], FileOrder],
     ) -> None:
         self._key = key
@@ -246,7 +247,9 @@ class LayoutChunks(Sequence[SavedChunk]):
         file = self.grid.file_of(cell)
         begin = self._order(file).begin(self._key, number)
         end = begin + math.prod(sizes) * self._itemsize
-        return SavedChunk(offsets, sizes, self._names[file], begin, end, "")
+        name = self._names[file]
+        assert name is not None  # the order of a null file raises
+        return SavedChunk(offsets, sizes, name, begin, end, "")
 
     def __iter__(self) -> Iterator[SavedChunk]:
         return (self[number] for number in range(len(self)))

@@ -17,20 +17,15 @@ from shardwise.checkpoint import _json
 INDEX_NAME = "shardwise.json"
 #: Directory of the data files, relative to the checkpoint.
 DATA_DIR = "data"
-#: The version :func:`encode_index` writes.
-FORMAT_VERSION = 2
-# Version 2 with tied tensors (an ``aliases`` table): written only by saves that have some, so
-# every other checkpoint stays readable by readers of version 2.
-ALIASES_VERSION = 3
+#: The version of the index format, the only one a reader reads (see ``docs/format.md``,
+#: *Versioning*: a change a reader of this version would not accept bumps it).
+FORMAT_VERSION = 4
 #: The block checksum (xxh3, 64 bits, hex). Chosen by measurement: see docs/format.md.
 CHECKSUM_ALGORITHM = "xxh3_64"
 #: Bytes per checksummed block. Chosen by measurement: see docs/format.md.
 BLOCK_SIZE = 1 << 20
 #: Readers refuse larger indexes (16 MiB describe a 1 TB checkpoint).
 MAX_INDEX_BYTES = 1 << 30
-#: The version written when a save has more chunks than ``TUNING.layout_index_chunks``
-#: (layouts; smaller saves keep versions 2/3, one row per chunk).
-LAYOUT_VERSION = 4
 # Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
 MAX_INT = 1 << 62
 MAX_DIMS = 64

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM, HEX
+from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM
 from shardwise.checkpoint.metadata import (
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -107,9 +107,8 @@ class LazyMapping(MutableMapping[K, V]):
 
 
 def metadata_view(index: Index) -> Metadata:
-    """``index`` (version 2 or later) as :class:`Metadata` whose ``state_dict_metadata`` and
+    """``index`` as :class:`Metadata` whose ``state_dict_metadata`` and
     ``storage_data`` are :class:`LazyMapping` s (see ``docs/format.md``, *In memory*)."""
-    assert index.save is not None
     names = _metadata_names([*index.tensors, *index.objects])
     keys = {name: key for key, name in names.items()}
 
@@ -190,20 +189,12 @@ def _metadata_names(keys: list[str]) -> dict[str, str]:
 
 
 def _stored_info(index: Index, chunk: SavedChunk) -> dict[str, Any]:
-    if index.block_scope == "file":
-        first_byte, sums = index.file_blocks(chunk)
-        return {
-            "file": chunk.file,
-            "begin": chunk.begin,
-            "end": chunk.end,
-            "checksums": sums,
-            "block_scope": "file",
-            "blocks_begin": first_byte,
-        }
-    sums_text = chunk.checksums
+    first_byte, sums = index.file_blocks(chunk)
     return {
         "file": chunk.file,
         "begin": chunk.begin,
         "end": chunk.end,
-        "checksums": [sums_text[i : i + HEX] for i in range(0, len(sums_text), HEX)],
+        "checksums": sums,
+        "block_scope": "file",
+        "blocks_begin": first_byte,
     }

@@ -1,7 +1,7 @@
-"""Index format version 4: tensors as layouts (``grid``, ``whole``, ``chunks``) and block
-checksums per file. Grid arithmetic against brute force, encode -> decode round trips, the
-same chunks as version 2 after expansion, the lazy ``Metadata`` view, and a strict decoder
-that refuses malformed rows with a ``CheckpointFormatError`` saying what is wrong."""
+"""The index format: tensors as layouts (``grid``, ``whole``, ``chunks``) and block checksums
+per file. Grid arithmetic against brute force, encode -> decode round trips (files of ranks
+that wrote nothing included), the lazy ``Metadata`` view, and a strict decoder that refuses
+malformed rows with a ``CheckpointFormatError`` saying what is wrong."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 from shardwise._boxes import intersect
 from shardwise.checkpoint.index import (
-    LAYOUT_VERSION,
+    FORMAT_VERSION,
+    FileFacts,
+    LayoutRecord,
     ObjectRecord,
     SaveFacts,
-    TensorRecord,
     block_checksums,
     data_file_name,
     decode_index,
@@ -30,7 +31,6 @@ from shardwise.checkpoint.index import (
     seal,
 )
 from shardwise.checkpoint.index.layouts import FileOrder, Grid, LayoutChunks, ceil_grid_steps
-from shardwise.checkpoint.index.v4 import FileFacts, LayoutRecord, encode_v4
 from shardwise.checkpoint.metadata import MetadataIndex
 from shardwise.checkpoint.planner import SavedChunk, plan_reads
 from shardwise.errors import CheckpointFormatError
@@ -54,9 +54,9 @@ def _file(grid: Grid, cell: tuple[int, ...]) -> int:
 
 
 class _State:
-    """A checkpoint as a version-4 writer lays it out, written out independently of the code
-    under test: per file, the grid cells in index then row-major order from ``START``, then
-    the ``whole``/``chunks`` entries, then the blobs."""
+    """A checkpoint as a writer lays it out, written out independently of the code under
+    test: per file, the grid cells in index then row-major order from ``START``, then the
+    ``whole``/``chunks`` entries, then the blobs; a file that holds nothing is ``null``."""
 
     def __init__(
         self,
@@ -99,35 +99,20 @@ class _State:
                 order = {cell: n for n, cell in enumerate(_cells(layout))}
                 by_box = {c.offsets: c for c in self.chunks[key]}
                 self.chunks[key] = [by_box[layout.box(cell)[0]] for cell in sorted(order)]
+        self.names = names
         self.files = {
             name: FileFacts(size, START, block_checksums(bytes(size - START), BLOCK))
             for name, size in zip(names, position, strict=True)
+            if size > START or any(c.file == name for cs in self.chunks.values() for c in cs)
         }
         self.records = [
             LayoutRecord(key, FLOAT, size, layout if isinstance(layout, Grid) else self.chunks[key])
             for key, size, layout in tensors
         ]
 
-    def v4(self, aliases: dict[str, str] | None = None) -> bytes:
-        return encode_v4(FACTS, self.files, self.records, self.objects, BLOCK, aliases)
-
-    def v2(self) -> bytes:
-        """The same checkpoint as version 2 (per-chunk checksums of zero bytes)."""
-
-        def summed(c: SavedChunk) -> SavedChunk:
-            sums = block_checksums(bytes(c.nbytes), BLOCK)
-            return SavedChunk(c.offsets, c.sizes, c.file, c.begin, c.end, sums)
-
-        tensors = [
-            TensorRecord(r.fqn, FLOAT, r.size, tuple(summed(c) for c in self.chunks[r.fqn]))
-            for r in self.records
-        ]
-        objects = [
-            o if o.blob is None else ObjectRecord(o.fqn, o.encoding, blob=summed(o.blob))
-            for o in self.objects
-        ]
-        sizes = {name: facts.size for name, facts in self.files.items()}
-        return encode_index(FACTS, sizes, tensors, objects, BLOCK)
+    def encoded(self, aliases: dict[str, str] | None = None) -> bytes:
+        files = [(name, self.files[name]) if name in self.files else None for name in self.names]
+        return encode_index(FACTS, files, self.records, self.objects, BLOCK, aliases)
 
 
 def _fsdp_state(rows: int = 10, ranks: int = 4) -> _State:
@@ -221,10 +206,10 @@ def test_file_order_checks_that_the_cells_fill_the_file() -> None:
 # -- round trips --------------------------------------------------------------------------
 
 
-def test_v4_round_trip_gives_the_laid_out_chunks_and_the_same_chunks_as_v2() -> None:
+def test_round_trip_gives_the_laid_out_chunks() -> None:
     state = _fsdp_state()
-    index = decode_index(state.v4(aliases={"tied": "w"}))
-    assert index.format_version == LAYOUT_VERSION and index.block_scope == "file"
+    index = decode_index(state.encoded(aliases={"tied": "w"}))
+    assert index.format_version == FORMAT_VERSION == 4
     assert index.aliases == {"tied": "w"}
     assert index.data_starts == dict.fromkeys(state.files, START)
     assert index.file_checksums == {name: f.checksums for name, f in state.files.items()}
@@ -234,13 +219,19 @@ def test_v4_round_trip_gives_the_laid_out_chunks_and_the_same_chunks_as_v2() -> 
     assert isinstance(index.tensors["w"].chunks, LayoutChunks)
     assert index.objects["step"].text == "7" and index.objects["rng"].blob == state.objects[0].blob
 
-    v2 = decode_index(state.v2())
 
-    def ranges(chunks: Any) -> list[tuple[Any, ...]]:
-        return [(c.offsets, c.sizes, c.file, c.begin, c.end) for c in chunks if c.nbytes]
-
-    for key in state.chunks:
-        assert ranges(index.tensors[key].chunks) == ranges(v2.tensors[key].chunks), key
+def test_a_rank_that_wrote_nothing_is_a_null_file() -> None:
+    # Rows over files 0 and 2 (stride 2), a whole tensor in file 3: file 1 holds nothing.
+    grid = Grid((6, 3), (3, 3), 0, (2, 0))
+    state = _State([("w", (6, 3), grid), ("s", (), [((), (), 3)])], 4)
+    data = state.encoded()
+    assert json.loads(data)["files"][1] is None
+    index = decode_index(data)
+    names = [data_file_name(rank, FACTS.save_id) for rank in (0, 2, 3)]
+    assert list(index.files) == list(index.data_starts) == list(index.file_checksums) == names
+    assert list(index.tensors["w"].chunks) == state.chunks["w"]
+    assert [c.file for c in index.tensors["w"].chunks] == names[:2]
+    assert index.tensors["s"].chunks[0].file == names[2]
 
 
 @settings(max_examples=60, deadline=None)
@@ -250,13 +241,13 @@ def test_v4_round_trip_gives_the_laid_out_chunks_and_the_same_chunks_as_v2() -> 
     ranks=st.integers(1, 5),
     tp=st.integers(1, 3),
 )
-def test_v4_round_trips_any_fsdp_by_tp_grid(rows: int, cols: int, ranks: int, tp: int) -> None:
+def test_round_trips_any_fsdp_by_tp_grid(rows: int, cols: int, ranks: int, tp: int) -> None:
     # Rows over `ranks` and columns over `tp`: file = row cell * tp + column cell.
     size = (rows, cols)
     steps = ceil_grid_steps(size, (ranks, tp))
     grid = Grid(size, steps, 0, (Grid(size, steps, 0, (0, 0)).counts[1], 1))
     state = _State([("a", size, grid), ("b", size, grid)], grid.last_file + 1)
-    index = decode_index(state.v4())
+    index = decode_index(state.encoded())
     for key in ("a", "b"):
         chunks = index.tensors[key].chunks
         assert list(chunks) == state.chunks[key]
@@ -265,10 +256,10 @@ def test_v4_round_trips_any_fsdp_by_tp_grid(rows: int, cols: int, ranks: int, tp
         assert plan_reads(box, chunks, 4, lookup=chunks) == plan_reads(box, list(chunks), 4)
 
 
-def test_v4_metadata_view_names_the_file_blocks_of_a_chunk() -> None:
+def test_metadata_view_names_the_file_blocks_of_a_chunk() -> None:
     grid = Grid((2048, 3), (1024, 3), 0, (1, 0))
     state = _State([("w", (2048, 3), grid), ("b", (5,), [((0,), (5,), 1)])], 2)
-    index = decode_index(state.v4())
+    index = decode_index(state.encoded())
     metadata = index.to_metadata()
     name = data_file_name(1, FACTS.save_id)
     sums = index.file_checksums[name]
@@ -289,7 +280,7 @@ def test_v4_metadata_view_names_the_file_blocks_of_a_chunk() -> None:
 
 
 def _document() -> dict[str, Any]:
-    data = _fsdp_state().v4()
+    data = _fsdp_state().encoded()
     document = json.loads(data)
     del document["index_checksum"]
     return document
@@ -366,6 +357,31 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
     "chunks-overlap-bytes": (lambda d: _same_bytes(_tensor(d, "odd")[3][1]), "overlap"),
     "blob-with-sums": (lambda d: d["objects"][0][2].append("0" * 16), "a stored object"),
     "blob-past-end": (lambda d: d["objects"][0][2].__setitem__(2, 1 << 40), "past the declared"),
+    # A rank that wrote nothing: no layout, chunk or blob may name its file.
+    "null-file-of-a-whole": (lambda d: d["files"].__setitem__(2, None), "w.step"),
+    "null-file-of-a-grid's-first-cell": (
+        lambda d: d["files"].__setitem__(0, None),
+        "a grid cell is in a file of a rank that wrote no data file",
+    ),
+    "null-file-of-a-grid's-last-cell": (
+        lambda d: d["files"].__setitem__(3, None),
+        "a grid cell is in a file of a rank that wrote no data file",
+    ),
+    # (The grids of "w" have cells in file 1 too: checked when read, see below.)
+    "null-file-of-chunks": (
+        lambda d: d["files"].__setitem__(1, None),
+        "file index 1 names a rank that wrote no data file",
+    ),
+    "null-file-of-a-blob": (
+        lambda d: (
+            d.update(tensors=[row for row in d["tensors"] if row[0] != "w.step"]),
+            d["objects"][0][2].__setitem__(0, 2),
+            d["files"].__setitem__(2, None),
+        ),
+        "file index 2 names a rank that wrote no data file",
+    ),
+    "file-row-false": (lambda d: d["files"].__setitem__(1, False), "a files entry"),
+    "file-row-empty": (lambda d: d["files"].__setitem__(1, []), "a files entry"),
     "empty-grid-many-cells": (
         lambda d: (
             _tensor(d, "w").__setitem__(2, [0, 1 << 30]),
@@ -377,7 +393,7 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_malformed_v4_rows_are_refused(case: str) -> None:
+def test_malformed_rows_are_refused(case: str) -> None:
     edit, match = HOSTILE[case]
     document = _document()
     edit(document)
@@ -396,6 +412,21 @@ def test_cells_that_do_not_fill_their_file_are_refused_when_read() -> None:
         list(index.tensors["w"].chunks)
     # Files that are not read are not checked: cells of file 1 still expand.
     assert index.tensors["w"].chunks[1].file.startswith("data/rank-00001")
+
+
+def test_a_grid_cell_in_a_null_file_is_refused_when_read() -> None:
+    # File 1 wrote nothing, yet the grid of "w" puts a cell there (between its first and
+    # last cell, which the decoder checks): refused when that cell is first needed, naming
+    # the key, like the packing of its file.
+    document = _document()
+    document["files"][2][1] += document["files"][1][1] - START  # the data stays declared
+    document["files"][1] = None
+    document["tensors"] = [row for row in document["tensors"] if row[0] != "odd"]
+    index = decode_index(seal(document))
+    assert index.tensors["w"].chunks[0].file.startswith("data/rank-00000")
+    with pytest.raises(CheckpointFormatError, match="wrote no data file") as caught:
+        index.tensors["w"].chunks[1]
+    assert caught.value.key == "w"
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -420,7 +451,7 @@ _PATHS = _paths(_document())
         st.tuples(st.sampled_from(_PATHS), st.sampled_from(_NASTY)), min_size=1, max_size=3
     )
 )
-def test_any_edit_of_a_v4_index_is_read_or_refused_as_a_format_error(
+def test_any_edit_of_an_index_is_read_or_refused_as_a_format_error(
     edits: list[tuple[tuple[Any, ...], Any]],
 ) -> None:
     # Whatever is changed (and re-sealed), reading the index, expanding every chunk and

@@ -1,10 +1,10 @@
-"""The coordinator's version-4 index (``docs/format.md``, *Version 4*): built from the plan's
+"""The coordinator's index (``docs/format.md``, *Writing the index*): built from the plan's
 layouts and each rank's file facts, in O(keys + files + entries outside grids), never
 enumerating a grid's cells.
 
-Every rank of the group wrote a data file (possibly holding nothing), so the index's
-``files`` are in group-rank order and a grid's file numbers, which are group ranks
-(:func:`~.layout_plan.mesh_grid`), are positions in it.
+The index's ``files`` are in group-rank order, ``null`` for a rank that wrote nothing, so a
+grid's file numbers, which are group ranks (:func:`~.layout_plan.mesh_grid`), are positions
+in it.
 """
 
 from __future__ import annotations
@@ -20,33 +20,35 @@ from shardwise.checkpoint._save_tables import CoordinatorPlan
 from shardwise.checkpoint.format import bytes_key, chunk_key
 from shardwise.checkpoint.index import (
     TEXT_ENCODINGS,
+    FileFacts,
     Index,
+    LayoutRecord,
     ObjectRecord,
     SaveFacts,
     decode_index,
+    encode_index,
 )
 from shardwise.checkpoint.index.layouts import Grid, LayoutChunks
-from shardwise.checkpoint.index.v4 import FileFacts, LayoutRecord, encode_v4
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.errors import CheckpointError
 from shardwise.metadata import TensorProperties
 
-__all__ = ["build_layout_index"]
+__all__ = ["build_index"]
 
 
-def build_layout_index(
+def build_index(
     planned: CoordinatorPlan,
     objects: Mapping[str, ObjectValue],
     written: Sequence[Mapping[str, Any]],
     facts: SaveFacts,
 ) -> tuple[bytes, Index]:
-    """The sealed version-4 index of this save and the index it reads back as.
+    """The sealed index of this save and the index it reads back as.
 
     Args:
-        planned: The coordinator's plan (``planned.layout`` is set).
+        planned: The coordinator's plan.
         objects: The coordinator's objects (blobs are in its file).
-        written: Each rank's file facts (:func:`~.data_writer.write_data_file` with
-            ``grid_cells``), in group-rank order.
+        written: Each rank's file facts (:func:`~.data_writer.write_data_file`; empty for a
+            rank that wrote no file), in group-rank order.
         facts: Who wrote the checkpoint.
 
     Raises:
@@ -54,14 +56,16 @@ def build_layout_index(
             hold the grid cells the plan gives them (a bug, never committed).
     """
     plan = planned.plan
-    files = {
-        part["file"][0]: FileFacts(part["file"][1], part["data_start"], part["checksums"])
+    files = [
+        (part["file"][0], FileFacts(part["file"][1], part["data_start"], part["checksums"]))
+        if part
+        else None
         for part in written
-    }
+    ]
     where: dict[str, tuple[str, int]] = {}
-    for name, part in zip(files, written, strict=True):
-        for key, begin in part["begins"].items():
-            where[key] = (name, begin)
+    for part in written:
+        for key, begin in part.get("begins", {}).items():
+            where[key] = (part["file"][0], begin)
 
     def stored(
         key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int
@@ -112,11 +116,11 @@ def build_layout_index(
             blob = stored(bytes_key(fqn), (), (), len(value.payload))
             object_records.append(ObjectRecord(fqn, value.encoding, blob=blob))
     object_records.sort(key=attrgetter("fqn"))
-    if sum(part["grid_bytes"] for part in written) != grid_bytes:
+    if sum(part.get("grid_bytes", 0) for part in written) != grid_bytes:
         raise CheckpointError(
             "the data files of this save do not hold the grid cells its plan gives them"
         )
-    data = encode_v4(facts, files, records, object_records, aliases=planned.aliases)
+    data = encode_index(facts, files, records, object_records, aliases=planned.aliases)
     index = decode_index(data)
     _check_read_back(index, files, records, object_records, planned.aliases, written)
     return data, index
@@ -124,7 +128,7 @@ def build_layout_index(
 
 def _check_read_back(
     index: Index,
-    files: Mapping[str, FileFacts],
+    files: Sequence[tuple[str, FileFacts] | None],
     records: Sequence[LayoutRecord],
     objects: Sequence[ObjectRecord],
     aliases: Mapping[str, str],
@@ -134,11 +138,11 @@ def _check_read_back(
     checks up front): compared in O(keys + files + entries outside grids), a grid by its rule,
     not cell by cell; and each file's grid cells end where its other entries begin, as a
     reader will check when it reads the file."""
+    named = dict(entry for entry in files if entry is not None)
     same = (
-        index.format_version == 4
-        and index.files == {name: facts.size for name, facts in files.items()}
-        and index.data_starts == {name: facts.data_start for name, facts in files.items()}
-        and index.file_checksums == {name: facts.checksums for name, facts in files.items()}
+        index.files == {name: facts.size for name, facts in named.items()}
+        and index.data_starts == {name: facts.data_start for name, facts in named.items()}
+        and index.file_checksums == {name: facts.checksums for name, facts in named.items()}
         and index.aliases == dict(aliases)
         and index.objects == {record.fqn: record for record in objects}
         and len(index.tensors) == len(records) + len(aliases)
@@ -165,9 +169,10 @@ def _check_read_back(
                 same = tuple(chunks) == tuple(layout)
         if not same:
             break
-    for name, part in zip(files, written, strict=True):
-        ends = [begin for begin in part["begins"].values()]
-        end = min(ends) if ends else files[name].size
-        same = same and part["data_start"] + part["grid_bytes"] == end
+    for part in written:
+        if part:
+            begins = part["begins"].values()
+            end = min(begins) if begins else part["file"][1]
+            same = same and part["data_start"] + part["grid_bytes"] == end
     if not same:
         raise CheckpointError("the index of this save does not read back as built")
