@@ -110,7 +110,7 @@ def test_unknown_format_version(tmp_path: Path) -> None:
 
     _on_rank0_then_barrier(bump)
     message = (
-        "unsupported checkpoint format version 5; this shardwise reads versions 1, 2, 3 and 4 "
+        "unsupported checkpoint format version 5; this shardwise reads version 4 "
         f"(a newer shardwise may read it) (file '{path / 'shardwise.json'}')"
     )
     state = _target()

@@ -1,9 +1,8 @@
-"""``save`` writing index version 4 in real process groups: DTensor meshes and
-``ChunkShardingSpec`` tensors saved as grids (file number = group rank, every rank writes a
-file), replicated tensors as ``whole``, irregular local chunks as ``chunks``, blobs and ties;
-loaded back by the same world, resharded, and by fewer ranks; a corrupt file refused on every
-rank before anything is copied. Version 4 is forced by lowering
-``TUNING.layout_index_chunks`` on every rank (and restoring it: the pooled workers live on)."""
+"""``save`` writing the index in real process groups: DTensor meshes and
+``ChunkShardingSpec`` tensors saved as grids (file number = group rank; a rank that holds
+nothing writes no file, its number is null), replicated tensors as ``whole``, irregular local
+chunks as ``chunks``, blobs and ties; loaded back by the same world, resharded, and by fewer
+ranks; a corrupt file refused on every rank with no Python value replaced."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import tuning
 from shardwise.checkpoint.index import INDEX_NAME
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.cli import main
@@ -46,17 +44,6 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, saved)
-
-
-@contextlib.contextmanager
-def _layouts() -> Iterator[None]:
-    """Every save of more than one chunk writes version 4, for the body of the ``with``."""
-    saved = tuning.TUNING
-    tuning.TUNING = dataclasses.replace(saved, layout_index_chunks=1)
-    try:
-        yield
-    finally:
-        tuning.TUNING = saved
 
 
 def _full(rows: int, cols: int, shift: float = 0.0) -> torch.Tensor:
@@ -155,23 +142,11 @@ def _check(state: dict[str, Any]) -> None:
     assert state["step"] == 7 and state["rng"] == BLOB
 
 
-def _unchanged(state: dict[str, Any]) -> bool:
-    model = state["model"]
-    for key in ("fsdp", "uneven", "hsdp", "tp"):
-        if not bool((model[key].to_local() == -1).all()):
-            return False
-    for shard in model["chunked"].local_shards():
-        if not bool((shard.tensor == -1).all()):
-            return False
-    return bool((model["plain"] == -1).all()) and state["step"] == 0 and state["rng"] == b""
-
-
 @distributed(world_size=WORLD, timeout=150)
 def test_grids_wholes_chunks_and_blobs_round_trip(tmp_path: Path) -> None:
     rank = dist.get_rank()
     path = tmp_path / "c"
-    with _layouts():
-        returned = ckpt.save(_state(), path)
+    returned = ckpt.save(_state(), path)
     document = json.loads((path / INDEX_NAME).read_bytes())
     assert document["format_version"] == 4
     # One file per rank, in rank order: grid file numbers are group ranks.
@@ -226,8 +201,8 @@ def test_grids_wholes_chunks_and_blobs_round_trip(tmp_path: Path) -> None:
         assert main(["verify", str(path)]) == 0
     dist.barrier()
 
-    # A flipped bit in rank 2's file (a grid cell of "fsdp"): refused on every rank, nothing
-    # copied.
+    # A flipped bit in rank 2's file (a grid cell of "fsdp"): refused on every rank, no
+    # Python value replaced.
     if rank == 0:
         with CheckpointReader.open(path) as reader:
             cell = reader.index.tensors["model.fsdp"].chunks[2]
@@ -240,50 +215,61 @@ def test_grids_wholes_chunks_and_blobs_round_trip(tmp_path: Path) -> None:
     with pytest.raises(CheckpointDataError) as caught:
         ckpt.load(state, path)
     assert isinstance(caught.value, ckpt.ChecksumError), caught.value
-    assert _unchanged(state)
+    assert state["step"] == 0 and state["rng"] == b""
     if rank == 0:
         assert main(["verify", str(path)]) == 1
 
 
 @distributed(world_size=2, timeout=90)
-def test_without_the_lowered_threshold_the_index_keeps_version_2(tmp_path: Path) -> None:
+def test_a_large_index_is_read_from_storage_by_the_other_ranks(tmp_path: Path) -> None:
+    # The index is not sent with the outcome: rank 1's return value reads it when walked.
     flat = init_device_mesh("cpu", (2,))
     state = {"w": distribute_tensor(_full(5, 2), flat, [Shard(0)]), "b": torch.ones(3)}
-    ckpt.save(state, tmp_path / "v2")
-    assert json.loads((tmp_path / "v2" / INDEX_NAME).read_bytes())["format_version"] == 2
-    # The index is not sent with the outcome: rank 1's return value reads it when walked.
-    with _layouts(), _patched(outcome_module, "SENT_INDEX_BYTES", 0):
-        returned = ckpt.save(state, tmp_path / "v4")
-    assert json.loads((tmp_path / "v4" / INDEX_NAME).read_bytes())["format_version"] == 4
-    assert returned == ckpt.read_metadata(tmp_path / "v4")
-    for version in ("v2", "v4"):
-        assert torch.equal(ckpt.load_tensor(tmp_path / version, "w"), _full(5, 2))
+    unsent = dataclasses.replace(outcome_module.TUNING, sent_index_bytes=1)
+    with _patched(outcome_module, "TUNING", unsent):
+        returned = ckpt.save(state, tmp_path / "c")
+    assert returned == ckpt.read_metadata(tmp_path / "c")
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w"), _full(5, 2))
 
 
 @distributed(world_size=2, timeout=90)
-def test_a_rank_with_nothing_to_write_writes_an_empty_data_section(tmp_path: Path) -> None:
-    # One row each: rank 1 holds empty shards past the end, so its file holds no entry.
+def test_a_rank_with_nothing_to_write_writes_no_data_file(tmp_path: Path) -> None:
+    # One row each: rank 1 holds empty shards past the end, so it writes no file and its
+    # number in the index is null; so does the coordinator when it holds nothing.
     flat = init_device_mesh("cpu", (2,))
     state = {
         "x": distribute_tensor(_full(1, 3), flat, [Shard(0)]),
         "y": distribute_tensor(_full(1, 2, 9.0), flat, [Shard(0)]),
+        "step": 5,
     }
-    with _layouts():
-        ckpt.save(state, tmp_path / "c")
-    document = json.loads((tmp_path / "c" / INDEX_NAME).read_bytes())
-    assert document["format_version"] == 4
-    name, size, data_start, sums = document["files"][1]
-    assert data_start == size == (tmp_path / "c" / name).stat().st_size and len(sums) == 16
-    loaded = {
-        "x": distribute_tensor(torch.zeros(1, 3), flat, [Shard(1)]),
-        "y": distribute_tensor(torch.zeros(1, 2), flat, [Shard(0)]),
-    }
-    ckpt.load(loaded, tmp_path / "c")
-    assert torch.equal(loaded["x"].full_tensor(), _full(1, 3))
-    assert torch.equal(loaded["y"].full_tensor(), _full(1, 2, 9.0))
-    if dist.get_rank() == 1:
-        assert main(["verify", str(tmp_path / "c")]) == 0
-    dist.barrier()
+    for name, coordinator in (("c", 0), ("d", 1)):
+        path = tmp_path / name
+        returned = ckpt.save(state, path, coordinator_rank=coordinator)
+        document = json.loads((path / INDEX_NAME).read_bytes())
+        assert document["format_version"] == 4 and document["files"][1] is None
+        (first,) = sorted((path / "data").iterdir())
+        assert document["files"][0][0] == f"data/{first.name}"
+        assert first.name.startswith("rank-00000.")
+        assert returned == ckpt.read_metadata(path)
+        loaded = {
+            "x": distribute_tensor(torch.zeros(1, 3), flat, [Shard(1)]),
+            "y": distribute_tensor(torch.zeros(1, 2), flat, [Shard(0)]),
+            "step": 0,
+        }
+        ckpt.load(loaded, path)
+        assert torch.equal(loaded["x"].full_tensor(), _full(1, 3))
+        assert torch.equal(loaded["y"].full_tensor(), _full(1, 2, 9.0))
+        assert loaded["step"] == 5
+        if dist.get_rank() == 1:
+            assert main(["verify", str(path)]) == 0
+        dist.barrier()
+    # A second save to the same path, where rank 1 now holds rows: its file appears, rank
+    # 0's old file is cleaned up.
+    wide = {"x": distribute_tensor(_full(4, 3), flat, [Shard(0)])}
+    ckpt.save(wide, tmp_path / "c")
+    files = json.loads((tmp_path / "c" / INDEX_NAME).read_bytes())["files"]
+    names = sorted(f"data/{p.name}" for p in (tmp_path / "c" / "data").iterdir())
+    assert [row[0] for row in files] == names and len(names) == 2
 
 
 # -- saved by 4 ranks, loaded by 2 ----------------------------------------------------------
@@ -303,9 +289,8 @@ def _stage_state() -> dict[str, Any]:
 
 
 def _save_by_four(root: str) -> str:
-    with _layouts():
-        # The coordinator, rank 1, writes the blob after its grid cells.
-        ckpt.save(_stage_state(), f"{root}/c", coordinator_rank=1)
+    # The coordinator, rank 1, writes the blob after its grid cells.
+    ckpt.save(_stage_state(), f"{root}/c", coordinator_rank=1)
     return str(json.loads(Path(f"{root}/c/{INDEX_NAME}").read_bytes())["format_version"])
 
 

@@ -1,12 +1,11 @@
-"""Reading index version 4 (tensors as ``grid``/``whole``/``chunks`` layouts, block checksums
-per data file): full and resharded loads, ``load_tensor``, ``read_metadata`` and the CLI, on
+"""Reading the index's layouts (tensors as ``grid``/``whole``/``chunks``, block checksums per
+data file): full and resharded loads, ``load_tensor``, ``read_metadata`` and the CLI, on
 checkpoints whose data files are written here with the safetensors layout of ``format.py``
 and whose index is the real encoder's; and every malformed one refused with a
-``CheckpointError`` before a destination byte changes.
+``CheckpointError``.
 
-``save`` writes version 4 above ``TUNING.layout_index_chunks`` chunks (``test_save_v4.py``);
-these tests build version-4 checkpoints by hand, so :func:`_write_v4` lays out the files as the
-format says:
+``save``'s own checkpoints are tested in ``test_save_index.py``; these tests build checkpoints
+by hand, so :func:`_write_v4` lays out the files as the format says:
 per file, the grid cells of every grid tensor in index order, each tensor's cells in row-major
 order, from the data section's start; then the ``whole``/``chunks`` entries and the blobs.
 """
