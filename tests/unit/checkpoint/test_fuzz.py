@@ -8,13 +8,14 @@ in the data files — and each damaged checkpoint is opened with ``read_metadata
 
 Each case asserts: only a CheckpointError escapes (the CLI exits 0, 1 or 2 without a
 traceback); nothing outside the checkpoint is opened; a failed load leaves the target
-unchanged; a read that succeeds returns exactly what the checkpoint holds — the original
+unchanged (its tensors aside when a checksum failed: they are then undefined, and no Python
+value was replaced); a read that succeeds returns exactly what the checkpoint holds — the original
 values when the index is intact or its seal must catch the damage, otherwise what the edited
 index describes, read independently and checked against its checksums (``tests._hostile``).
 
 ``SHARDWISE_FUZZ_CASES`` sets the number of cases (default 2400, about 30 s on two cores);
 ``SHARDWISE_FUZZ_SEED`` the seed. A failure names its case; ``SHARDWISE_FUZZ_ONLY=<case>``
-(e.g. ``v2/json/17``) reruns just that one.
+(e.g. ``v4/json/17``) reruns just that one.
 """
 
 from __future__ import annotations
@@ -44,14 +45,12 @@ ONLY = os.environ.get("SHARDWISE_FUZZ_ONLY")
 
 # (base checkpoint, what is mutated, share of the cases).
 SUITES = [
-    ("v2", "index", 2),  # raw bytes of a sealed index: the seal must catch every change
-    ("v2", "json", 4),  # edited and re-sealed: the validator must catch what is wrong
-    ("v2", "data", 3),
-    ("v2-4k", "json", 2),  # 4 KiB blocks: chunks of several blocks, partial reads
-    ("v2-4k", "data", 3),
-    ("v1", "index", 2),
-    ("v1", "json", 2),
-    ("v1", "data", 2),
+    ("v4", "index", 2),  # raw bytes of a sealed index: the seal must catch every change
+    ("v4", "json", 4),  # edited and re-sealed: the validator must catch what is wrong
+    ("v4", "data", 3),
+    ("v4-4k", "json", 2),  # 4 KiB blocks: chunks of several blocks, partial reads
+    ("v4-4k", "data", 3),
+    ("v4-null", "json", 2),  # one more file number, null (a rank that wrote nothing)
 ]
 _WEIGHT = sum(share for _, _, share in SUITES)
 # Per case: well under 50 ms; the timeout leaves room for a slow, shared machine.
@@ -70,21 +69,19 @@ class Base:
     index: bytes
     data: dict[str, bytes]  # file name in data/ -> contents
 
-    @property
-    def version(self) -> int:
-        return 1 if self.name == "v1" else 2
-
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Base]:
     root = tmp_path_factory.mktemp("fuzz-bases")
-    ckpt.save(STATE, root / "v2")
-    shutil.copytree(root / "v2", root / "v2-4k")
-    h.reblock(root / "v2-4k", 4096)
-    shutil.copytree(root / "v2", root / "v1")
-    h.convert_to_v1(root / "v1")
+    ckpt.save(STATE, root / "v4")
+    shutil.copytree(root / "v4", root / "v4-4k")
+    h.reblock(root / "v4-4k", 4096)
+    shutil.copytree(root / "v4", root / "v4-null")
+    document = h.read_document(root / "v4-null")
+    document["files"].append(None)
+    h.write_resealed(root / "v4-null", document)
     result = {}
-    for name in ("v2", "v2-4k", "v1"):
+    for name in ("v4", "v4-4k", "v4-null"):
         files = {path.name: path.read_bytes() for path in h.data_files(root / name)}
         result[name] = Base(name, h.index_bytes(root / name), files)
     return result
@@ -204,10 +201,6 @@ def _replacement(rng: random.Random, old: Any, strings: list[str]) -> Any:
     return copy.deepcopy(rng.choice(_VALUES))
 
 
-def _mutate_structure(rng: random.Random, document: Any, version: int) -> tuple[Any, str]:
-    return mutate_document(rng, document)
-
-
 def mutate_document(rng: random.Random, document: Any) -> tuple[Any, str]:
     """A deep copy of ``document`` with 1 to 3 random structural edits."""
     document = copy.deepcopy(document)
@@ -260,7 +253,7 @@ _TEXTS = [
 ]  # fmt: skip
 _SEMANTIC = [
     "reshape", "flatten", "dtype", "shift", "swap", "alias", "size", "box", "declared",
-    "block", "sums", "text", "encoding", "rename", "drop", "dup", "file",
+    "block", "sums", "text", "encoding", "rename", "drop", "dup", "file", "null", "start",
 ]  # fmt: skip
 
 
@@ -269,58 +262,43 @@ class _Stored:
     """One stored byte range of an index being edited, and where its fields live."""
 
     fqn: str
-    row: Any  # the list or dict holding its fields
-    fields: tuple[Any, ...]  # their keys or positions: file, begin, [end,] checksum(s)
+    row: Any  # the list holding its fields
+    fields: tuple[int, int]  # their positions: file, begin
 
     @property
-    def begin(self) -> Any:
+    def begin(self) -> int:
         return self.fields[1]
 
-    @property
-    def sums(self) -> Any:
-        return self.fields[-1]
 
-
-def _v2_parts(document: dict[str, Any]) -> tuple[list[Any], list[_Stored]]:
-    tensors = [(row[0], row[2], [(c[0], c[1]) for c in row[3]]) for row in document["tensors"]]
-    stored = [_Stored(row[0], c, (2, 3, 4)) for row in document["tensors"] for c in row[3]]
-    stored += [_Stored(r[0], r[2], (0, 1, 3)) for r in document["objects"] if r[1] != "json"]
-    return tensors, stored
-
-
-_V1_FIELDS = ("file", "begin", "end", "checksum")
-
-
-def _v1_parts(document: dict[str, Any]) -> tuple[list[Any], list[_Stored]]:
-    entries = document["state_dict_metadata"]
+def _parts(document: dict[str, Any]) -> tuple[list[Any], list[_Stored]]:
+    """The tensors (key, size, boxes of a ``chunks`` layout) and the stored byte ranges of a
+    parsed index (a single process's: ``whole`` and ``chunks`` layouts, blobs)."""
     tensors, stored = [], []
-    for fqn, entry in entries.items():
-        if entry["type"] == "tensor":
-            tensors.append(
-                (fqn, entry["size"], [(c["offsets"], c["sizes"]) for c in entry["chunks"]])
-            )
-            stored += [_Stored(fqn, c["storage"], _V1_FIELDS) for c in entry["chunks"]]
-        elif entry["storage"]["encoding"] != "json":
-            stored.append(_Stored(fqn, entry["storage"], _V1_FIELDS))
+    for fqn, _, size, layout in document["tensors"]:
+        if layout[0] == "whole":
+            tensors.append((fqn, size, []))
+            stored.append(_Stored(fqn, layout, (1, 2)))
+        else:
+            tensors.append((fqn, size, [(c[0], c[1]) for c in layout[1]]))
+            stored += [_Stored(fqn, c, (2, 3)) for c in layout[1]]
+    stored += [_Stored(r[0], r[2], (0, 1)) for r in document["objects"] if r[1] != "json"]
     return tensors, stored
 
 
-def mutate_semantics(rng: random.Random, document: Any, version: int) -> tuple[Any, str]:
+def mutate_semantics(rng: random.Random, document: Any) -> tuple[Any, str]:
     """A deep copy of the index ``document`` with one edit of its meaning (a tensor reshaped
-    or retyped, a byte range moved, aliased or swapped, a size, box, checksum, stored value,
-    encoding or key changed, an entry dropped or repeated)."""
+    or retyped, a byte range moved, aliased or swapped, a size, box, file size, data start,
+    checksum, stored value, encoding or key changed, an entry dropped or repeated, a file
+    made null)."""
     document = copy.deepcopy(document)
-    tensors, stored = (_v1_parts if version == 1 else _v2_parts)(document)
+    tensors, stored = _parts(document)
     fqn, size, boxes = rng.choice(tensors)
     one, other = rng.choice(stored), rng.choice(stored)
+    objects = {row[0]: row for row in document["objects"]}
+    properties = document["properties"]
+    files = [row for row in document["files"] if row is not None]
+    layout = next(row for row in document["tensors"] if row[0] == fqn)[3]
     op = rng.choice(_SEMANTIC)
-    if version == 1:
-        entries = document["state_dict_metadata"]
-        objects = {k: e["storage"] for k, e in entries.items() if e["type"] == "bytes"}
-        properties = entries[fqn]["properties"]
-    else:
-        objects = {row[0]: row for row in document["objects"]}
-        properties = document["properties"]
     if op == "reshape":  # a dim of 1 more, in front or behind: the same bytes
         front = rng.random() < 0.5
         for dims, value in [(size, 1), *((o, 0) for o, _ in boxes), *((s, 1) for _, s in boxes)]:
@@ -332,16 +310,9 @@ def mutate_semantics(rng: random.Random, document: Any, version: int) -> tuple[A
             offsets[:] = [offsets[0] * row] if offsets else []
             sizes[:] = [math.prod(sizes)]
     elif op == "dtype":
-        name = rng.choice(_DTYPE_NAMES)
-        if version == 1:
-            properties["dtype"] = name
-        else:
-            rng.choice(properties)[0] = name
+        rng.choice(properties)[0] = rng.choice(_DTYPE_NAMES)
     elif op == "shift":
-        delta = rng.choice([-64, -8, -2, -1, 1, 2, 8, 64])
-        one.row[one.begin] += delta
-        if version == 1 and rng.random() < 0.8:
-            one.row["end"] += delta
+        one.row[one.begin] += rng.choice([-64, -8, -2, -1, 1, 2, 8, 64])
     elif op in ("swap", "alias"):  # two ranges trade places, or one is named twice
         for mine, theirs in zip(one.fields, other.fields, strict=True):
             if op == "swap":
@@ -353,59 +324,48 @@ def mutate_semantics(rng: random.Random, document: Any, version: int) -> tuple[A
     elif op == "box" and boxes and size:
         dims = rng.choice(boxes)[rng.randrange(2)]
         dims[rng.randrange(len(dims))] += rng.choice([-1, 1])
-    elif op == "declared" and version == 2:
-        entry = rng.choice(document["files"])
+    elif op == "declared":
+        entry = rng.choice(files)
         entry[1] += rng.choice([-64, -1, 1, 64, entry[1]])
-    elif op == "block" and version == 2:
+    elif op == "start":
+        entry = rng.choice(files)
+        entry[2] += rng.choice([-64, -1, 1, 64, entry[1]])
+    elif op == "block":
         document["checksum"]["block_size"] = rng.choice([4095, 4096, 8192, 1 << 20, 1 << 30])
     elif op == "sums":
-        sums = one.row[one.sums]
-        one.row[one.sums] = rng.choice(
-            [other.row[other.sums], sums + "0" * 16, sums[:-16], sums.upper(), ""]
-        )
+        entry, theirs = rng.choice(files), rng.choice(files)
+        sums = entry[3]
+        entry[3] = rng.choice([theirs[3], sums + "0" * 16, sums[:-16], sums.upper(), ""])
     elif op == "text":
-        name = rng.choice(sorted(objects))
-        text = rng.choice(_TEXTS)
-        if version == 1:
-            objects[name].clear()
-            objects[name].update(encoding="json", text=text)
-        else:
-            objects[name][1:] = ["json", text]
+        objects[rng.choice(sorted(objects))][1:] = ["json", rng.choice(_TEXTS)]
     elif op == "encoding":
-        name = rng.choice(sorted(objects))
         encoding = rng.choice(["json", "bytes", "bytesio", "pickle"])
-        if version == 1:
-            objects[name]["encoding"] = encoding
-        else:
-            objects[name][1] = encoding
+        objects[rng.choice(sorted(objects))][1] = encoding
     elif op == "rename":
         names = [name for name, _, _ in tensors] + sorted(objects)
         new = rng.choice([*names, "", "model", "config", "model.weight.x", fqn + "\x00"])
-        if version == 1:
-            entries[new] = entries.pop(fqn)
-        else:
-            next(row for row in document["tensors"] if row[0] == fqn)[0] = new
+        next(row for row in document["tensors"] if row[0] == fqn)[0] = new
     elif op == "drop":
-        if version == 1:
-            del entries[rng.choice(sorted(entries))]
-        elif rng.random() < 0.5:
+        if layout[0] == "chunks" and layout[1] and rng.random() < 0.5:
+            del layout[1][rng.randrange(len(layout[1]))]
+        else:
             rows = rng.choice([document["tensors"], document["objects"]])
             del rows[rng.randrange(len(rows))]
-        else:
-            chunks = next(row for row in document["tensors"] if row[0] == fqn)[3]
-            del chunks[rng.randrange(len(chunks))]
     elif op == "dup":
-        if version == 1:
-            chunks = entries[fqn]["chunks"]
+        if layout[0] == "chunks" and layout[1]:
+            layout[1].append(copy.deepcopy(rng.choice(layout[1])))
+        elif layout[0] == "whole":  # the one chunk, listed twice
+            chunk = [[0] * len(size), list(size), layout[1], layout[2]]
+            layout[:] = ["chunks", [chunk, copy.deepcopy(chunk)]]
+    elif op == "file":  # a range moved to another file: a real one or a null one
+        if rng.random() < 0.5:
+            name = files[0][0].replace("00000", "00001")
+            document["files"].append([name, 64, 8, "0" * 16])
         else:
-            chunks = next(row for row in document["tensors"] if row[0] == fqn)[3]
-        chunks.append(copy.deepcopy(rng.choice(chunks)))
-    elif op == "file":
-        if version == 1:
-            one.row["file"] = one.row["file"].replace("rank-00000", "rank-00001")
-        else:
-            document["files"].append([document["files"][0][0].replace("00000", "00001"), 64])
-            one.row[one.fields[0]] = len(document["files"]) - 1
+            document["files"].append(None)
+        one.row[one.fields[0]] = len(document["files"]) - 1
+    elif op == "null":  # a file that holds entries is said to hold nothing
+        document["files"][rng.randrange(len(document["files"]))] = None
     return document, f"{op} ({fqn}, {one.fqn}, {other.fqn})"
 
 
@@ -414,11 +374,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def serialize(rng: random.Random, document: Any, version: int) -> tuple[bytes, str]:
-    """An edited index as bytes: version 1 as its writer wrote it; version 2 re-sealed (now
-    and then raw UTF-8, escaped ASCII, lone surrogates as invalid UTF-8, or not re-sealed)."""
-    if version == 1:
-        return json.dumps(document, separators=(",", ":")).encode(), "v1"
+def serialize(rng: random.Random, document: Any) -> tuple[bytes, str]:
+    """An edited index as bytes, re-sealed (now and then raw UTF-8, escaped ASCII, lone
+    surrogates as invalid UTF-8, or not re-sealed)."""
     ascii_only = rng.random() < 0.3
     if not isinstance(document, dict) or rng.random() < 0.05:
         text = json.dumps(document, separators=(",", ":"), ensure_ascii=ascii_only)
@@ -508,7 +466,8 @@ def run_case(directory: Path, rng: random.Random, intact: bool) -> Outcome:
         assert type(outcome.load_error) is type(outcome.meta_error), outcome.load_error
         assert type(outcome.tensor_error) is type(outcome.meta_error), outcome.tensor_error
     if outcome.load_error is not None:
-        h.assert_unchanged(target, before)
+        checksum = isinstance(outcome.load_error, ckpt.ChecksumError)
+        h.assert_unchanged(target, before, tensors=not checksum)
     else:
         loaded = h.loaded_values(target, SIZES)
         if reference is None:
@@ -568,17 +527,17 @@ def test_mutated_checkpoints_fail_cleanly_or_load_exactly(
         if target == "index":
             index, what = mutate_bytes(rng, index)
         elif target == "json":
-            mutate = mutate_semantics if rng.random() < 0.6 else _mutate_structure
-            edited, what = mutate(rng, document, base.version)
-            index, how = serialize(rng, edited, base.version)
+            mutate = mutate_semantics if rng.random() < 0.6 else mutate_document
+            edited, what = mutate(rng, document)
+            index, how = serialize(rng, edited)
             what += f" ({how})"
         else:
             file = rng.choice(sorted(data))
             data[file], what = mutate_bytes(rng, data[file], _header_length(data[file]))
             what = f"{file}: {what}"
         # Damage the seal can catch must load exactly or not at all; an edited, re-sealed
-        # index (or an unsealed version 1) must load what it says.
-        intact = target == "data" or (target == "index" and base.version == 2)
+        # index must load what it says.
+        intact = target in ("data", "index")
         _write(directory, index, data)
         try:
             outcome = run_case(directory, rng, intact)
@@ -589,7 +548,7 @@ def test_mutated_checkpoints_fail_cleanly_or_load_exactly(
             ) from err
         label = type(outcome.load_error).__name__ if outcome.load_error else "loaded"
         outcomes[label] = outcomes.get(label, 0) + 1
-    if ONLY is None and name == "v2" and target == "index":
+    if ONLY is None and name == "v4" and target == "index":
         assert set(outcomes) == {"CheckpointFormatError"}, outcomes  # the seal catches all
     elif ONLY is None and sum(outcomes.values()) >= 100:
         # The mutations must reach the checks, not just bounce off the first one.
