@@ -1,12 +1,12 @@
-"""The new metadata path, measured on the state of ``model.py`` through shardwise's own code:
-the coordinator's planning from tables of layouts (``checkpoint.layout_plan.plan_save``), the
-version-4 index (``index.v4.encode_v4``, ``index.decode_index``), one rank's load planning
-from the layouts (``planner.plan_reads`` with a grid's ``LayoutChunks`` as its lookup), and
-the lazily built ``Index.to_metadata``.
+"""The metadata path, measured on the state of ``model.py`` through shardwise's own code: the
+coordinator's planning from tables of layouts (``checkpoint.layout_plan.plan_save``), the
+index (``index.encode_index``, ``index.decode_index``), one rank's load planning from the
+layouts (``planner.plan_reads`` with a grid's ``LayoutChunks`` as its lookup), and the lazily
+built ``Index.to_metadata``.
 
-Not yet wired into ``save``/``load``: what this measures is the pure code those will call
-(see ``docs/design/scale.md``). The data files are not written; their block checksums are
-made-up hex of the right length, as the decoder checks lengths and digits, not values.
+The pure code ``save``/``load`` call, without their exchanges (see ``docs/design/scale.md``).
+The data files are not written; their block checksums are made-up hex of the right length,
+as the decoder checks lengths and digits, not values.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ from _scale.model import ITEMSIZE, Tensor, fsdp_box
 from shardwise.checkpoint import planner
 from shardwise.checkpoint.index import (
     BLOCK_SIZE,
+    FileFacts,
+    LayoutRecord,
     SaveFacts,
     data_file_name,
     decode_index,
+    encode_index,
     num_blocks,
     paused_gc,
 )
 from shardwise.checkpoint.index.layouts import LayoutChunks
-from shardwise.checkpoint.index.v4 import FileFacts, LayoutRecord, encode_v4
 from shardwise.checkpoint.layout_plan import SavePlan, TableRow, plan_save
 from shardwise.checkpoint.planner import SavedChunk
 from shardwise.metadata import TensorProperties
@@ -47,7 +49,7 @@ _PROPERTIES = {
 
 @dataclass
 class Measured:
-    """The figures of the new path for one job."""
+    """The figures of the metadata path for one job."""
 
     table_bytes: int
     assignment_bytes: tuple[float, int]  # mean, max over ranks
@@ -145,7 +147,7 @@ def _best(work: Callable[[], T], repeat: int = 3) -> tuple[T, float]:
 
 
 def measure(tensors: Sequence[Tensor], ranks: int, load_ranks: int, load_rank: int) -> Measured:
-    """Time the new path for ``tensors`` saved by ``ranks`` ranks, and the load planning of
+    """Time the metadata path for ``tensors`` saved by ``ranks`` ranks, and the load planning of
     rank ``load_rank`` of ``load_ranks`` (least CPU time of 3 runs each; the garbage collector
     paused, as shardwise pauses it)."""
     with paused_gc():
@@ -160,7 +162,7 @@ def _measure(tensors: Sequence[Tensor], ranks: int, load_ranks: int, load_rank: 
     told = [len(json.dumps(value)) for value in plan.assignments()]
     files, records = _records(tensors, plan, ranks)
     facts = SaveFacts("shardwise bench", torch.__version__, ranks, _SAVE_ID, None)
-    data, encode_seconds = _best(lambda: encode_v4(facts, files, records, []))
+    data, encode_seconds = _best(lambda: encode_index(facts, list(files.items()), records, []))
     index, decode_seconds = _best(lambda: decode_index(data))
     _, metadata_seconds = _best(index.to_metadata)
     boxes = {
