@@ -174,7 +174,8 @@ def test_data_files_are_safetensors_files(tmp_path: Path) -> None:
             else:
                 assert stored.dtype == expected.dtype and torch.equal(stored, expected), key
             checked += 1
-    assert checked == 4 + 4 + 4 + 1 + 1
+    # cols: 6 columns over 4 ranks are 2, 2, 2 and an empty shard past the end (no chunk).
+    assert checked == 4 + 3 + 4 + 1 + 1
 
 
 # -- atomic commit ---------------------------------------------------------------------------
@@ -367,7 +368,9 @@ def test_memory_urls_in_a_single_process() -> None:
     raw = bytearray(fs.cat_file(data_file))
     raw[-1] ^= 0xFF
     fs.pipe_file(data_file, bytes(raw))
-    with pytest.raises(ckpt.ChecksumError, match=re.escape("checksum mismatch for the chunk")):
+    with pytest.raises(
+        ckpt.ChecksumError, match=r"checksum mismatch for .* in block 0 of the file"
+    ):
         ckpt.load({"w": torch.zeros(4, 5, dtype=torch.int64)}, url)
     fs.rm("/shardwise-test/ckpt/shardwise.json")
     with pytest.raises(

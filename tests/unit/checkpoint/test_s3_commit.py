@@ -40,7 +40,7 @@ REPOSITORY = Path(__file__).resolve().parents[3]
 def _named_files(s3: S3Bucket, prefix: str) -> dict[str, int]:
     """The data objects the committed index at ``prefix`` names: key -> size."""
     index = json.loads(s3.filesystem().cat_file(f"{s3.name}/{prefix}/{INDEX}"))
-    return {f"{prefix}/{name}": size for name, size in index["files"]}
+    return {f"{prefix}/{row[0]}": row[1] for row in index["files"] if row is not None}
 
 
 def _blank() -> dict[str, Any]:
