@@ -45,7 +45,7 @@ def _records(
         chunks = []
         for c in range(chunks_per_tensor):
             nbytes = 16 * 4
-            chunks.append(SavedChunk((c, 0), (1, 16), _FILE, position, position + nbytes, ""))
+            chunks.append(SavedChunk((c, 0), (1, 16), _FILE, position, position + nbytes))
             position += nbytes
         tensors.append(
             LayoutRecord(

@@ -228,7 +228,7 @@ def strided_section(root: str, size_mib: int, top: int) -> None:
     data = metadata.storage_data or {}
     chunks = [
         planner.SavedChunk(
-            tuple(c.offsets), tuple(c.sizes), info["file"], info["begin"], info["end"], ""
+            tuple(c.offsets), tuple(c.sizes), info["file"], info["begin"], info["end"]
         )
         for c in entry.chunks  # type: ignore[union-attr]
         for info in [data[swckpt.MetadataIndex("w", c.offsets)]]

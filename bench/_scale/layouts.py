@@ -108,7 +108,7 @@ def _records(
         rank = plan.whole[tensor.fqn]
         begin = position[rank]
         position[rank] += tensor.nbytes
-        chunk = SavedChunk((), tensor.shape, names[rank], begin, begin + tensor.nbytes, "")
+        chunk = SavedChunk((), tensor.shape, names[rank], begin, begin + tensor.nbytes)
         records.append(LayoutRecord(tensor.fqn, properties, tensor.shape, (chunk,)))
     files = {
         name: FileFacts(

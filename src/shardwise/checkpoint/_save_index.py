@@ -71,7 +71,7 @@ def build_index(
         key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int
     ) -> SavedChunk:
         file, begin = where[key]
-        return SavedChunk(offsets, sizes, file, begin, begin + nbytes, "")
+        return SavedChunk(offsets, sizes, file, begin, begin + nbytes)
 
     records = []
     properties: dict[tuple[Any, ...], TensorProperties] = {}  # few distinct ones

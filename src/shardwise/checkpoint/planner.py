@@ -118,7 +118,8 @@ class SavedChunk:
         file: The data file, relative to the checkpoint (``data/rank-...``).
         begin: First byte in the file.
         end: One past the last byte.
-        checksums: The block checksums, concatenated (see ``docs/format.md``).
+
+    Its checksums are those of the file's blocks its bytes touch (``Index.blocks_of``).
     """
 
     offsets: tuple[int, ...]
@@ -126,7 +127,6 @@ class SavedChunk:
     file: str
     begin: int
     end: int
-    checksums: str
 
     @property
     def nbytes(self) -> int:

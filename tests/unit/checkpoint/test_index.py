@@ -72,9 +72,7 @@ class _State:
             nbytes = math.prod(sizes) * 4
             begin = position[file]
             position[file] += nbytes
-            self.chunks[key].append(
-                SavedChunk(offsets, sizes, names[file], begin, begin + nbytes, "")
-            )
+            self.chunks[key].append(SavedChunk(offsets, sizes, names[file], begin, begin + nbytes))
 
         for file in range(num_files):
             for key, _, layout in tensors:
@@ -91,7 +89,7 @@ class _State:
         for key, file, nbytes in blobs:
             begin = position[file]
             position[file] += nbytes
-            blob = SavedChunk((), (), names[file], begin, begin + nbytes, "")
+            blob = SavedChunk((), (), names[file], begin, begin + nbytes)
             self.objects.append(ObjectRecord(key, "bytes", blob=blob))
         self.objects.append(ObjectRecord("step", "json", text="7"))
         for key, _, layout in tensors:  # grid chunks in row-major order

@@ -46,17 +46,17 @@ def _index() -> Index:
             FLOAT,
             (4, 2),
             (
-                SavedChunk((0, 0), (2, 2), F0, 64, 80, ""),
-                SavedChunk((2, 0), (2, 2), F1, 64, 80, ""),
+                SavedChunk((0, 0), (2, 2), F0, 64, 80),
+                SavedChunk((2, 0), (2, 2), F1, 64, 80),
             ),
         ),
-        LayoutRecord("b", FLOAT, (3,), (SavedChunk((0,), (3,), F0, 80, 92, ""),)),
-        LayoutRecord("s.0", FLOAT, (), (SavedChunk((), (), F0, 92, 96, ""),)),
-        LayoutRecord("s.0\x001", FLOAT, (), (SavedChunk((), (), F0, 96, 100, ""),)),
+        LayoutRecord("b", FLOAT, (3,), (SavedChunk((0,), (3,), F0, 80, 92),)),
+        LayoutRecord("s.0", FLOAT, (), (SavedChunk((), (), F0, 92, 96),)),
+        LayoutRecord("s.0\x001", FLOAT, (), (SavedChunk((), (), F0, 96, 100),)),
     ]
     objects = [
         ObjectRecord("step", "json", text="7"),
-        ObjectRecord("rng", "bytes", blob=SavedChunk((), (), F1, 80, 100, "")),
+        ObjectRecord("rng", "bytes", blob=SavedChunk((), (), F1, 80, 100)),
     ]
     data = encode_index(FACTS, FILES, tensors, objects, aliases={"head": "w"})
     return decode_index(data)

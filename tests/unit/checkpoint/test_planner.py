@@ -71,7 +71,7 @@ def _chunk(
     offsets: tuple[int, ...], sizes: tuple[int, ...], begin: int, itemsize: int = 4
 ) -> SavedChunk:
     nbytes = math.prod(sizes) * itemsize
-    return SavedChunk(offsets, sizes, "f", begin, begin + nbytes, "c")
+    return SavedChunk(offsets, sizes, "f", begin, begin + nbytes)
 
 
 def test_reads_of_whole_and_contiguous_overlaps_are_exact() -> None:
@@ -135,7 +135,7 @@ def test_reads_choose_the_cheapest_split() -> None:
 
 
 def test_reads_of_a_zero_d_tensor_and_of_an_empty_box() -> None:
-    chunks = [SavedChunk((), (), "f", 64, 72, "c")]
+    chunks = [SavedChunk((), (), "f", 64, 72)]
     assert planner.plan_reads(((), ()), chunks, 8) == [ChunkRead(0, 64, 8, ((), ()), True, None)]
     assert planner.plan_reads(((6, 0), (0, 7)), [_chunk((0, 0), (5, 7), 0)], 4) == []
 
@@ -225,7 +225,7 @@ def test_any_tiling_reads_back_into_any_tiling_exactly(case: dict[str, Any]) -> 
             else torch.empty(sizes, dtype=dtype)  # an empty shard may lie past the end
         )
         begin, end = storage.write(f"rank{rank}", data)
-        chunks.append(SavedChunk(offsets, sizes, f"rank{rank}", begin, end, "-"))
+        chunks.append(SavedChunk(offsets, sizes, f"rank{rank}", begin, end))
     for read_cost in (0, case["read_cost"]):
         out = torch.full(shape, -1, dtype=torch.int64).to(dtype)
         for box in case["target"]:
@@ -287,7 +287,7 @@ def _chunks_of(boxes: list[Box]) -> list[SavedChunk]:
     chunks, position = [], 8
     for offsets, sizes in boxes:
         nbytes = math.prod(sizes) * 4
-        chunks.append(SavedChunk(offsets, sizes, "data/f", position, position + nbytes, ""))
+        chunks.append(SavedChunk(offsets, sizes, "data/f", position, position + nbytes))
         position += nbytes
     return chunks
 

@@ -139,9 +139,9 @@ def _write_v4(path: Path, pad: dict[int, int] | None = None) -> dict[str, torch.
             for offsets, sizes, where in _CHUNKS[key]:
                 begin = begins[key, offsets]
                 end = begin + math.prod(sizes) * tensor.element_size()
-                layout.append(SavedChunk(offsets, sizes, names[where], begin, end, ""))
+                layout.append(SavedChunk(offsets, sizes, names[where], begin, end))
         records.append(LayoutRecord(key, props, tuple(tensor.shape), layout))
-    blob = SavedChunk((), (), names[-1], blob_begin, blob_begin + len(BLOB), "")
+    blob = SavedChunk((), (), names[-1], blob_begin, blob_begin + len(BLOB))
     objects = [ObjectRecord("blob", "bytes", blob=blob), ObjectRecord("step", "json", text="7")]
     index = encode_index(FACTS, list(files.items()), records, objects, BLOCK)
     (path / INDEX_NAME).write_bytes(index)
@@ -245,7 +245,8 @@ def test_read_metadata_describes_the_cells_and_their_file_blocks(
     assert [tuple(c.sizes) for c in chunks] == [(76, 24), (76, 24), (76, 24), (73, 24)]
     assert metadata.version == "4"
     with CheckpointReader.open(path) as reader:
-        assert reader.index.block_scope == "file"
+        index = reader.index
+        assert set(index.data_starts) == set(index.file_checksums) == set(index.files)
 
 
 def test_a_flipped_bit_raises_checksum_error_and_replaces_no_python_value(

@@ -317,7 +317,7 @@ def _chunk(
     end = begin + math.prod(sizes) * itemsize
     if end >= MAX_INT:
         fail("malformed chunk", fqn)
-    return SavedChunk(offsets, sizes, name, begin, end, "")
+    return SavedChunk(offsets, sizes, name, begin, end)
 
 
 def _whole(
@@ -338,7 +338,7 @@ def _whole(
             end = begin + math.prod(size) * itemsize
             name = names[file]
             if name is not None and ranges.add_range(name, begin, end, fqn):
-                return SavedChunk(origin(len(size)), size, name, begin, end, "")
+                return SavedChunk(origin(len(size)), size, name, begin, end)
     _, file, begin = row_of(layout, 3, "a whole layout", fqn)
     chunk = _chunk(tuple(0 for _ in size), size, file, begin, itemsize, names, fqn)
     ranges.add(chunk, fqn)

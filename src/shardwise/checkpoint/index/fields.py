@@ -194,7 +194,7 @@ def decode_objects(
         begin, nbytes = int_of(begin, "begin", fqn), int_of(nbytes, "nbytes", fqn)
         if begin + nbytes >= MAX_INT:
             fail("malformed stored object", fqn)
-        blob = SavedChunk((), (), name, begin, begin + nbytes, "")
+        blob = SavedChunk((), (), name, begin, begin + nbytes)
         ranges.add(blob, fqn)
         objects[fqn] = ObjectRecord(fqn, encoding, blob=blob)
     return objects

@@ -249,7 +249,7 @@ class LayoutChunks(Sequence[SavedChunk]):
         end = begin + math.prod(sizes) * self._itemsize
         name = self._names[file]
         assert name is not None  # the order of a null file raises
-        return SavedChunk(offsets, sizes, name, begin, end, "")
+        return SavedChunk(offsets, sizes, name, begin, end)
 
     def __iter__(self) -> Iterator[SavedChunk]:
         return (self[number] for number in range(len(self)))

@@ -74,8 +74,8 @@ class Index:
         data_starts: Per file, the first byte of its data section (where its blocks are
             counted from).
         file_checksums: Per file, the checksums of its data section's blocks, concatenated
-            (16 hex digits each). ``SavedChunk.checksums`` is empty: a chunk's blocks are the
-            file's blocks it touches (:meth:`blocks_of`).
+            (16 hex digits each): a chunk's blocks are the file's blocks it touches
+            (:meth:`blocks_of`).
     """
 
     format_version: int
@@ -87,17 +87,6 @@ class Index:
     aliases: dict[str, str] = field(default_factory=dict)
     data_starts: dict[str, int] = field(default_factory=dict)
     file_checksums: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def block_scope(self) -> str:
-        """Always ``"file"``: blocks are counted from each file's data section. (Kept for
-        readers written when some versions counted them per chunk.)"""
-        return "file"
-
-    def block_size_of(self, chunk: SavedChunk) -> int:
-        """The block size (the same for every chunk; kept for readers written when a chunk
-        of the first version was a single block)."""
-        return self.block_size
 
     def file_blocks(self, chunk: SavedChunk) -> tuple[int, list[str]]:
         """The blocks ``chunk``'s bytes touch (see :meth:`blocks_of`)."""
