@@ -132,7 +132,7 @@ class FileOrders:
         if order is None:
             name = self._names[file]
             if name is None:
-                key = next(file_cells(self._grids, file))[0]  # the grid that asks
+                key = next(file_cells(self._grids, file), (None,))[0]  # the grid that asks
                 fail(f"a grid cell is in file {file}, a rank that wrote no data file (null)", key)
             try:
                 order = FileOrder(self._grids, file, self._starts[name], self._ends[name])
