@@ -25,6 +25,7 @@ __all__ = [
     "MAX_DEPTH",
     "TAGS",
     "TAGS2",
+    "check_plain",
     "compact",
     "form_and_depth",
     "json_depth",
@@ -329,6 +330,28 @@ def untag(value: object, extended: bool = False, like: object = None) -> Any:
 
 
 _CONTAINERS = frozenset({list, dict})
+
+
+def check_plain(value: object) -> None:
+    """Check a decoded ``json`` value (no tags): the writer stores a dict that has a tag of
+    :data:`TAGS` as a key as ``pyjson`` (tagged), so a ``json`` value holding one was not
+    written by it.
+
+    Raises:
+        ValueError: An object of ``value`` has a tag as a key.
+    """
+    stack = [value] if type(value) in _CONTAINERS else []
+    while stack:
+        item = stack.pop()
+        items = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict) and not TAGS.isdisjoint(item):
+            tag = min(TAGS.intersection(item))
+            raise ValueError(
+                f"malformed json value: an object has the key {tag!r}, a pyjson tag (the writer "
+                "stores such a dict as pyjson)"
+            )
+        if not _CONTAINERS.isdisjoint(map(type, items)):  # scanned in C
+            stack.extend(part for part in items if type(part) in _CONTAINERS)
 
 
 def _malformed(tag: str, why: str) -> ValueError:

@@ -433,6 +433,8 @@ def test_a_named_tuple_no_reader_could_make_is_refused_at_save(tmp_path: Path) -
 
 # A tampered value per tag (and per way an object can hold a tag wrongly): each is refused.
 TAMPERED = [
+    ("json", '{"__tuple__": 5}'),  # a json value holds no tags: such a dict is pyjson
+    ("json", '[1, {"a": {"__dict__": []}}]'),
     ("pyjson", '{"__tuple__": 5}'),
     ("pyjson", '{"__dict__": "x"}'),
     ("pyjson", '{"__tuple__": [1], "__dict__": [[1, 2]]}'),

@@ -13,19 +13,14 @@ from shardwise.checkpoint.tuning import TUNING, Tuning, from_environment
 def test_defaults_without_environment() -> None:
     assert from_environment({}) == Tuning()
     assert Tuning().io_threads == min(4, os.cpu_count() or 1)
-    assert Tuning().keep_in_memory_bytes == 64 << 20
+    assert Tuning().read_batch_bytes == 32 << 20
 
 
 def test_every_field_has_its_variable() -> None:
     for field in dataclasses.fields(Tuning):
         variable = "SHARDWISE_" + field.name.upper()
         default = getattr(Tuning(), field.name)
-        if field.name == "write_piece_bytes":
-            value: object = 2 * default
-        elif field.name == "verify_share":  # a switch: on by default
-            value = 0
-        else:
-            value = default * 2
+        value = default * 2
         tuned = from_environment({variable: str(value)})
         assert getattr(tuned, field.name) == value, variable
 
@@ -56,8 +51,7 @@ def test_byte_suffixes() -> None:
         ("SHARDWISE_WRITE_PIECE_BYTES", "1000", "must be a multiple of 1 MiB"),
         ("SHARDWISE_LOCK_STALE_SECONDS", "inf", "must be finite, got inf"),
         ("SHARDWISE_LOCK_HEARTBEAT_SECONDS", "nan", "must be finite, got nan"),
-        ("SHARDWISE_VERIFY_SHARE", "2", "SHARDWISE_VERIFY_SHARE must be 0 or 1, got 2"),
-        ("SHARDWISE_VERIFY_SHARE", "yes", "SHARDWISE_VERIFY_SHARE must be an integer, got 'yes'"),
+        ("SHARDWISE_READ_BATCH_BYTES", "yes", "SHARDWISE_READ_BATCH_BYTES must be a byte count"),
     ],
 )
 def test_bad_values_name_the_variable(variable: str, value: str, message: str) -> None:

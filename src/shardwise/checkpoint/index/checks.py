@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
 from shardwise.checkpoint import planner
-from shardwise.checkpoint._json import json_depth, untag
+from shardwise.checkpoint._json import check_plain, json_depth, untag
 from shardwise.checkpoint.index.names import (
     ENCODINGS,
     MAX_DEPTH,
@@ -85,12 +85,13 @@ def decode_text(record: ObjectRecord, like: object = None) -> Any:
     try:
         value = load_json_value(record.text, record.fqn)
         if record.encoding == "json":
+            check_plain(value)
             return value
         return untag(value, extended=record.encoding == "pyjson2", like=like)
     except CheckpointFormatError as err:
         raise CheckpointFormatError(err.bare_message, key=record.fqn) from err
     except (ValueError, TypeError, OverflowError) as err:
-        raise CheckpointFormatError(f"malformed tagged JSON value: {err}", key=record.fqn) from err
+        raise CheckpointFormatError(f"stored JSON value: {err}", key=record.fqn) from err
 
 
 def int_of(value: object, what: str, key: str | None = None) -> int:
