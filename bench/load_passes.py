@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.storage import run_concurrently
 from shardwise.local_shards import LocalShardsWrapper
 

@@ -251,7 +251,7 @@ def _die_before_commit(url: str, options: dict[str, Any], tag: int) -> None:
     import shardwise.checkpoint as ckpt
 
     # The package's ``save`` attribute is the function: the module is taken by its name.
-    save_module = importlib.import_module("shardwise.checkpoint.save")
+    save_module = importlib.import_module("shardwise.checkpoint.saving.save")
 
     def die(*args: Any, **kwargs: Any) -> None:
         print("committing", flush=True)

@@ -34,8 +34,8 @@ import torch
 import xxhash
 
 import shardwise.checkpoint as swckpt
-from shardwise.checkpoint import planner
-from shardwise.checkpoint.load import read_metadata
+from shardwise.checkpoint.loading.load import read_metadata
+from shardwise.checkpoint.planning import planner
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardwise as sw
 import shardwise.checkpoint as swckpt
 from _launch import freeze_gc, fresh_dir, remove_dir, rotate, run_rank
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
 
 WORLD_SIZE = 2
 RAW = "raw"

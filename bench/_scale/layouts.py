@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import torch
 
 from _scale.model import ITEMSIZE, Tensor, fsdp_box
-from shardwise.checkpoint import planner
 from shardwise.checkpoint.index import (
     BLOCK_SIZE,
     FileFacts,
@@ -34,8 +33,9 @@ from shardwise.checkpoint.index import (
     paused_gc,
 )
 from shardwise.checkpoint.index.layouts import LayoutChunks
-from shardwise.checkpoint.layout_plan import SavePlan, TableRow, plan_save
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.planning.save_plan import SavePlan, TableRow, plan_save
 from shardwise.metadata import TensorProperties
 
 T = TypeVar("T")

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint._items import LocalBox, TensorValue
-from shardwise.checkpoint.planner import Box
+from shardwise.checkpoint.entries.items import LocalBox, TensorValue
+from shardwise.checkpoint.planning.planner import Box
 from shardwise.metadata import TensorProperties
 
 # The module (the package exports its function of the same name).
-snapshot_module = importlib.import_module("shardwise.checkpoint._snapshot")
+snapshot_module = importlib.import_module("shardwise.checkpoint.saving.snapshot")
 
 D_MODEL = 1024
 D_MLP = 4 * D_MODEL

@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 import shardwise.checkpoint as ckpt
 from shardwise import cli
 from shardwise.checkpoint import MetadataIndex, dcp_import
-from shardwise.checkpoint import format as data_format
-from shardwise.checkpoint.format import FileEntry, HeaderEntry
+from shardwise.checkpoint.index import data_file as data_format
+from shardwise.checkpoint.index.data_file import FileEntry, HeaderEntry
 from shardwise.cli import consolidate
 from shardwise.local_shards import LocalShardsWrapper
 

@@ -1,6 +1,6 @@
 """Distributed checkpoints: pickle-free, verified, atomic and reshardable save and load."""
 
-from shardwise.checkpoint.load import LoadResult, load, load_tensor, read_metadata
+from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -9,7 +9,7 @@ from shardwise.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from shardwise.checkpoint.save import async_save, save
+from shardwise.checkpoint.saving.save import async_save, save
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,

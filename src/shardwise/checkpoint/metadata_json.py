@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from shardwise._codec import check_keys
-from shardwise.checkpoint._json import json_problem
+from shardwise.checkpoint.entries.pyjson import json_problem
 from shardwise.errors import CheckpointFormatError, MetadataFormatError
 
 __all__ = [

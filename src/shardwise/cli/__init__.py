@@ -23,7 +23,7 @@ Layout: :mod:`~shardwise.cli._app` parses arguments and dispatches without impor
 ``consolidate``, ``convert_dcp``) does the work and is imported when it runs,
 :mod:`~shardwise.cli._common` holds what they share that needs no torch (exit codes, text,
 ``--storage-options``), and :mod:`~shardwise.cli._checkpoint` the commands' view of a
-checkpoint over :class:`~shardwise.checkpoint.reader.CheckpointReader`, the one validated
+checkpoint over :class:`~shardwise.checkpoint.loading.reader.CheckpointReader`, the one validated
 reader: no command parses an index or opens a data file itself.
 """
 

@@ -1,5 +1,5 @@
 """The commands' view of a checkpoint, :class:`_Checkpoint`, opened through the one validated
-reader (:class:`~shardwise.checkpoint.reader.CheckpointReader`): the whole index is checked
+reader (:class:`~shardwise.checkpoint.loading.reader.CheckpointReader`): the whole index is checked
 before anything is shown or read, data files are opened only as regular files inside the
 checkpoint with the size the index declares, and every byte returned is checked against its
 block checksums."""
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint._items import LocalBox
+from shardwise.checkpoint.entries.items import LocalBox
 from shardwise.checkpoint.index import (
     CHECKSUM_ALGORITHM,
     ObjectRecord,
@@ -21,8 +21,8 @@ from shardwise.checkpoint.index import (
     decode_text,
     load_json_value,
 )
-from shardwise.checkpoint.planner import Box, SavedChunk
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.planning.planner import Box, SavedChunk
 from shardwise.errors import CheckpointStorageError
 
 

@@ -36,9 +36,9 @@ import torch
 
 from shardwise._boxes import byte_view
 from shardwise._progress import ByteBar, human_bytes
-from shardwise.checkpoint.format import FileEntry, layout_file, safetensors_dtype
+from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.index import ObjectRecord, TensorRecord
-from shardwise.checkpoint.state_dict import display_key
+from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safetensors_dtype
 from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint, check_url

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise._progress import ByteBar, human_bytes
-from shardwise.checkpoint.format import (
+from shardwise.checkpoint.index import ObjectRecord, TensorRecord, decode_text
+from shardwise.checkpoint.index.data_file import (
     FileEntry,
     bytes_key,
     chunk_key,
@@ -18,9 +19,8 @@ from shardwise.checkpoint.format import (
     header_length,
     parse_header,
 )
-from shardwise.checkpoint.index import ObjectRecord, TensorRecord, decode_text
-from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import UnsafePathError
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
 from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _keys_text

@@ -32,8 +32,8 @@ from shardwise.checkpoint.storage import _LocalReader
 from tests.harness import distributed
 
 # The module, not the function the package exports under the same name.
-save_module = importlib.import_module("shardwise.checkpoint.save")
-data_writer = importlib.import_module("shardwise.checkpoint.data_writer")
+save_module = importlib.import_module("shardwise.checkpoint.saving.save")
+data_writer = importlib.import_module("shardwise.checkpoint.saving.writer")
 
 WORLD = 4
 ROWS = sw.ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(WORLD)])

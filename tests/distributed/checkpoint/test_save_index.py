@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import shardwise as sw
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.index import INDEX_NAME
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
 from shardwise.errors import CheckpointDataError
 from shardwise.local_shards import LocalShardsWrapper
 from tests.harness import distributed, run_on_ranks
 
-outcome_module = importlib.import_module("shardwise.checkpoint._save_outcome")
+outcome_module = importlib.import_module("shardwise.checkpoint.saving.outcome")
 
 WORLD = 4
 BLOB = b"\x00\xffbytes of a blob " * 100

@@ -18,13 +18,13 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from tests.harness import distributed
 
-tables_module = importlib.import_module("shardwise.checkpoint._save_tables")
+tables_module = importlib.import_module("shardwise.checkpoint.planning.tables")
 exchange_module = importlib.import_module("shardwise.collectives.exchange")
-outcome_module = importlib.import_module("shardwise.checkpoint._save_outcome")
-data_writer_module = importlib.import_module("shardwise.checkpoint.data_writer")
+outcome_module = importlib.import_module("shardwise.checkpoint.saving.outcome")
+data_writer_module = importlib.import_module("shardwise.checkpoint.saving.writer")
 
 WORLD = 4
 

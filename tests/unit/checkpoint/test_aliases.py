@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import planner
 from shardwise.checkpoint.index import (
     FileFacts,
     LayoutRecord,
@@ -18,7 +17,8 @@ from shardwise.checkpoint.index import (
     encode_index,
     seal,
 )
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.planning import planner
 from shardwise.errors import CheckpointFormatError
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import lock as lock_module
-from shardwise.checkpoint.lock import LOCK_NAME
+from shardwise.checkpoint.saving import lock as lock_module
+from shardwise.checkpoint.saving.lock import LOCK_NAME
 
 
 def _lock(path: Path, pid: int, host: str | None = None, age: float = 0.0) -> None:

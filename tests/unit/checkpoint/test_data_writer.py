@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import data_writer
+from shardwise.checkpoint.saving import writer as data_writer
 
 
 def _data_file(path: Path) -> bytes:

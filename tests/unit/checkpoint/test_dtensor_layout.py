@@ -9,7 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardwise.checkpoint._dtensor import local_shape_and_offset
+from shardwise.checkpoint.entries.dtensor import local_shape_and_offset
 
 
 @st.composite
@@ -60,7 +60,7 @@ class _Mesh:
 
 
 def test_mesh_facts_are_computed_once_per_mesh_object() -> None:
-    from shardwise.checkpoint import _items
+    from shardwise.checkpoint.entries import items as _items
 
     first, second = _Mesh([1, 0], (2, 2)), _Mesh(None, (4,))
     for _ in range(3):

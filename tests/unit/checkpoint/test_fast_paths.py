@@ -16,10 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint import _tiling, planner
 from shardwise.checkpoint.index import decode
 from shardwise.checkpoint.index.checks import Ranges, row_of
-from shardwise.checkpoint.planner import Box, ChunkRead
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning import tiling as _tiling
+from shardwise.checkpoint.planning.planner import Box, ChunkRead
 from shardwise.errors import CheckpointFormatError
 from tests.unit.checkpoint.test_planner import _chunks_of, _tiling_and_targets
 

@@ -454,7 +454,7 @@ def test_save_replaces_an_index_link_without_writing_through_it(
 def test_save_never_writes_through_a_planted_temporary_link(
     victim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
-    save_module = __import__("shardwise.checkpoint.save", fromlist=["secrets"])
+    save_module = __import__("shardwise.checkpoint.saving.save", fromlist=["secrets"])
     monkeypatch.setattr(save_module.secrets, "token_hex", lambda n: "00000000000000aa")
     target = tmp_path / "precious.bin"
     target.write_bytes(b"precious")

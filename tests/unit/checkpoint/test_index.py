@@ -32,7 +32,7 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.index.layouts import FileOrder, Grid, LayoutChunks, ceil_grid_steps
 from shardwise.checkpoint.metadata import MetadataIndex
-from shardwise.checkpoint.planner import SavedChunk, plan_reads
+from shardwise.checkpoint.planning.planner import SavedChunk, plan_reads
 from shardwise.errors import CheckpointFormatError
 from shardwise.metadata import TensorProperties
 

@@ -26,7 +26,7 @@ from shardwise.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
 F0 = "data/rank-00000.0123456789abcdef.safetensors"

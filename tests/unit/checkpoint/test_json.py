@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from shardwise.checkpoint._json import TAGS, json_problem, python_form, tagged, untag
+from shardwise.checkpoint.entries.pyjson import TAGS, json_problem, python_form, tagged, untag
 from shardwise.checkpoint.metadata_json import check_json_value
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.checkpoint.index.layouts import FileOrder, Grid, file_cells
-from shardwise.checkpoint.layout_plan import Mesh, TableRow, mesh_grid, plan_save
+from shardwise.checkpoint.planning.save_plan import Mesh, TableRow, mesh_grid, plan_save
 
 
 def _chunk_box(

@@ -1,4 +1,4 @@
-"""The pure checkpoint planner (``shardwise.checkpoint.planner``): planning the reads of a
+"""The pure checkpoint planner (``shardwise.checkpoint.planning.planner``): planning the reads of a
 resharded load — including a property test that any saved tiling, its writers chosen by the
 save's planner (dedup), read back into any other tiling through an in-memory fake storage
 reassembles the tensor exactly, with lean reads."""
@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint import planner
-from shardwise.checkpoint.layout_plan import TableRow, plan_save
-from shardwise.checkpoint.planner import Box, ChunkRead, SavedChunk
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning.planner import Box, ChunkRead, SavedChunk
+from shardwise.checkpoint.planning.save_plan import TableRow, plan_save
 from shardwise.checkpoint.tuning import TUNING
 
 # -- helpers -------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint._items import describe_object
-from shardwise.checkpoint._json import (
+from shardwise.checkpoint.entries.items import describe_object
+from shardwise.checkpoint.entries.pyjson import (
     MAX_DEPTH,
     MAX_FIELDS,
     TAGS2,

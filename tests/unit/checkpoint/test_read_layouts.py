@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.index import (
     INDEX_NAME,
     FileFacts,
@@ -31,9 +30,10 @@ from shardwise.checkpoint.index import (
     data_file_name,
     encode_index,
 )
+from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps, file_cells
-from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.cli import main
 from shardwise.errors import (
     CheckpointDataError,

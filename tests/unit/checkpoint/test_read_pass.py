@@ -21,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import _fill, _read, tuning
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint import tuning
+from shardwise.checkpoint.loading import fill as _fill
+from shardwise.checkpoint.loading import read as _read
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.storage._local import _LocalReader
 from shardwise.errors import CheckpointDataError, ChecksumError
 from shardwise.local_shards import LocalShardsWrapper

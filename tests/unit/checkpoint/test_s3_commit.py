@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.lock import LOCK_NAME
+from shardwise.checkpoint.saving.lock import LOCK_NAME
 from shardwise.checkpoint.storage import FsspecStorage
 from shardwise.checkpoint.storage import _fsspec as fsspec_module
 from shardwise.errors import CheckpointStorageError

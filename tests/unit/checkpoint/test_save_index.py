@@ -17,10 +17,11 @@ import torch
 import xxhash
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import _save_tables, data_writer
-from shardwise.checkpoint._items import describe_tensor
+from shardwise.checkpoint.entries.items import describe_tensor
 from shardwise.checkpoint.index import INDEX_NAME, block_checksums
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.planning import tables as _save_tables
+from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.cli import main
 from shardwise.errors import CheckpointDataError
 from shardwise.local_shards import LocalShardsWrapper

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardwise.checkpoint import _save_tables
-from shardwise.checkpoint._items import describe_tensor
-from shardwise.checkpoint.layout_plan import TableRow
+from shardwise.checkpoint.entries.items import describe_tensor
+from shardwise.checkpoint.planning import tables as _save_tables
+from shardwise.checkpoint.planning.save_plan import TableRow
 from shardwise.local_shards import LocalShardsWrapper
 
 WORLD = 2

@@ -32,7 +32,7 @@ from shardwise.checkpoint.storage import _LocalReader
 from shardwise.local_shards import LocalShardsWrapper
 
 # The module that writes a rank's data file.
-data_writer = importlib.import_module("shardwise.checkpoint.data_writer")
+data_writer = importlib.import_module("shardwise.checkpoint.saving.writer")
 
 DTYPES = [
     torch.float32,
@@ -574,7 +574,7 @@ def test_quantized_tensors_are_refused_before_anything_is_written(tmp_path: Path
 def test_a_save_whose_index_a_reader_would_refuse_does_not_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    save_module = importlib.import_module("shardwise.checkpoint.save")
+    save_module = importlib.import_module("shardwise.checkpoint.saving.save")
     ckpt.save({"w": torch.ones(2), "note": "old"}, tmp_path / "c")
     # The reader's limit is 1 GiB; a save of JSON values larger than it is refused the same.
     monkeypatch.setattr(save_module, "MAX_INDEX_BYTES", 4096)

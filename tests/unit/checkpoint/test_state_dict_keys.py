@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint.state_dict import display_key, flatten, restore
+from shardwise.checkpoint.entries.state_dict import display_key, flatten, restore
 
 
 def _documented_key(path: tuple[str | int, ...]) -> str:

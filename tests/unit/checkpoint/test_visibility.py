@@ -12,7 +12,7 @@ import torch
 import shardwise.checkpoint as ckpt
 
 # The module that writes a rank's data file.
-data_writer = importlib.import_module("shardwise.checkpoint.data_writer")
+data_writer = importlib.import_module("shardwise.checkpoint.saving.writer")
 
 
 def test_a_data_file_the_coordinator_cannot_see_is_not_committed(tmp_path, monkeypatch):

@@ -19,8 +19,8 @@ import safetensors.torch
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint import format as data_format
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.index import data_file as data_format
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
 from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
 

@@ -16,7 +16,7 @@ import transformers
 from safetensors import safe_open
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
 
 

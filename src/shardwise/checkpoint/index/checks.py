@@ -10,8 +10,7 @@ import re
 from typing import Any, NoReturn
 
 from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
-from shardwise.checkpoint import planner
-from shardwise.checkpoint._json import check_plain, json_depth, untag
+from shardwise.checkpoint.entries.pyjson import check_plain, json_depth, untag
 from shardwise.checkpoint.index.names import (
     ENCODINGS,
     MAX_DEPTH,
@@ -19,7 +18,8 @@ from shardwise.checkpoint.index.names import (
     MAX_INT,
 )
 from shardwise.checkpoint.index.records import ObjectRecord
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.errors import CheckpointFormatError
 from shardwise.metadata import TensorProperties
 

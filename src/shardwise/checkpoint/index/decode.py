@@ -53,7 +53,7 @@ from shardwise.checkpoint.index.names import (
     paused_gc,
 )
 from shardwise.checkpoint.index.records import Index, TensorRecord
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
 
 __all__ = ["FileOrders", "decode_index"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import xxhash
 
 from shardwise._codec import MEMORY_FORMAT_NAMES, dtype_name
-from shardwise.checkpoint._json import compact
+from shardwise.checkpoint.entries.pyjson import compact
 from shardwise.checkpoint.index.layouts import Grid
 from shardwise.checkpoint.index.names import (
     BLOCK_SIZE,
@@ -21,7 +21,7 @@ from shardwise.checkpoint.index.names import (
     paused_gc,
 )
 from shardwise.checkpoint.index.records import ObjectRecord, SaveFacts
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
 __all__ = ["FileFacts", "LayoutRecord", "PropertyTable", "encode_index", "seal"]

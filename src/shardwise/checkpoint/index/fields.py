@@ -32,7 +32,7 @@ from shardwise.checkpoint.index.names import (
     is_data_file_name,
 )
 from shardwise.checkpoint.index.records import ObjectRecord, SaveFacts, TensorRecord
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
 __all__ = [

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from shardwise._boxes import Box
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
 
 __all__ = ["FileOrder", "Grid", "LayoutChunks", "ceil_grid_steps", "file_cells"]
 
@@ -194,7 +194,7 @@ class FileOrder:
 class LayoutChunks(Sequence[SavedChunk]):
     """The chunks of a grid tensor as a sequence (its ``TensorRecord.chunks``),
     built only when asked for: ``candidates`` finds those that overlap a box without
-    building the others (the same method as :class:`~shardwise.checkpoint.planner.
+    building the others (the same method as :class:`~shardwise.checkpoint.planning.planner.
     ChunkLookup`, so ``plan_reads`` takes it as its ``lookup``).
 
     Args:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 import xxhash
 
-from shardwise.checkpoint import _json
+from shardwise.checkpoint.entries import pyjson as _json
 
 #: Name of the index file; its presence marks a committed checkpoint.
 INDEX_NAME = "shardwise.json"

@@ -10,7 +10,7 @@ import torch
 
 from shardwise.checkpoint.index.view import metadata_view
 from shardwise.checkpoint.metadata import Metadata
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
 __all__ = ["Index", "ObjectRecord", "SaveFacts", "TensorRecord"]
@@ -30,7 +30,8 @@ class SaveFacts:
 @dataclass(slots=True)
 class TensorRecord:
     """One saved tensor: its properties, global size and chunks (which tile it exactly).
-    Treated as immutable (not frozen: see :class:`~shardwise.checkpoint.planner.SavedChunk`).
+    Treated as immutable (not frozen: see
+    :class:`~shardwise.checkpoint.planning.planner.SavedChunk`).
 
     ``chunks`` is a tuple, except for a tensor saved by a rule (a grid): a
     :class:`~shardwise.checkpoint.index.layouts.LayoutChunks`, a sequence that builds a chunk

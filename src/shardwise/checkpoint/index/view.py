@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
+from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM
 from shardwise.checkpoint.metadata import (
     STORAGE_TYPES,
@@ -26,8 +27,7 @@ from shardwise.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.state_dict import display_key
+from shardwise.checkpoint.planning.planner import SavedChunk
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.index.records import Index, TensorRecord

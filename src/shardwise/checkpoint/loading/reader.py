@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint import planner
-from shardwise.checkpoint._data_files import DataFiles
-from shardwise.checkpoint._fill import Job, fill
-from shardwise.checkpoint._index_file import decode, read_index_bytes
-from shardwise.checkpoint._items import LocalBox
-from shardwise.checkpoint._read import Segment, audit, read
+from shardwise.checkpoint.entries.items import LocalBox
+from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.index import INDEX_NAME, Index, ObjectRecord, TensorRecord
 from shardwise.checkpoint.index.layouts import LayoutChunks
-from shardwise.checkpoint.planner import SavedChunk
-from shardwise.checkpoint.state_dict import display_key
+from shardwise.checkpoint.loading.data_files import DataFiles
+from shardwise.checkpoint.loading.fill import Job, fill
+from shardwise.checkpoint.loading.index_file import decode, read_index_bytes
+from shardwise.checkpoint.loading.read import Segment, audit, read
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import Reader, Storage, open_storage
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import (

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from shardwise.checkpoint._json import compact
+from shardwise.checkpoint.entries.pyjson import compact
 
 __all__ = [
     "ALIGNMENT",

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, cast
 
 from shardwise.checkpoint.index import decode_index
-from shardwise.checkpoint.load import read_metadata
+from shardwise.checkpoint.loading.load import read_metadata
 from shardwise.checkpoint.metadata import STORAGE_TYPES, Metadata, StorageMeta
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointError

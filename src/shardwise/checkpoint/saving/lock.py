@@ -32,7 +32,7 @@ from shardwise.errors import CheckpointLockedError, CheckpointStorageError
 
 __all__ = ["LOCK_NAME", "SaveLock"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardwise.checkpoint.lock")
 
 #: Name of the lock file, in the checkpoint directory.
 LOCK_NAME = "shardwise.lock"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardwise._boxes import Box, intersect
-from shardwise.checkpoint._tiling import check_tiling
+from shardwise.checkpoint.planning.tiling import check_tiling
 from shardwise.checkpoint.tuning import TUNING
 
 __all__ = [

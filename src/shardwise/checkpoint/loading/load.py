@@ -5,7 +5,7 @@ its LocalShardsWrapper shards, or the whole plain tensor), intersects them with 
 chunks and reads only the bytes it needs: one positioned read straight into the destination
 when the overlap is contiguous in the saved chunk, otherwise one read per row piece, or fewer
 reads spanning the gaps between pieces where a gap costs less than a read (see
-:func:`~shardwise.checkpoint.planner.plan_reads`).
+:func:`~shardwise.checkpoint.planning.planner.plan_reads`).
 
 The order of work (every step is agreed by all ranks before the next starts):
 
@@ -13,7 +13,7 @@ The order of work (every step is agreed by all ranks before the next starts):
    verdict). Keys, sizes and dtypes are checked against the state dict, every data file
    needed is opened and checked (regular file, size as the index says), and the objects kept
    in the index are decoded. A failure here leaves the state dict untouched.
-2. One verified pass (:meth:`~shardwise.checkpoint.reader.CheckpointReader.fill`) reads each
+2. One verified pass (:meth:`~shardwise.checkpoint.loading.reader.CheckpointReader.fill`) reads each
    checksummed block the reads touch once, checks it and uses its bytes: into the tensors, and
    the stored objects' bytes, which are decoded then. A checksum mismatch raises on every rank;
    the tensors being filled are then undefined (partly filled), and no Python value has been
@@ -40,8 +40,7 @@ import torch
 
 from shardwise import collectives
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import planner
-from shardwise.checkpoint._items import (
+from shardwise.checkpoint.entries.items import (
     LocalBox,
     TensorValue,
     decode_object,
@@ -49,18 +48,19 @@ from shardwise.checkpoint._items import (
     is_tensor_value,
     unstorable,
 )
-from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint.entries.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
-from shardwise.checkpoint.metadata import Metadata
-from shardwise.checkpoint.options import LoadOptions
-from shardwise.checkpoint.reader import (
+from shardwise.checkpoint.loading.reader import (
     CheckpointReader,
     Job,
     Segment,
     decode,
     read_index_bytes,
 )
-from shardwise.checkpoint.state_dict import Flat, display_key, flatten, restore
+from shardwise.checkpoint.metadata import Metadata
+from shardwise.checkpoint.options import LoadOptions
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.storage import open_shared_storage
 from shardwise.errors import (
     CheckpointDataError,
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadResult", "load", "load_tensor", "read_metadata"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardwise.checkpoint.load")  # the name users configure
 
 
 def read_metadata(

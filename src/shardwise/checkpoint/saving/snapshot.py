@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint._items import (
+from shardwise.checkpoint.entries.items import (
     LocalBox,
     ObjectValue,
     TensorValue,
@@ -19,7 +19,7 @@ from shardwise.checkpoint._items import (
     is_tensor_value,
     storage_key,
 )
-from shardwise.checkpoint.state_dict import display_key, flatten
+from shardwise.checkpoint.entries.state_dict import display_key, flatten
 from shardwise.errors import CheckpointError
 
 __all__ = ["Snapshot", "describe_or_error"]

@@ -15,9 +15,7 @@ from operator import attrgetter
 from typing import Any
 
 from shardwise._boxes import origin
-from shardwise.checkpoint._items import ObjectValue
-from shardwise.checkpoint._save_tables import CoordinatorPlan
-from shardwise.checkpoint.format import bytes_key, chunk_key
+from shardwise.checkpoint.entries.items import ObjectValue
 from shardwise.checkpoint.index import (
     TEXT_ENCODINGS,
     FileFacts,
@@ -28,8 +26,10 @@ from shardwise.checkpoint.index import (
     decode_index,
     encode_index,
 )
+from shardwise.checkpoint.index.data_file import bytes_key, chunk_key
 from shardwise.checkpoint.index.layouts import Grid, LayoutChunks
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.planning.tables import CoordinatorPlan
 from shardwise.errors import CheckpointError
 from shardwise.metadata import TensorProperties
 

@@ -39,9 +39,6 @@ import torch
 from shardwise import __version__ as _version
 from shardwise import collectives
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import _save_index, _save_outcome, _save_tables, data_writer
-from shardwise.checkpoint._report import exchange_with_bar, job_bar, log_done
-from shardwise.checkpoint._snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.index import (
     DATA_DIR,
     INDEX_NAME,
@@ -53,9 +50,15 @@ from shardwise.checkpoint.index import (
     is_temporary_name,
     paused_gc,
 )
-from shardwise.checkpoint.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
+from shardwise.checkpoint.planning import tables as _save_tables
+from shardwise.checkpoint.saving import build_index as _save_index
+from shardwise.checkpoint.saving import outcome as _save_outcome
+from shardwise.checkpoint.saving import writer as data_writer
+from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
+from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.storage import Storage, UnsafePathError, open_shared_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
 
@@ -64,7 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["async_save", "save"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
 # The temporary name of the index of a save (see _commit).
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
 # The temporary name under which the save lock is written (see LocalStorage.replace_small).

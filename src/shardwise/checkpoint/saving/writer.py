@@ -20,10 +20,10 @@ import xxhash
 
 from shardwise._boxes import byte_view, checked_bytes
 from shardwise._progress import JobProgress
-from shardwise.checkpoint import planner
-from shardwise.checkpoint._items import LocalBox, ObjectValue, TensorValue
-from shardwise.checkpoint.format import FileEntry, bytes_key, chunk_key, layout_file
+from shardwise.checkpoint.entries.items import LocalBox, ObjectValue, TensorValue
 from shardwise.checkpoint.index import BLOCK_SIZE, DATA_DIR, Index, data_file_name
+from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key, layout_file
+from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointDataError

@@ -20,8 +20,14 @@ import numpy as np
 import torch
 
 from shardwise._boxes import Box, origin
-from shardwise.checkpoint._dtensor import local_shape_and_offset
-from shardwise.checkpoint._json import MAX_DEPTH, form_and_depth, json_depth, python_form, tagged
+from shardwise.checkpoint.entries.dtensor import local_shape_and_offset
+from shardwise.checkpoint.entries.pyjson import (
+    MAX_DEPTH,
+    form_and_depth,
+    json_depth,
+    python_form,
+    tagged,
+)
 from shardwise.metadata import TensorProperties
 
 __all__ = [

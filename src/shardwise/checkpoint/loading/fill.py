@@ -25,11 +25,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from shardwise._boxes import borrowed_bytes, byte_view, narrow_to
-from shardwise.checkpoint import planner, tuning
-from shardwise.checkpoint._data_files import DataFiles
-from shardwise.checkpoint._items import LocalBox
-from shardwise.checkpoint._read import Segment, read
-from shardwise.checkpoint.planner import SavedChunk
+from shardwise.checkpoint import tuning
+from shardwise.checkpoint.entries.items import LocalBox
+from shardwise.checkpoint.loading.data_files import DataFiles
+from shardwise.checkpoint.loading.read import Segment, read
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import batches
 
 __all__ = ["Job", "fill"]

@@ -15,7 +15,7 @@ import functools
 import keyword
 import math
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -340,10 +340,10 @@ def check_plain(value: object) -> None:
     Raises:
         ValueError: An object of ``value`` has a tag as a key.
     """
-    stack = [value] if type(value) in _CONTAINERS else []
+    stack: list[Any] = [value] if type(value) in _CONTAINERS else []
     while stack:
         item = stack.pop()
-        items = item.values() if isinstance(item, dict) else item
+        items: Iterable[Any] = item.values() if isinstance(item, dict) else item
         if isinstance(item, dict) and not TAGS.isdisjoint(item):
             tag = min(TAGS.intersection(item))
             raise ValueError(

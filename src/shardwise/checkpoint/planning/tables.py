@@ -24,12 +24,12 @@ import torch
 import xxhash
 
 from shardwise._boxes import Box, origin
-from shardwise.checkpoint import planner
-from shardwise.checkpoint._items import TensorValue
-from shardwise.checkpoint._json import compact
+from shardwise.checkpoint.entries.items import TensorValue
+from shardwise.checkpoint.entries.pyjson import compact
 from shardwise.checkpoint.index.layouts import Grid
-from shardwise.checkpoint.layout_plan import Mesh, SavePlan, TableRow, mesh_grid, plan_save
-from shardwise.checkpoint.planner import TensorPlan, WriteAssignment
+from shardwise.checkpoint.planning import planner
+from shardwise.checkpoint.planning.planner import TensorPlan, WriteAssignment
+from shardwise.checkpoint.planning.save_plan import Mesh, SavePlan, TableRow, mesh_grid, plan_save
 from shardwise.metadata import dtype_name
 
 __all__ = [

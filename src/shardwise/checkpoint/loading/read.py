@@ -39,7 +39,7 @@ from typing import NamedTuple
 import xxhash
 
 from shardwise.checkpoint import tuning
-from shardwise.checkpoint._data_files import DataFiles
+from shardwise.checkpoint.loading.data_files import DataFiles
 from shardwise.checkpoint.storage import RangeRequest, batches, run_concurrently
 from shardwise.errors import ChecksumError
 
