@@ -36,11 +36,11 @@ import torch
 
 from shardwise._boxes import byte_view
 from shardwise._progress import ByteBar, human_bytes
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.index import ObjectRecord, TensorRecord
 from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safetensors_dtype
 from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint, check_url
 from shardwise.cli._common import EXIT_OK, _count, _keys_text
 from shardwise.errors import CheckpointError, CheckpointKeyError
@@ -223,7 +223,9 @@ def _write_tensor(
     of it."""
     record = checkpoint.index.tensors[tensor.source]
     ratio = max(1, tensor.dtype.itemsize // record.dtype.itemsize)
-    for piece in checkpoint.pieces(tensor.source, max(1, TUNING.consolidate_piece_bytes // ratio)):
+    for piece in checkpoint.pieces(
+        tensor.source, max(1, tuning.TUNING.consolidate_piece_bytes // ratio)
+    ):
         data = byte_view(piece if piece.dtype == tensor.dtype else piece.to(tensor.dtype))
         writer.write(data)
         bar.update(len(data))

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import tuning as tuning_module
 from shardwise.checkpoint.index import INDEX_NAME
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
@@ -225,8 +226,8 @@ def test_a_large_index_is_read_from_storage_by_the_other_ranks(tmp_path: Path) -
     # The index is not sent with the outcome: rank 1's return value reads it when walked.
     flat = init_device_mesh("cpu", (2,))
     state = {"w": distribute_tensor(_full(5, 2), flat, [Shard(0)]), "b": torch.ones(3)}
-    unsent = dataclasses.replace(outcome_module.TUNING, sent_index_bytes=1)
-    with _patched(outcome_module, "TUNING", unsent):
+    unsent = dataclasses.replace(tuning_module.TUNING, sent_index_bytes=1)
+    with _patched(tuning_module, "TUNING", unsent):
         returned = ckpt.save(state, tmp_path / "c")
     assert returned == ckpt.read_metadata(tmp_path / "c")
     assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w"), _full(5, 2))

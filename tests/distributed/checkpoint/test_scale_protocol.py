@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import tuning as tuning_module
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from tests.harness import distributed
 
@@ -155,8 +156,8 @@ def test_a_rank_receives_bytes_of_its_own_entries_only(tmp_path: Path) -> None:
         counted = _Counted()
         # The index is not sent with the outcome (it is for small saves): each rank's return
         # value reads it from storage when walked.
-        unsent = dataclasses.replace(outcome_module.TUNING, sent_index_bytes=1)
-        with counted.patches(), _Patched((outcome_module, "TUNING", unsent)):
+        unsent = dataclasses.replace(tuning_module.TUNING, sent_index_bytes=1)
+        with counted.patches(), _Patched((tuning_module, "TUNING", unsent)):
             metadata = ckpt.save(_fsdp_state(keys), tmp_path / f"k{keys}")
         assert counted.all_gathers == 0, "no all-gather: every rank would receive every plan"
         received[keys] = counted.received
@@ -341,12 +342,12 @@ def test_a_ranks_return_value_is_decoded_when_first_looked_at(tmp_path: Path) ->
     for sent in (True, False):
         path = tmp_path / f"sent{sent}"
         decoded.clear()
-        tuned = outcome_module.TUNING
+        tuned = tuning_module.TUNING
         if not sent:
             tuned = dataclasses.replace(tuned, sent_index_bytes=1)
         with (
             _Patched((outcome_module, "decode_index", counting)),
-            _Patched((outcome_module, "TUNING", tuned)),
+            _Patched((tuning_module, "TUNING", tuned)),
         ):
             metadata = ckpt.save(_fsdp_state(12), path)
             assert decoded == []

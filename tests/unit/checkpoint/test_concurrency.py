@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.saving import lock as lock_module
+from shardwise.checkpoint import tuning as tuning_module
 from shardwise.checkpoint.saving.lock import LOCK_NAME
 
 
@@ -79,11 +79,13 @@ def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> Non
 def test_the_stale_limit_is_a_tunable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c"
     _lock(path, 1, host="another-host", age=60)  # a minute without a heartbeat
-    tuning = lock_module.TUNING
-    monkeypatch.setattr(lock_module, "TUNING", dataclasses.replace(tuning, lock_stale_seconds=120))
+    tuning = tuning_module.TUNING
+    monkeypatch.setattr(
+        tuning_module, "TUNING", dataclasses.replace(tuning, lock_stale_seconds=120)
+    )
     with pytest.raises(ckpt.CheckpointLockedError, match="taken over after 120 s"):
         ckpt.save({"w": torch.ones(3)}, path)
-    monkeypatch.setattr(lock_module, "TUNING", dataclasses.replace(tuning, lock_stale_seconds=30))
+    monkeypatch.setattr(tuning_module, "TUNING", dataclasses.replace(tuning, lock_stale_seconds=30))
     ckpt.save({"w": torch.ones(3)}, path)
     assert not (path / LOCK_NAME).exists()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.saving import writer as data_writer
+from shardwise.checkpoint import tuning as tuning_module
 
 
 def _data_file(path: Path) -> bytes:
@@ -29,9 +29,9 @@ def test_the_write_tunables_change_no_byte(tmp_path: Path, monkeypatch: pytest.M
         "blob": b"x" * 3000,
     }
     ckpt.save(state, tmp_path / "default")
-    tuning = data_writer.TUNING
+    tuning = tuning_module.TUNING
     monkeypatch.setattr(
-        data_writer,
+        tuning_module,
         "TUNING",
         dataclasses.replace(
             tuning, small_write_bytes=1, write_buffer_bytes=1, write_piece_bytes=1 << 20
@@ -56,7 +56,9 @@ def test_entries_around_the_vector_write_sizes_round_trip(
     # lazily conjugated and negated views (written as their values), and more entries than
     # one vectored write takes: the same values come back.
     monkeypatch.setattr(
-        data_writer, "TUNING", dataclasses.replace(data_writer.TUNING, write_buffer_bytes=1 << 30)
+        tuning_module,
+        "TUNING",
+        dataclasses.replace(tuning_module.TUNING, write_buffer_bytes=1 << 30),
     )
     generator = torch.Generator().manual_seed(1)
     complex_values = torch.randn(4096, dtype=torch.complex64, generator=generator)

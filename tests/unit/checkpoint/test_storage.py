@@ -20,6 +20,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
+from shardwise.checkpoint import tuning as tuning_module
 from shardwise.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,
@@ -27,7 +28,6 @@ from shardwise.checkpoint.storage import (
     describe_storage_error,
     open_storage,
 )
-from shardwise.checkpoint.storage import _fsspec as fsspec_module
 from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointError, CheckpointStorageError
 
@@ -99,7 +99,7 @@ def test_fsspec_batched_reads_are_pieces_in_bounded_batches(
     path = storage.join("f")
     storage.replace_small(path, DATA)
     small = dataclasses.replace(TUNING, request_bytes=1 << 20, storage_batch_bytes=2 << 20)
-    monkeypatch.setattr(fsspec_module, "TUNING", small)
+    monkeypatch.setattr(tuning_module, "TUNING", small)
     batches: list[list[int]] = []
     cat_ranges = storage.fs.cat_ranges
 

@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint import tuning as tuning_module
 from shardwise.checkpoint.index import data_file as data_format
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
@@ -168,10 +169,9 @@ def test_dtype_casts_floating_point_tensors_only(
 def test_dtype_cast_of_a_tensor_larger_than_a_piece(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardwise.cli import consolidate
 
-    small = dataclasses.replace(consolidate.TUNING, consolidate_piece_bytes=1000)
-    monkeypatch.setattr(consolidate, "TUNING", small)  # cast and written in many pieces
+    small = dataclasses.replace(tuning_module.TUNING, consolidate_piece_bytes=1000)
+    monkeypatch.setattr(tuning_module, "TUNING", small)  # cast and written in many pieces
     big = torch.randn(37, 29, generator=torch.Generator().manual_seed(2))
     ckpt.save({"big": big}, tmp_path / "ckpt")
     for dtype in ("float16", "float32"):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.items import LocalBox
 from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.index import INDEX_NAME, Index, ObjectRecord, TensorRecord
@@ -29,7 +30,6 @@ from shardwise.checkpoint.loading.read import Segment, audit, read
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import Reader, Storage, open_storage
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import (
     CheckpointFormatError,
     CheckpointKeyError,
@@ -154,7 +154,7 @@ class CheckpointReader:
             and not any(box[0])
         ):  # the whole tensor (a key the state dict lacks, a consolidation): every chunk
             reads = planner.whole_reads(chunks)
-        elif len(chunks) > TUNING.lookup_chunks:
+        elif len(chunks) > tuning.TUNING.lookup_chunks:
             lookup = self._lookups.get(fqn)
             if lookup is None:
                 lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardwise._boxes import Box, intersect
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.planning.tiling import check_tiling
-from shardwise.checkpoint.tuning import TUNING
 
 __all__ = [
     "Box",
@@ -273,7 +273,7 @@ def plan_reads(
         ValueError: The chunks do not cover ``target``.
     """
     if read_cost is None:
-        read_cost = TUNING.read_cost_bytes
+        read_cost = tuning.TUNING.read_cost_bytes
     if len(chunks) == 1:  # one chunk that is the whole target (the common case): one read
         only = chunks[0]
         if only.offsets == target[0] and only.sizes == target[1]:

@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any
 
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.storage import Storage
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointLockedError, CheckpointStorageError
 
 __all__ = ["LOCK_NAME", "SaveLock"]
@@ -105,7 +105,7 @@ class SaveLock:
             return True
         if host == socket.gethostname() and not _alive(pid):
             return True
-        return abs(time.time() - float(heartbeat)) > TUNING.lock_stale_seconds
+        return abs(time.time() - float(heartbeat)) > tuning.TUNING.lock_stale_seconds
 
     def acquire(self) -> None:
         """Take the lock (replacing a stale one) and start the heartbeat.
@@ -124,7 +124,7 @@ class SaveLock:
             if holder is None:
                 continue  # released meanwhile: try again
             if not self._stale(holder):
-                stale = int(TUNING.lock_stale_seconds)
+                stale = int(tuning.TUNING.lock_stale_seconds)
                 raise CheckpointLockedError(
                     f"another save to this path is running (save {holder.get('save_id')!r}, "
                     f"process {holder.get('pid')} on {holder.get('host')!r}); saves to one "
@@ -138,7 +138,7 @@ class SaveLock:
         )
 
     def _beat(self) -> None:
-        while not self._stop.wait(TUNING.lock_heartbeat_seconds):
+        while not self._stop.wait(tuning.TUNING.lock_heartbeat_seconds):
             try:
                 self._storage.replace_small(self._path, self._content())
             except OSError:
@@ -160,5 +160,5 @@ class SaveLock:
                 "could not remove the save lock %s: %s; another save takes it over after %d s",
                 self._path,
                 err,
-                int(TUNING.lock_stale_seconds),
+                int(tuning.TUNING.lock_stale_seconds),
             )

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, cast
 
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.index import decode_index
 from shardwise.checkpoint.loading.load import read_metadata
 from shardwise.checkpoint.metadata import STORAGE_TYPES, Metadata, StorageMeta
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointError
 
 __all__ = ["outcome", "returned_metadata"]
@@ -28,7 +28,7 @@ def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
         "version": metadata.version,
         "checkpoint_id": metadata.storage_meta.checkpoint_id,
     }
-    if len(data) <= TUNING.sent_index_bytes:
+    if len(data) <= tuning.TUNING.sent_index_bytes:
         facts["index"] = data.decode()
     return facts
 

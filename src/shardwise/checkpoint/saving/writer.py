@@ -20,12 +20,12 @@ import xxhash
 
 from shardwise._boxes import byte_view, checked_bytes
 from shardwise._progress import JobProgress
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.items import LocalBox, ObjectValue, TensorValue
 from shardwise.checkpoint.index import BLOCK_SIZE, DATA_DIR, Index, data_file_name
 from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointDataError
 
 __all__ = ["check_visible", "open_fresh", "write_data_file"]
@@ -114,11 +114,11 @@ class _ChecksummingWriter:
         if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg().contiguous()
         view = checked_bytes(tensor)
-        if len(view) < TUNING.small_write_bytes:
+        if len(view) < tuning.TUNING.small_write_bytes:
             self._wait(view, tensor)
             return
         self.flush()
-        piece_bytes = TUNING.write_piece_bytes
+        piece_bytes = tuning.TUNING.write_piece_bytes
         for start in range(0, len(view), piece_bytes):
             piece = view[start : start + piece_bytes]
             self._file_blocks.update(piece)
@@ -139,7 +139,7 @@ class _ChecksummingWriter:
             if owner is not None:
                 self._held.append(owner)
         self._pending += len(view)
-        if self._pending >= TUNING.write_buffer_bytes or len(self._parts) >= _MAX_PARTS:
+        if self._pending >= tuning.TUNING.write_buffer_bytes or len(self._parts) >= _MAX_PARTS:
             self.flush()
 
     def _staged_entry(self, tensor: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
@@ -147,7 +147,7 @@ class _ChecksummingWriter:
         # through one reused pinned buffer.
         self.flush()
         source = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        staging = _pinned_staging(min(TUNING.staging_bytes, max(source.numel(), 1)))
+        staging = _pinned_staging(min(tuning.TUNING.staging_bytes, max(source.numel(), 1)))
         for start in range(0, source.numel(), staging.numel()):
             piece = source[start : start + staging.numel()]
             target = staging[: piece.numel()]
@@ -191,7 +191,9 @@ def _pinned_staging(nbytes: int) -> torch.Tensor:  # pragma: no cover - needs a 
     global _staging_buffer
     with _staging_lock:
         if _staging_buffer is None or _staging_buffer.numel() < nbytes:
-            _staging_buffer = torch.empty(TUNING.staging_bytes, dtype=torch.uint8, pin_memory=True)
+            _staging_buffer = torch.empty(
+                tuning.TUNING.staging_bytes, dtype=torch.uint8, pin_memory=True
+            )
         return _staging_buffer[:nbytes]
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.storage._errors import describe_storage_error, no_such_bucket
 from shardwise.checkpoint.storage._protocol import (
     Finish,
@@ -29,7 +30,6 @@ from shardwise.checkpoint.storage._protocol import (
     Writer,
 )
 from shardwise.checkpoint.storage._threads import batches
-from shardwise.checkpoint.tuning import TUNING
 from shardwise.errors import CheckpointError, CheckpointStorageError
 
 __all__ = ["FsspecStorage"]
@@ -228,7 +228,7 @@ class FsspecStorage:
     def read_ranges(
         self, requests: Sequence[RangeRequest], then: Finish | None = None
     ) -> list[int]:
-        piece_bytes = TUNING.request_bytes
+        piece_bytes = tuning.TUNING.request_bytes
         pieces = []
         remaining = [0] * len(requests)  # pieces of each request not read yet
         for number, request in enumerate(requests):
@@ -251,7 +251,7 @@ class FsspecStorage:
                 if not remaining[number]:
                     then(number, memoryview(b""))
         for batch in batches(
-            pieces, lambda piece: piece.end - piece.start, TUNING.storage_batch_bytes
+            pieces, lambda piece: piece.end - piece.start, tuning.TUNING.storage_batch_bytes
         ):
             for piece, data in zip(batch, self._read_batch(batch), strict=True):
                 number = piece.request

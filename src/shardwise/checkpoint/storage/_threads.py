@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from shardwise.checkpoint.tuning import TUNING
+from shardwise.checkpoint import tuning
 
 __all__ = ["batches", "run_concurrently"]
 
@@ -26,7 +26,7 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
             pool = concurrent.futures.ThreadPoolExecutor(
-                TUNING.io_threads, thread_name_prefix="shardwise-io"
+                tuning.TUNING.io_threads, thread_name_prefix="shardwise-io"
             )
             _pool = (os.getpid(), pool)
         return _pool[1]
@@ -40,7 +40,9 @@ def run_concurrently(
     Returns only once every item's work has ended; the first exception raised (in the order
     of ``items``) then propagates.
     """
-    large = [number for number, item in enumerate(items) if size(item) >= TUNING.inline_bytes]
+    large = [
+        number for number, item in enumerate(items) if size(item) >= tuning.TUNING.inline_bytes
+    ]
     if len(large) <= 1:
         return [work(item) for item in items]
     chosen = set(large)
