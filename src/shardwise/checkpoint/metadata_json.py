@@ -1,14 +1,10 @@
-"""The rules of the JSON forms of the checkpoint metadata classes, apart from the classes.
+"""The rules of the JSON bodies of the checkpoint metadata classes, apart from the classes.
 
 Each class of :mod:`shardwise.checkpoint.metadata` writes and reads a plain JSON-able body
-(``to_dict`` / ``from_dict``); :class:`~shardwise.checkpoint.metadata.Metadata`'s is a whole
-document (``to_json`` / ``from_json``: one object per key, DCP's shape), which is not a
-checkpoint index: no checkpoint reader accepts it (its ``format_version`` 1 is not the
-index's). What makes a body valid lives here, without the classes (which build themselves from
-what these functions return): the document's format and version, its keys, non-negative
-sizes, chunks inside their tensor, values with an exact JSON form. Readers reject anything else with
-:class:`~shardwise.errors.CheckpointFormatError`; writers refuse what readers would refuse
-(``TypeError`` for a value of the wrong type).
+(``to_dict`` / ``from_dict``); ``Metadata``'s is a whole document (``to_json`` /
+``from_json``, DCP's shape) that is no checkpoint index: no reader accepts it. Readers reject
+what breaks these rules with :class:`~shardwise.errors.CheckpointFormatError`; writers refuse
+it too (``TypeError`` for a value of the wrong type).
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from typing import Any
 import torch
 
 from shardwise._codec import check_keys
-from shardwise.checkpoint.entries.pyjson import json_problem
 from shardwise.errors import CheckpointFormatError, MetadataFormatError
 
 __all__ = [
@@ -123,10 +118,41 @@ def check_chunk_bounds(
 
 
 def check_json_value(value: object, where: str) -> None:
-    """Refuse values that JSON would not give back unchanged (tuples, NaN, non-str keys...)."""
-    problem = json_problem(value, where, finite=True)
-    if problem is not None:
-        raise TypeError(problem)
+    """Refuse a value that JSON would not give back unchanged (a tuple, NaN, a non-str key...),
+    naming the path to the first such part (``where['a'][0]: ...``)."""
+    found = _problem(value)
+    if found is not None:
+        path, message = found
+        raise TypeError(f"{where}{''.join(reversed(path))}: {message}")
+
+
+def _problem(value: object) -> tuple[list[str], str] | None:
+    """The path to the first part JSON would change (innermost step first) and what is wrong
+    with it; the path is built only on failure, so a good value costs no strings."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ([], f"{value!r} has no JSON form")
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _problem(item)
+            if found is not None:
+                found[0].append(f"[{i}]")
+                return found
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return [], f"JSON object keys must be strings, got {key!r}"
+            found = _problem(item)
+            if found is not None:
+                found[0].append(f"[{key!r}]")
+                return found
+        return None
+    return [], (
+        f"{type(value).__name__} is not JSON-able (use None, bool, int, float, str, list or "
+        "dict with str keys)"
+    )
 
 
 def _reject_constant(name: str) -> Any:

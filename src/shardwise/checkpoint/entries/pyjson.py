@@ -1,9 +1,9 @@
-"""Python values as JSON text: which values JSON gives back unchanged, and the tagged JSON
-(``pyjson``, ``pyjson2``) that keeps tuples, non-string dict keys, NumPy values, ``torch.Size``
-and named tuples (see ``docs/format.md``, *Python values*).
+"""Python values as tagged JSON (``pyjson``, ``pyjson2``) that keeps tuples, non-string dict
+keys, NumPy values, ``torch.Size`` and named tuples, decoded strictly (the tags and their
+rules: ``docs/format.md``, *Python values*).
 
 Pure (NumPy is the only library it knows; ``torch.Size`` is recognized by name), so that every
-layer that stores values as JSON (the index, the DCP metadata classes) shares one rule.
+layer that stores values as JSON shares one rule.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "compact",
     "form_and_depth",
     "json_depth",
-    "json_problem",
     "python_form",
     "tagged",
     "untag",
@@ -38,15 +37,10 @@ __all__ = [
 #: A stored JSON value may nest lists and objects this deep (readers refuse deeper ones).
 MAX_DEPTH = 64
 
-# The tagged JSON of "pyjson" values: a tuple is {"__tuple__": [...]}, a dict whose keys are
-# not all strings (or that holds a tag as a key) is {"__dict__": [[key, value], ...]}.
-# (In a fixed order, so that a message naming one of several tags is the same every run.)
+# The tags of "pyjson", in a fixed order so that a message naming one of several is stable.
 _TAG_ORDER = ("__tuple__", "__dict__")
 TAGS = frozenset(_TAG_ORDER)
-# "pyjson2" adds: a NumPy scalar {"__numpy__": [dtype, value]}, a NumPy array
-# {"__ndarray__": [dtype, shape, base64 of its little-endian C-order bytes(, ">" when it is
-# big-endian)]}, a torch.Size
-# {"__size__": [...]} and a named tuple {"__namedtuple__": [type name, fields, values]}.
+# "pyjson2" adds these.
 _NUMPY, _ARRAY, _SIZE, _NAMED = "__numpy__", "__ndarray__", "__size__", "__namedtuple__"
 _TAG_ORDER2 = (*_TAG_ORDER, _NUMPY, _ARRAY, _SIZE, _NAMED)
 TAGS2 = frozenset(_TAG_ORDER2)
@@ -58,84 +52,21 @@ _NUMPY_DTYPES = frozenset(
 
 
 def compact(value: object, *, sort_keys: bool = False) -> bytes:
-    """``value`` as compact UTF-8 JSON (no spaces, non-ASCII text raw), as
-    ``json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()`` writes it.
+    """``value`` as compact UTF-8 JSON, as ``json.dumps(value, separators=(",", ":"),
+    ensure_ascii=False).encode()`` writes it, for documents built from validated parts.
 
-    For the documents shardwise builds itself from validated parts (the index, safetensors
-    headers, table digests): ints, strings, bools, ``None``, lists and dicts with string keys.
-    orjson writes them 10-30x faster than ``json`` (measured: a 10,000-entry safetensors
-    header in 0.7 ms instead of 21 ms, a per-tensor cost of every save). Like ``json`` it
-    writes an int or bool dict key as a string; it raises ``TypeError`` on what JSON cannot
-    hold (an int beyond 64 bits, a lone surrogate); it would write a NaN as ``null``, which is
-    why it is not used for user values.
+    orjson is 10-30x faster than ``json`` (measured: a 10,000-entry safetensors header in
+    0.7 ms instead of 21 ms, a per-tensor cost of every save). It raises ``TypeError`` on what
+    JSON cannot hold, but would write a NaN as ``null``: not for user values.
     """
     option = orjson.OPT_NON_STR_KEYS | (orjson.OPT_SORT_KEYS if sort_keys else 0)
     return orjson.dumps(value, option=option)
 
 
-def json_problem(
-    value: object, where: str, *, finite: bool, reserved: frozenset[str] = frozenset()
-) -> str | None:
-    """Why JSON would not give ``value`` back unchanged, or ``None`` when it would.
-
-    Args:
-        value: The value.
-        where: What the value is, for the message (e.g. ``"storage_data"``); the path inside
-            it is added (``storage_data['a'][0]: ...``).
-        finite: Refuse NaN and the infinities (strict JSON has no form for them).
-        reserved: Dict keys that are refused (the tags of tagged JSON).
-
-    The walk recurses: a value nested deeper than the interpreter's recursion limit raises
-    ``RecursionError``.
-    """
-    found = _problem(value, finite, reserved)
-    if found is None:
-        return None
-    path, message = found
-    return f"{where}{''.join(reversed(path))}: {message}"
-
-
-def _problem(value: object, finite: bool, reserved: frozenset[str]) -> tuple[list[str], str] | None:
-    """The path to the first part JSON would change (innermost step first) and what is wrong
-    with it; the path is built only on failure, so a good value costs no strings."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return None
-    if isinstance(value, float):
-        if finite and not math.isfinite(value):
-            return [], f"{value!r} has no JSON form"
-        return None
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _problem(item, finite, reserved)
-            if found is not None:
-                found[0].append(f"[{i}]")
-                return found
-        return None
-    if isinstance(value, dict):
-        taken = reserved & value.keys()
-        if taken:
-            return [], f"{sorted(taken)[0]!r} is a reserved key"
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return [], f"JSON object keys must be strings, got {key!r}"
-            found = _problem(item, finite, reserved)
-            if found is not None:
-                found[0].append(f"[{key!r}]")
-                return found
-        return None
-    return [], (
-        f"{type(value).__name__} is not JSON-able (use None, bool, int, float, str, list or "
-        "dict with str keys)"
-    )
-
-
 def python_form(value: object) -> int | None:
-    """The simplest stored form that gives ``value`` back exactly, its type and the types of
-    everything in it included: 0 plain JSON, 1 ``pyjson``, 2 ``pyjson2``; None when none does
-    (a set, an enum, a subclass of ``int``, ``str`` or ``list``, an object array...).
-
-    The walk recurses: a value nested deeper than the interpreter's recursion limit raises
-    ``RecursionError``."""
+    """The simplest stored form that gives ``value`` back exactly, types included: 0 plain
+    JSON, 1 ``pyjson``, 2 ``pyjson2``; None when none does (a set, an enum, a subclass of
+    ``int``, an object array...). Recurses (``RecursionError`` past the interpreter's limit)."""
     found = form_and_depth(value)
     return None if found is None else found[0]
 
@@ -145,9 +76,8 @@ _SCALARS = frozenset({bool, int, float, str, type(None)})
 
 
 def form_and_depth(value: object) -> tuple[int, int] | None:
-    """:func:`python_form` of ``value`` and how deep its lists, tuples, dicts and named tuples
-    nest (0 for a scalar). Its tagged JSON nests at most ``3 * depth + 3`` levels (a tagged
-    container takes at most three levels, a tagged scalar or array at most three)."""
+    """:func:`python_form` of ``value`` and how deep its containers nest (0 for a scalar). Its
+    tagged JSON nests at most ``3 * depth + 3`` levels (a tag takes at most three)."""
     kind = type(value)
     if kind in _SCALARS:
         return 0, 0
@@ -194,9 +124,8 @@ _NAN = float("nan")
 
 
 def _as_read(key: object) -> object:
-    """``key`` as a reader gets it back, for equality: JSON gives every float NaN back as one
-    object, so keys that differ only in which NaN object they hold (``float("nan")`` twice,
-    or tuples of them) become equal, which Python compares by identity first."""
+    """``key`` as a reader gets it back: every NaN is then one object, so keys that differ only
+    in which NaN they hold become equal (Python compares by identity first)."""
     if type(key) is float:
         return _NAN if math.isnan(key) else key
     if isinstance(key, tuple):
@@ -205,10 +134,9 @@ def _as_read(key: object) -> object:
 
 
 def _is_named(kind: type) -> bool:
-    """Whether ``kind`` is a class made by ``collections.namedtuple`` (or ``NamedTuple``)
-    whose name and fields a reader can make a class of (:func:`_named_problem`): one made
-    with ``rename=True`` (a field ``_1``) is not, so a save refuses it rather than write
-    what no load could read."""
+    """Whether ``kind`` is a named tuple class that a reader can remake
+    (:func:`_named_problem`); one made with ``rename=True`` (a field ``_1``) is not, so a save
+    refuses it rather than write what no load could read."""
     fields = getattr(kind, "_fields", None)
     return (
         issubclass(kind, tuple)
@@ -244,9 +172,8 @@ def tagged(value: object, extended: bool = False) -> object:
     """``value`` as tagged JSON: ``pyjson``, or ``pyjson2`` with ``extended``.
 
     Raises:
-        TypeError: ``value`` holds something that is neither a JSON value, a tuple nor a
-            dict, or, with ``extended``, a value of the other types :func:`python_form` knows
-            (the message is the type's name).
+        TypeError: ``value`` holds something the encoding has no form for (the message is the
+            type's name).
     """
     kind = type(value)
     if kind in _SCALARS:
@@ -276,12 +203,9 @@ def tagged(value: object, extended: bool = False) -> object:
             return {_ARRAY: _array_json(value)}  # type: ignore[arg-type]
         if isinstance(value, np.generic) and value.dtype.name in _NUMPY_DTYPES:
             item = value.item()
-            return {
-                _NUMPY: [
-                    value.dtype.name,
-                    [item.real, item.imag] if type(item) is complex else item,
-                ]
-            }
+            if type(item) is complex:
+                item = [item.real, item.imag]
+            return {_NUMPY: [value.dtype.name, item]}
         if kind.__module__ == "torch" and kind.__name__ == "Size":
             return {_SIZE: [int(size) for size in value]}  # type: ignore[attr-defined]
     raise TypeError(kind.__name__)
@@ -298,16 +222,12 @@ def _array_json(array: np.ndarray) -> list[Any]:
 
 
 def untag(value: object, extended: bool = False, like: object = None) -> Any:
-    """A decoded ``pyjson`` (``pyjson2`` with ``extended``) value with its tuples, dicts and
-    other tagged values rebuilt. A named tuple takes the class of the value at the same place
-    in ``like`` (the value it replaces) when that class has the stored name and fields; else
-    a class of that name and those fields is made for it.
+    """A decoded ``pyjson`` (``pyjson2`` with ``extended``) value with its tagged values
+    rebuilt. A named tuple takes the class of the value at its place in ``like`` (the value it
+    replaces) when that class has the stored name and fields, else a class made for them.
 
-    Decoding is strict: a JSON object that has a tag of the encoding as a key (:data:`TAGS`;
-    :data:`TAGS2` with ``extended``) must be that tag alone, exactly as :func:`tagged` writes
-    it (payload of the required types and shape, contents valid in turn). So whatever decodes
-    is a value :func:`tagged` gives the same JSON for; an object holding a tag that the writer
-    could not have written is refused, never read as a plain dict.
+    Strict: an object with a tag as a key must be exactly what :func:`tagged` writes, so
+    whatever decodes is a value the writer gives the same JSON for.
 
     Raises:
         ValueError: A malformed tag (the message names the tag and what is wrong with it).
@@ -333,9 +253,8 @@ _CONTAINERS = frozenset({list, dict})
 
 
 def check_plain(value: object) -> None:
-    """Check a decoded ``json`` value (no tags): the writer stores a dict that has a tag of
-    :data:`TAGS` as a key as ``pyjson`` (tagged), so a ``json`` value holding one was not
-    written by it.
+    """Check a decoded ``json`` value: the writer stores a dict with a tag of :data:`TAGS` as a
+    key as ``pyjson``, so a ``json`` value holding one was not written by it.
 
     Raises:
         ValueError: An object of ``value`` has a tag as a key.
@@ -427,11 +346,10 @@ def _untag_dict(inner: object, extended: bool, like: object) -> dict[Any, Any]:
             name = type(key).__name__
             holds = "" if type(key) in (list, dict, np.ndarray) else " that holds a list or array"
             raise _malformed("__dict__", f"a dict key cannot be a {name}{holds}")
-        if key in result:  # a dict has each key once (1, 1.0 and True are one key)
+        if key in result:  # 1, 1.0 and True are one key
             raise _malformed("__dict__", f"the key {key!r:.80} appears twice")
         result[key] = untag(pair[1], extended, _entry(like, key))
     if all(type(key) is str for key in result) and (TAGS2 if extended else TAGS).isdisjoint(result):
-        # tagged() writes such a dict as a JSON object, never as pairs.
         raise _malformed("__dict__", "its keys are strings, none a tag: it is a JSON object")
     return result
 
@@ -517,14 +435,15 @@ def _untag_array(inner: object, extended: bool, like: object) -> np.ndarray:
             raise _malformed(_ARRAY, f"shape {list(shape)} is too large for an array")
     # The element count is checked against the text before anything is decoded or allocated.
     count = math.prod(shape)
+    short = ValueError(f"__ndarray__ data does not hold {count} values of {dtype.name}")
     if (count * dtype.itemsize + 2) // 3 * 4 != len(text):
-        raise ValueError(f"__ndarray__ data does not hold {count} values of {dtype.name}")
+        raise short
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as err:  # ValueError: a non-ASCII character
         raise _malformed(_ARRAY, f"the data is not base64: {err}") from err
     if len(data) != count * dtype.itemsize:
-        raise ValueError(f"__ndarray__ data does not hold {count} values of {dtype.name}")
+        raise short
     # A last group with padding has spare bits; the writer leaves them zero.
     if data and base64.b64encode(data[-(len(data) % 3 or 3) :]).decode() != text[-4:]:
         raise _malformed(_ARRAY, "the data is not the standard base64 of its bytes")
