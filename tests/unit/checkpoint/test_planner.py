@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardwise._boxes import intersect
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.planner import Box, ChunkRead, SavedChunk
 from shardwise.checkpoint.planning.save_plan import TableRow, plan_save
@@ -303,7 +304,7 @@ def test_chunk_lookup_plans_exactly_what_the_all_pairs_search_plans(case: Any) -
         overlapping = [
             i
             for i, c in enumerate(chunks)
-            if math.prod(c.sizes) and planner._intersect(target, (c.offsets, c.sizes))
+            if math.prod(c.sizes) and intersect(*target, c.offsets, c.sizes)
         ]
         candidates = lookup.candidates(target)
         assert set(overlapping) <= set(candidates), (target, overlapping, candidates)

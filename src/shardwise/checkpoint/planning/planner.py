@@ -2,7 +2,10 @@
 rank writes, a tensor's holders), the agreement on tied tensors, and which bytes each rank
 reads for each target box. No I/O, no collectives: every rank runs the same functions on the
 same exchanged metadata and reaches the same plan. (Who writes what is planned from layouts,
-in :mod:`.layout_plan`.)
+in :mod:`.save_plan`.)
+
+The records are slotted, not frozen, and treated as immutable: a save or load builds one per
+chunk, and frozen construction costs four to five times as much.
 """
 
 from __future__ import annotations
@@ -40,8 +43,7 @@ def numel(sizes: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class TensorPlan:
-    """Everything the ranks said about one tensor: its global facts and who holds which box
-    (what :func:`agree_aliases` compares).
+    """Everything the ranks said about one tensor (what :func:`agree_aliases` compares).
 
     Attributes:
         fqn: The state-dict key.
@@ -97,8 +99,7 @@ def agree_aliases(
 
 @dataclass(slots=True)
 class WriteAssignment:
-    """One chunk a rank writes (treated as immutable; not frozen, which costs a fifth of a
-    microsecond per field on construction, per chunk)."""
+    """One chunk a rank writes."""
 
     fqn: str
     offsets: tuple[int, ...]
@@ -109,8 +110,8 @@ class WriteAssignment:
 @dataclass(slots=True)
 class SavedChunk:
     """Stored bytes as the index records them: a tensor chunk (its box) or an object blob
-    (an empty box). Treated as immutable; not frozen because a reader builds one per chunk
-    of a checkpoint and frozen construction costs five times as much.
+    (an empty box). Its checksums are those of the file's blocks its bytes touch
+    (``Index.blocks_of``).
 
     Attributes:
         offsets: The chunk's offsets in the tensor (``()`` for a blob or a 0-d tensor).
@@ -118,8 +119,6 @@ class SavedChunk:
         file: The data file, relative to the checkpoint (``data/rank-...``).
         begin: First byte in the file.
         end: One past the last byte.
-
-    Its checksums are those of the file's blocks its bytes touch (``Index.blocks_of``).
     """
 
     offsets: tuple[int, ...]
@@ -135,9 +134,7 @@ class SavedChunk:
 
 @dataclass(slots=True, unsafe_hash=True)
 class ChunkRead:
-    """One read from a saved chunk into a target box. Treated as immutable (and hashed by
-    value); not frozen because a load builds one per chunk it reads, and frozen
-    construction costs four times as much.
+    """One read from a saved chunk into a target box (hashed by value).
 
     Attributes:
         chunk: Index of the saved chunk.
@@ -158,25 +155,18 @@ class ChunkRead:
     strides: tuple[int, ...] | None
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    return intersect(a[0], a[1], b[0], b[1])
-
-
 def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
     """Elements from the first to the last element of a box of ``sizes`` inside a C-ordered
-    chunk of element ``strides`` (the box's own element count when it is contiguous)."""
+    chunk of element ``strides``."""
     return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
 
 
 def _split_level(
     overlap_sizes: Sequence[int], strides: Sequence[int], itemsize: int, read_cost: int
 ) -> int:
-    """How many leading dims to split a non-contiguous overlap along.
-
-    Splitting along dims ``[0, level)`` gives one read per index of those dims, each from
-    its piece's first element to its last; ``len - 1`` reads exactly the needed bytes. The
-    level with the least ``reads * read_cost + bytes`` wins (the fewest reads on a tie).
-    """
+    """How many leading dims to split a non-contiguous overlap along: one read per index of
+    dims ``[0, level)``. The level with the least ``reads * read_cost + bytes`` wins (the
+    fewest reads on a tie)."""
     best, best_cost = 0, -1
     for level in range(len(overlap_sizes)):
         count = numel(overlap_sizes[:level])
@@ -198,12 +188,11 @@ class ChunkLookup:
     """The chunks of one tensor that overlap a box, found without comparing the box with
     every chunk.
 
-    Chunks are sorted by their offset along one dimension, the one where they have the most
-    distinct offsets (dim 0 for row-wise shards, dim 1 for column-wise ones). A query bisects
-    that order for the chunks that can reach the box along it (a chunk starting past the
-    box's end cannot, nor one ending before its start, bounded by the longest chunk), then
-    intersects only those: O(log n + k) for ``k`` candidates instead of O(n), so that a rank
-    of a 1,024-rank job plans its share without scanning every chunk of every tensor.
+    Chunks are sorted by their offset along the dim where they have the most distinct
+    offsets. A query bisects that order for the chunks that can reach the box along it
+    (bounded by the longest chunk), then intersects only those: O(log n + k) for ``k``
+    candidates instead of O(n), so that a rank of a 1,024-rank job plans its share without
+    scanning every chunk of every tensor.
 
     Args:
         chunks: The boxes of the saved chunks (any order; chunks without elements are never
@@ -253,19 +242,15 @@ def plan_reads(
     read_cost: int | None = None,
     lookup: Candidates | None = None,
 ) -> list[ChunkRead]:
-    """The reads that fill ``target`` from ``chunks``.
+    """The reads that fill ``target`` from ``chunks``, ordered by file and offset.
 
     A contiguous overlap is one read of exactly its bytes. A non-contiguous one (e.g. a column
-    block of row-wise chunks) is read in pieces split along its leading dims, each piece from
-    its first to its last element: one read per row reads exactly the needed bytes, one read
-    of the whole overlap reads the gaps between its rows too. The split minimizing
-    ``reads * read_cost + bytes read`` is chosen, so a gap is skipped exactly when it is
-    larger than what another read costs (``read_cost``, by default
-    ``TUNING.read_cost_bytes``: measured on local files, a positioned read with its
-    bookkeeping costs about as much as copying 64 KiB; with ``read_cost=0``, only needed
-    bytes are read).
-    Reads are ordered by file and offset. ``lookup`` (a :class:`ChunkLookup` of ``chunks``,
-    or a grid's ``LayoutChunks``, which answers by arithmetic) finds the
+    block of row-wise chunks) is read in pieces split along its leading dims, each from its
+    first to its last element; the split minimizing ``reads * read_cost + bytes read`` wins,
+    so a gap is skipped exactly when it costs more than another read. ``read_cost`` defaults
+    to ``TUNING.read_cost_bytes`` (measured on local files, a positioned read with its
+    bookkeeping costs about as much as copying 64 KiB); with ``0``, only needed bytes are read.
+    ``lookup`` (a :class:`ChunkLookup` of ``chunks``, or a grid's ``LayoutChunks``) finds the
     overlapping chunks without comparing ``target`` with each: pass one when planning many
     boxes of one tensor.
 
@@ -281,9 +266,8 @@ def plan_reads(
     target_offsets, target_sizes = target
     indices = range(len(chunks)) if lookup is None else lookup.candidates(target)
     if numel(target_sizes):
-        # A target that is a saved chunk (a load on the layout of the save): that chunk
-        # alone, found by comparing boxes rather than intersecting them. The chunks tile the
-        # tensor (the coverage count below assumes it too), so no other one overlaps it.
+        # A target that is a saved chunk (a load on the layout of the save): the chunks tile
+        # the tensor (the coverage count below assumes it too), so no other one overlaps it.
         for index in indices:
             chunk = chunks[index]
             if chunk.offsets == target_offsets and chunk.sizes == target_sizes:
@@ -292,7 +276,6 @@ def plan_reads(
     covered = 0
     for index in indices:
         chunk = chunks[index]
-        box = (chunk.offsets, chunk.sizes)
         if not target_offsets:
             overlap: Box | None = ((), ())
         else:
@@ -300,8 +283,7 @@ def plan_reads(
         if overlap is None:
             continue
         covered += numel(overlap[1])
-        whole = overlap == box
-        if whole:
+        if overlap == (chunk.offsets, chunk.sizes):
             reads.append(
                 ChunkRead(index, chunk.begin, chunk.end - chunk.begin, overlap, True, None)
             )
@@ -318,8 +300,7 @@ def plan_reads(
 
 def whole_reads(chunks: Sequence[SavedChunk]) -> list[ChunkRead]:
     """:func:`plan_reads` of the whole tensor that ``chunks`` tile (as a decoded index's
-    do): every chunk with elements, read whole, in file order. No box is intersected: in a
-    tiling, each such chunk lies inside the tensor."""
+    do), without intersecting boxes: every chunk with elements, read whole, in file order."""
     reads = [
         ChunkRead(
             index, chunk.begin, chunk.end - chunk.begin, (chunk.offsets, chunk.sizes), True, None

@@ -11,15 +11,15 @@ same on every rank that holds it:
   (an ``EnumerableShardingSpec``).
 - ``["local"]``: anything else; the rank sends its own boxes.
 
-:func:`mesh_grid` turns a mesh layout into the index's :class:`~.index.layouts.Grid`, and
-:func:`plan_save` is the coordinator's whole decision: who writes what, in O(tensors + ranks
-+ irregular chunks x log) instead of O(ranks x tensors). Data file numbers are group ranks:
-the index lists one file per rank, in rank order (``null`` for a rank that wrote nothing).
+:func:`plan_save` decides who writes what in O(tensors + ranks + irregular chunks x log)
+instead of O(ranks x tensors). Data file numbers are group ranks: the index lists one file
+per rank, in rank order (``null`` for a rank that wrote nothing).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,17 +61,15 @@ def mesh_grid(
     number = group rank, or ``None`` when it is not one.
 
     Dim ``d`` sharded by axis ``a`` is cut by the ceil rule into ``shape[a]`` pieces (as
-    ``torch.chunk`` and DTensor's ``Shard`` do: none past the end). Of the replicas (the
-    ranks along ``Replicate`` axes) the one numbered ``replica`` modulo their count writes,
-    so that a caller spreads replicated tensors over the replicas by passing each key's
-    number. ``None`` when a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or
-    the ranks of the cells are not affine in the cell coordinates (a mesh over a permuted
-    rank list): such a tensor is saved by its boxes.
+    DTensor's ``Shard`` does). Of the replicas (the ranks along ``Replicate`` axes) the one
+    numbered ``replica`` modulo their count writes: a caller spreads replicated tensors by
+    passing each key's number. ``None`` when a placement is not ``"R"``/``"S<d>"``, a dim is
+    sharded twice, or the ranks of the cells are not affine in the cell coordinates (a mesh
+    over a permuted rank list): such a tensor is saved by its boxes.
 
-    ``rules`` (one dict per mesh, kept by the caller) remembers, per mesh, the rule of each
-    distinct grid shape (the affine check is O(mesh ranks)) and the grid of each distinct
-    ``(size, placements, replica)``: the keys of a model repeat a few shapes, so most calls
-    are one lookup (grids are immutable, so sharing them is safe).
+    ``rules`` (one dict per mesh, kept by the caller) memoizes the rule of each grid shape
+    (the affine check is O(mesh ranks)) and the grid of each ``(size, placements, replica)``:
+    a model repeats a few shapes, so most calls are one lookup (grids are immutable).
     """
     shape, ranks = mesh
     placements = tuple(placements)
@@ -153,24 +151,17 @@ def _rule(
     if any(stride < 0 for stride in strides):
         return None
     grid = Grid(probe.size, probe.steps, first, tuple(strides))
-    if any(grid.file_of(cell) != rank_of(cell) for cell in _all_cells(probe)):
+    cells = itertools.product(*(range(count) for count in probe.counts))
+    if any(grid.file_of(cell) != rank_of(cell) for cell in cells):
         return None
     return first, tuple(strides)
-
-
-def _all_cells(grid: Grid) -> list[tuple[int, ...]]:
-    cells: list[tuple[int, ...]] = [()]
-    for count in grid.counts:
-        cells = [(*cell, k) for cell in cells for k in range(count)]
-    return cells
 
 
 @dataclass(slots=True)
 class TableRow:
     """One key of a rank's table: its global facts and layout (the same on every rank that
     holds it; a rank's own boxes for a ``local`` layout travel apart). Treated as immutable;
-    not frozen, which costs a fifth of a microsecond per field on construction, and every
-    rank builds one per key and the coordinator one per key of each distinct table."""
+    not frozen, which costs a fifth of a microsecond per field per key."""
 
     key: str
     dtype: str
@@ -254,7 +245,7 @@ def plan_save(
             does not exist, or a key's boxes do not tile it (the message names the key).
     """
     rows: dict[str, TableRow] = {}
-    # Per key, the tables that have it (not their ranks: that would be O(ranks) per key).
+    # Per key, the tables that have it (not their ranks: O(ranks) per key).
     key_tables: dict[str, list[int]] = {}
     for number, table in enumerate(tables):
         for row in table:
@@ -377,9 +368,8 @@ def _assign_local(
 def _assign_whole(
     plan: SavePlan, whole: list[tuple[int, str, frozenset[int]]], everyone: frozenset[int]
 ) -> None:
-    """Whole (replicated) tensors, largest first, each to its least loaded holder: a heap of
-    ``(load, rank)`` when every rank holds it (O(log ranks) each), else a scan of its
-    holders."""
+    """Whole (replicated) tensors, largest first, each to its least loaded holder: from a heap
+    of ``(load, rank)`` when every rank holds it (O(log ranks) each), else by a scan."""
     heap = [(load, rank) for rank, load in enumerate(plan.loads)]
     heapq.heapify(heap)
     loads, rows, assigned = plan.loads, plan.rows, plan.whole

@@ -1,19 +1,18 @@
-"""The scale save protocol's two halves (``docs/design/scale.md`` §2, *Wired*).
+"""The save protocol's two halves (``docs/architecture.md``, *Save*).
 
-**A rank** describes each key by a :class:`~.layout_plan.TableRow` whose layout is the same on
-every rank that holds it (:func:`rank_table`), checks its own boxes against that layout
-before anything is exchanged (a box the rule does not give it makes the key ``local`` on this
-rank: never a wrong index), and later turns the coordinator's short assignment into the list
-of chunks it writes (:func:`own_file_writes`). All of it is O(its own entries).
+**A rank** describes each key by a :class:`~.save_plan.TableRow` whose layout is the same on
+every rank that holds it, checked against its own boxes before anything is exchanged
+(:func:`rank_table`), and turns the coordinator's assignment into the chunks it writes
+(:func:`own_file_writes`), in O(its own entries).
 
 **The coordinator** merges the distinct tables (ranks with equal tables send only a digest),
-reconciles a key that some ranks describe as ``local`` after a failed check, agrees on tied
-tensors and plans with :func:`~.layout_plan.plan_save` (:func:`plan_from_tables`): the layouts
-the index is built from (``_save_index``).
+reconciles keys that ranks describe differently, agrees on tied tensors and plans with
+:func:`~.save_plan.plan_save` (:func:`plan_from_tables`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +47,7 @@ _LOCAL = ("local",)
 
 @dataclass(slots=True)
 class RankTable:
-    """One rank's description of what it holds (see the module docstring).
+    """One rank's description of what it holds.
 
     Attributes:
         rows: One row per tensor key, in state-dict order.
@@ -84,8 +83,8 @@ def own_cell(
     grid: Grid, mesh: Mesh, placements: Sequence[str], rank: int, position: int | None = None
 ) -> tuple[int, ...] | None:
     """The grid cell group rank ``rank`` holds on ``mesh`` (``None``: none, or an empty
-    shard past the end of a dim). ``position``: the rank's place in the mesh's ranks, when
-    the caller knows it (-1: not there)."""
+    shard past the end of a dim). ``position``: the rank's place in the mesh's ranks, if
+    known (-1: not there)."""
     shape, ranks = mesh
     if position is None:
         position = ranks.index(rank) if rank in ranks else -1
@@ -105,7 +104,7 @@ def own_cell(
 
 class _Meshes:
     """The meshes of one rank's table, numbered in order of first use, with a grid rule
-    cache per mesh (the affine check runs once per distinct grid shape, not per key)."""
+    cache per mesh."""
 
     def __init__(self, group_rank_of: Callable[[int], int]) -> None:
         self._group_rank_of = group_rank_of
@@ -113,7 +112,7 @@ class _Meshes:
         self._numbers: dict[Mesh, int] = {}
         self._by_object: dict[int, tuple[Any, int | None]] = {}
         self.rules: list[dict[Any, Any]] = []
-        #: Per mesh, this rank's place in its ranks (-1: not there), found once.
+        #: Per mesh, this rank's place in its ranks (-1: not there).
         self.positions: list[int] = []
 
     def number(self, device_mesh: Any, rank: int) -> int | None:
@@ -145,9 +144,8 @@ def _row(key: str, value: TensorValue, size: Sequence[int], layout: tuple[Any, .
     return TableRow(key, facts[0], facts[1], tuple(size), facts[2], layout)
 
 
-# A description's properties are one object per distinct value (``_items._properties``): their
-# JSON form is computed once per object, not per key (the object is kept with it, so its id
-# cannot be reused while the entry stands).
+# Properties are one object per distinct value (``items._properties``): their JSON form is
+# computed once per object, not per key (the object is kept, so its id is not reused).
 _FACTS: dict[tuple[int, torch.dtype], tuple[Any, str, int, dict[str, Any]]] = {}
 
 
@@ -166,9 +164,8 @@ def _facts_of(value: TensorValue) -> tuple[str, int, dict[str, Any]]:
 def rank_table(
     tensors: Mapping[str, TensorValue], rank: int, group_rank_of: Callable[[int], int]
 ) -> RankTable:
-    """This rank's table (O(its entries)): plain tensors ``whole``, DTensors ``mesh`` when
-    their rule gives this rank exactly the boxes it holds, anything else ``local`` with its
-    boxes.
+    """This rank's table: plain tensors ``whole``, DTensors ``mesh`` when their rule gives
+    this rank exactly the boxes it holds, anything else ``local`` with its boxes.
 
     Args:
         tensors: What this rank holds.
@@ -229,12 +226,10 @@ def own_file_writes(
     assignment: Mapping[str, Any],
     rank: int,
 ) -> tuple[list[WriteAssignment], int]:
-    """What this rank writes: its grid cells (derived from its own rows and the rule: the
-    replica of a replicated cell is chosen by the key's number in the plan), and the
-    ``whole`` keys and ``local`` boxes the coordinator gave it, in the order of its data file,
-    with the number of grid cells that lead it: the grid cells first, sorted by key (the
-    order of the index's ``tensors`` rows; a rank holds at most one cell of a key), then the
-    other entries sorted by key and offsets (``docs/format.md``, *Writing the index*)."""
+    """What this rank writes, in the order of its data file (``docs/format.md``, *Writing the
+    index*), and how many grid cells lead it: its grid cells (derived from its own rows; the
+    key's number in the plan chooses the replica) sorted by key, then the ``whole`` keys and
+    ``local`` boxes the coordinator gave it, sorted by key and offsets."""
     skip = set(assignment.get("demoted", ())) | set(assignment.get("aliases", ()))
     numbers = assignment.get("numbers")
     rules: list[dict[Any, Any]] = [{} for _ in table.meshes]
@@ -280,7 +275,7 @@ class CoordinatorPlan:
     """The coordinator's plan of a save.
 
     Attributes:
-        plan: Who writes what (:func:`~.layout_plan.plan_save`).
+        plan: Who writes what (:func:`~.save_plan.plan_save`).
         aliases: Tied keys -> the key they are tied to (not written).
         assignments: What to tell each rank (``scatter_json``).
         total: Bytes every rank writes together (tensor data; blobs apart).
@@ -308,10 +303,10 @@ def plan_from_tables(
 
     Raises:
         ValueError: Ranks disagree about a key's facts, or its chunks do not tile it (the
-            message names the key), as :func:`~.layout_plan.plan_save` says.
+            message names the key).
     """
     # The distinct tables, the coordinator's first (so that a rank with its digest numbers
-    # keys by their position in its own table), with their ranks and meshes in one list.
+    # keys by their position in its own table), their meshes in one list.
     meshes: list[Mesh] = []
     mesh_numbers: dict[Mesh, int] = {}
 
@@ -326,14 +321,7 @@ def plan_from_tables(
         if all(number == position for position, number in enumerate(mapping)):
             return list(rows)
         return [
-            TableRow(
-                r.key,
-                r.dtype,
-                r.itemsize,
-                r.size,
-                r.properties,
-                ("mesh", mapping[r.layout[1]], r.layout[2]),
-            )
+            dataclasses.replace(r, layout=("mesh", mapping[r.layout[1]], r.layout[2]))
             if r.layout[0] == "mesh"
             else r
             for r in rows
@@ -393,10 +381,10 @@ def _reconcile(
     meshes: Sequence[Mesh],
     local: dict[int, dict[str, list[Box]]],
 ) -> dict[int, set[str]]:
-    """Make ``local`` for every table a key that some ranks describe as ``mesh`` and others
-    as ``local`` (their own boxes failed the rule's check), the facts being equal: the mesh
-    ranks' boxes come from the rule, which they checked. Returns, per rank, the keys it
-    described as ``mesh`` that are now ``local`` (it writes what the plan says instead)."""
+    """Make ``local`` in every table a key that ranks describe by different layouts (a rank
+    whose boxes failed its rule's check, a plain tensor on one rank and a wrapper on
+    another), the facts being equal; the first rank's properties win. Returns, per rank, the
+    keys it described as ``mesh`` that are now ``local`` (it writes what the plan says)."""
     demoted: dict[int, set[str]] = {}
     if len(tables) < 2:
         return demoted
@@ -425,9 +413,6 @@ def _reconcile(
                     f"size {list(first_row.size)}, rank {rank} has dtype {row.dtype} and size "
                     f"{list(row.size)}"
                 )
-        # The first rank's properties win (as they always have). Layouts that differ (a rank
-        # whose boxes failed its rule's check, a plain tensor on one rank and a wrapper on
-        # another) make the key ``local``: every rank's boxes by its own layout.
         demote = len({json.dumps(row.layout) for *_, row in found}) > 1
         for _, n, i, row in found:
             layout = row.layout
@@ -437,10 +422,7 @@ def _reconcile(
                     if layout[0] == "mesh":
                         demoted.setdefault(rank, set()).add(key)
                 layout = _LOCAL
-            table = tables[n]
-            table[i] = TableRow(
-                key, row.dtype, row.itemsize, row.size, first_row.properties, layout
-            )
+            tables[n][i] = dataclasses.replace(row, properties=first_row.properties, layout=layout)
     return demoted
 
 
@@ -464,7 +446,7 @@ def _fill_sizes(
                 bounds[key] = stops if known is None else list(map(max, known, stops))
     for n, table in enumerate(tables):
         tables[n] = [
-            TableRow(r.key, r.dtype, r.itemsize, tuple(bounds.get(r.key, [])), r.properties, _LOCAL)
+            dataclasses.replace(r, size=tuple(bounds.get(r.key, [])), layout=_LOCAL)
             if tuple(r.layout) == _UNSIZED
             else r
             for r in table

@@ -1,8 +1,6 @@
-"""The check that a tensor's chunks tile it exactly, shared by save (the merged plan, the
-layouts) and every decoder of the index: :func:`check_tiling`, with a fast exact path for a
-split along one dim (:func:`split_tiles`, what FSDP and row- or column-wise sharding save)
-and the general check otherwise (:func:`check_tiling_generally`: the O(n log n) overlap sweep
-of :mod:`shardwise.sharding_spec._internals`, and coverage by volume)."""
+"""The check that a tensor's chunks tile it exactly, shared by save and every decoder of the
+index: :func:`check_tiling`, by arithmetic for a split along one dim (:func:`split_tiles`)
+and by the general rules otherwise (:func:`check_tiling_generally`)."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
     """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, a box
     with elements lies inside it, no two boxes share an element, and together they cover
     every element. Boxes without elements may lie anywhere (the ceil rule puts trailing empty
-    chunks past the end). One whole box, or a split along one dim, is recognized by
-    arithmetic; anything else goes through the O(n log n) sweep.
+    chunks past the end).
 
     Raises:
         ValueError: The boxes do not tile the tensor (the message says how).
@@ -51,9 +48,7 @@ def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
                 f"the chunk at offsets {list(offsets)} with sizes {list(sizes)} does not have "
                 f"the {ndim} dims of the tensor"
             )
-    if len(boxes) == 1:
-        # One box (a replicated or unsharded tensor): the common case, checked without
-        # building shard metadata.
+    if len(boxes) == 1:  # a replicated or unsharded tensor: the common case
         offsets, sizes = boxes[0]
         if not any(offsets) and tuple(sizes) == tuple(size):
             return
@@ -63,17 +58,14 @@ def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
 
 
 def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
-    """Whether ``boxes`` (each of ``len(size)`` dims) tile a tensor of ``size`` as a split
-    along one dim: every box with elements spans the whole tensor in every other dim, and
-    their extents along that dim, sorted, follow each other from 0 to the dim's end (boxes
-    without elements may lie anywhere). That is what FSDP, row- and column-wise sharding
-    save, and it is checked in O(n log n) arithmetic instead of the general sweep (a
-    quarter of its cost for 4 chunks). Boxes of tuples, as :data:`Box` says: a box of
-    lists never matches.
+    """Whether ``boxes`` (each of ``len(size)`` dims, tuples: a box of lists never matches)
+    tile a tensor of ``size`` as a split along one dim, what FSDP, row- and column-wise
+    sharding save: every box with elements spans the whole tensor in every other dim, and
+    their extents along that dim, sorted, follow each other from 0 to the dim's end. Checked
+    by arithmetic at a quarter of the general sweep's cost for 4 chunks.
 
-    ``True`` proves the tiling (see ``tests/unit/checkpoint/test_fast_paths.py``, which checks
-    it against :func:`check_tiling_generally`); ``False`` proves nothing: the general check
-    decides, and words its error.
+    ``True`` proves the tiling; ``False`` proves nothing: the general check decides, and
+    words its error.
     """
     ndim = len(size)
     if not ndim or min(size) <= 0:
@@ -114,8 +106,8 @@ def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
 
 def check_tiling_generally(size: Sequence[int], boxes: Sequence[Box]) -> None:
     """:func:`check_tiling` of boxes that have the tensor's dims, by the general rules: no
-    two boxes with elements overlap (an O(n log n) sweep), every one lies inside the
-    tensor, and their volumes add up to the tensor's.
+    two boxes with elements overlap (an O(n log n) sweep), every one lies inside the tensor,
+    and their volumes add up to the tensor's.
 
     Raises:
         ValueError: The boxes do not tile the tensor (the message says how).
