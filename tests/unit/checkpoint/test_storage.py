@@ -51,7 +51,8 @@ def _check_reads(storage: Any, path: str) -> None:
     reader = storage.open_reader(path)
     # Into given buffers; ``then`` sees each request once, with its bytes.
     requests = [
-        RangeRequest.into(reader, start, memoryview(bytearray(length))) for start, length in SPANS
+        RangeRequest(reader, start, length, memoryview(bytearray(length)))
+        for start, length in SPANS
     ]
     seen: dict[int, bytes] = {}
     counts = storage.read_ranges(requests, lambda number, data: seen.update({number: bytes(data)}))

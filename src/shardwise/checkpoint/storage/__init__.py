@@ -4,17 +4,14 @@ This package is the only part of shardwise that touches files. Paths are plain `
 with ``/`` so that URLs (``s3://bucket/ckpt``, ``memory://ckpt``) survive untouched. Local paths
 need no fsspec; a URL needs the ``fsspec`` package (extra ``remote``).
 
-One module per part: ``_protocol`` (:class:`Storage`, :class:`Reader`, :class:`Writer`,
-:class:`RangeRequest`, :class:`UnsafePathError`), ``_local`` (:class:`LocalStorage`: below
-the root, never a symbolic link followed; :class:`TemporaryBytes`), ``_fsspec``
-(:class:`FsspecStorage`), ``_threads`` (the I/O threads: :func:`run_concurrently`,
-:func:`batches`) and ``_errors`` (:func:`describe_storage_error`: a storage library's failure
-in words). :func:`open_storage` picks the backend for a path.
+Modules: ``_protocol`` (:class:`Storage`, :class:`Reader`, :class:`Writer` and their types),
+``_local`` (:class:`LocalStorage`: no symbolic link below the root is followed), ``_fsspec``
+(:class:`FsspecStorage`), ``_threads`` (the I/O threads) and ``_errors`` (a storage library's
+failure in words). :func:`open_storage` picks the backend for a path.
 
-Reads come in batches (:meth:`Storage.read_ranges`): the local backend runs positioned reads on
-a few threads; the fsspec backend asks for byte ranges with ``cat_ranges``, which an async file
-system such as s3fs sends concurrently. Every failure of the storage library (no credentials,
-an unreachable endpoint, permission denied, no such bucket, a timeout, ...) becomes one
+Reads come in batches (:meth:`Storage.read_ranges`): positioned reads on a few threads locally,
+``cat_ranges`` (concurrent requests in s3fs) through fsspec. Every failure of the storage
+library (no credentials, an unreachable endpoint, no such bucket, a timeout, ...) becomes one
 :class:`~shardwise.errors.CheckpointStorageError` naming the URL and the cause in words;
 ``FileNotFoundError`` and ``FileExistsError`` stay what they are, since callers act on them.
 """
@@ -26,7 +23,7 @@ from typing import Any
 
 from shardwise.checkpoint.storage._errors import describe_storage_error
 from shardwise.checkpoint.storage._fsspec import FsspecStorage
-from shardwise.checkpoint.storage._local import LocalStorage, TemporaryBytes
+from shardwise.checkpoint.storage._local import LocalStorage
 
 # The local reader class, for tests that count the reads of a load (not part of the API).
 from shardwise.checkpoint.storage._local import _LocalReader as _LocalReader
@@ -48,7 +45,6 @@ __all__ = [
     "RangeRequest",
     "Reader",
     "Storage",
-    "TemporaryBytes",
     "UnsafePathError",
     "Writer",
     "batches",

@@ -1,13 +1,8 @@
-"""The fsspec backend of the storage layer: any fsspec file system (``s3://``, ``gs://``,
-``memory://``, ...).
+"""The fsspec backend of the storage layer: any fsspec file system (``s3://``, ``memory://``, ...).
 
-Reads come in batches: byte ranges go through ``cat_ranges``, which an async file system such
-as s3fs sends concurrently, never through fsspec's buffered files (they read ahead whole
-blocks). Object stores have no rename (fsspec's ``mv`` copies, then deletes), so this backend
-says ``atomic_rename = False`` and writers put files under their final names. Every failure of
-the storage library becomes one :class:`~shardwise.errors.CheckpointStorageError` naming the
-URL and the cause in words; ``FileNotFoundError`` and ``FileExistsError`` stay what they are,
-since callers act on them.
+Byte ranges go through ``cat_ranges``, never through fsspec's buffered files (they read ahead
+whole blocks). Object stores have no rename (``mv`` copies, then deletes), so writers put files
+under their final names (``atomic_rename = False``).
 """
 
 from __future__ import annotations
@@ -92,7 +87,6 @@ class _FsspecReader:
             raise err
         self.size = int(info["size"])
         self.identity = path
-        self.shared_identity = None  # no page cache in common: every rank checks its reads
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         return self._storage.read_into(self.path, offset, buffer)
@@ -166,8 +160,7 @@ class FsspecStorage:
         self._conditional_create = _has_create_mode(self.fs)
 
     def url(self, path: str) -> str:
-        """``path`` as a URL, with its protocol (for messages): below the root, as the user
-        wrote the root."""
+        """``path`` as a URL with its protocol (below the root, as the user wrote the root)."""
         if path == self.root or path.startswith(f"{self.root}/"):
             return self._url + path[len(self.root) :]
         return str(self.fs.unstrip_protocol(path))
@@ -176,7 +169,7 @@ class FsspecStorage:
     def errors(self, doing: str, path: str) -> Iterator[None]:
         """Turn a failure of the storage library while ``doing`` something to ``path`` into a
         :class:`CheckpointStorageError` (``FileNotFoundError`` and ``FileExistsError``, which
-        callers act on, pass unchanged, unless the bucket is missing)."""
+        callers act on, pass unless the bucket is missing)."""
         try:
             yield
         except (FileNotFoundError, FileExistsError, UnsafePathError, CheckpointError) as err:
@@ -268,8 +261,8 @@ class FsspecStorage:
         return counts
 
     def _read_batch(self, batch: list[_Piece]) -> list[bytes]:
-        """One ``cat_ranges`` call for ``batch`` (concurrent requests in an async file system
-        such as s3fs): the bytes of each piece."""
+        """The bytes of each piece of ``batch``, from one ``cat_ranges`` call (which an async
+        file system such as s3fs sends concurrently)."""
         with self.errors("read", batch[0].path):
             results = self.fs.cat_ranges(
                 [piece.path for piece in batch],
@@ -288,10 +281,6 @@ class FsspecStorage:
     def open_below(self, relative: str) -> Reader:
         # An object store has no links, and its "directories" are key prefixes.
         return _FsspecReader(self, self.join(relative))
-
-    def read(self, path: str) -> bytes:
-        with self.errors("read", path):
-            return bytes(self.fs.cat_file(path))
 
     def rename(self, source: str, target: str) -> None:
         with self.errors("rename", source):
@@ -314,10 +303,6 @@ class FsspecStorage:
             finally:
                 self.fs.invalidate_cache(path)
         return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
-
-    def check_directory(self, path: str) -> None:
-        # Object stores have no links; a "directory" is a key prefix.
-        return None
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         with self.errors("create", path):

@@ -14,10 +14,8 @@ import errno
 import logging
 import os
 import stat
-import tempfile
 import threading
 from collections.abc import Sequence
-from typing import IO
 
 from shardwise.checkpoint.storage._protocol import (
     Finish,
@@ -28,7 +26,7 @@ from shardwise.checkpoint.storage._protocol import (
 )
 from shardwise.checkpoint.storage._threads import run_concurrently
 
-__all__ = ["LocalStorage", "TemporaryBytes"]
+__all__ = ["LocalStorage"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +38,8 @@ _ASIDE_ATTEMPTS = 5
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# Buffers one preadv or writev takes at most (the kernel refuses more: EINVAL).
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 # What a directory entry is, in words, for the errors of open_below.
 _FILE_KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
@@ -93,25 +93,9 @@ class _LocalWriter:
             logger.warning("could not remove %s after a failed write: %s", self._path, err)
 
 
-def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:
-    view = buffer.cast("B")
-    total = 0
-    while total < len(view):
-        count = os.preadv(fd, [view[total:]], offset + total)
-        if count == 0:
-            break
-        total += count
-    return total
-
-
-# Buffers one preadv takes at most (the kernel refuses more: EINVAL).
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
-
-
-def _preadv_vector(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
-    """Fill ``buffers`` in turn with the bytes of ``fd`` from ``offset``: one ``preadv`` per
-    :data:`_IOV_MAX` buffers, again from where a short read stopped; the count read (short
-    only at the end of the file)."""
+def _preadv(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
+    """Fill ``buffers`` in turn with the bytes of ``fd`` from ``offset``, again from where a
+    short read stopped; the count read (short only at the end of the file)."""
     views = [buffer.cast("B") for buffer in buffers]
     total = 0
     first = 0
@@ -136,22 +120,13 @@ class _LocalReader:
         self._fd = fd
         self.size = status.st_size
         self.identity = (status.st_dev, status.st_ino)
-        # What another process of this host compares to know it reads the same bytes through
-        # the same page cache (the size and modification time tell apart a file rewritten in
-        # place in between).
-        # A file system without inode numbers (0) tells nothing apart: no identity.
-        self.shared_identity = (
-            [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns]
-            if status.st_ino
-            else None
-        )
 
+    # preadv takes the offset explicitly, so threads can share the descriptor.
     def read_into(self, offset: int, buffer: memoryview) -> int:
-        # preadv takes the offset explicitly, so threads can share the descriptor.
-        return _pread_into(self._fd, offset, buffer)
+        return _preadv(self._fd, offset, [buffer])
 
     def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
-        return _preadv_vector(self._fd, offset, buffers)
+        return _preadv(self._fd, offset, buffers)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -210,47 +185,6 @@ def _open_in(parent: int, name: str, path: str, *, directory: bool) -> int:
         os.close(fd)
         raise
     return fd
-
-
-class TemporaryBytes:
-    """Bytes parked in a temporary local file, unlinked from the start
-    (``tempfile.TemporaryFile``, in ``TMPDIR``): the system frees it when it is closed or the
-    process dies. Created on the first :meth:`append`."""
-
-    def __init__(self) -> None:
-        self._file: IO[bytes] | None = None
-        #: Bytes appended so far.
-        self.size = 0
-
-    def append(self, data: memoryview) -> int:
-        """Append ``data``; returns the offset it starts at.
-
-        Raises:
-            OSError: The file cannot be created or written (a full disk).
-        """
-        if self._file is None:
-            # Open across calls, closed by close(): no context manager fits.
-            self._file = tempfile.TemporaryFile(prefix="shardwise-")  # noqa: SIM115
-        offset = self.size
-        view = data.cast("B")
-        written = 0
-        while written < len(view):
-            written += os.pwrite(self._file.fileno(), view[written:], offset + written)
-        self.size += len(view)
-        return offset
-
-    def read_into(self, offset: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the bytes appended at ``offset``."""
-        assert self._file is not None and offset + len(buffer) <= self.size
-        if _pread_into(self._file.fileno(), offset, buffer) != len(buffer):
-            raise OSError(errno.EIO, "the temporary file is shorter than what was written")
-
-    def close(self) -> None:
-        """Delete the file (nothing is kept)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        self.size = 0
 
 
 def _real_directory(path: str) -> bool:
@@ -312,13 +246,6 @@ class LocalStorage:
         self._check_parents(path)
         return _LocalWriter(self, path)
 
-    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        reader = self.open_reader(path)
-        try:
-            return reader.read_into(offset, buffer)
-        finally:
-            reader.close()
-
     def read_ranges(
         self, requests: Sequence[RangeRequest], then: Finish | None = None
     ) -> list[int]:
@@ -358,15 +285,6 @@ class LocalStorage:
             os.close(current)
             raise
         return _LocalReader(self.join(relative), current, status)
-
-    def read(self, path: str) -> bytes:
-        reader = self.open_reader(path)
-        try:
-            data = bytearray(reader.size)
-            count = reader.read_into(0, memoryview(data))
-            return bytes(data[:count])
-        finally:
-            reader.close()
 
     def rename(self, source: str, target: str) -> None:
         self._check_parents(source)

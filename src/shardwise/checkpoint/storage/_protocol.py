@@ -1,9 +1,4 @@
-"""The storage protocol: what the checkpoint layer asks of a file system, and its types.
-
-Paths are plain ``str`` joined with ``/`` so that URLs (``s3://bucket/ckpt``) survive
-untouched. The backends are :class:`~shardwise.checkpoint.storage.LocalStorage` and
-:class:`~shardwise.checkpoint.storage.FsspecStorage`.
-"""
+"""The storage protocol: what the checkpoint layer asks of a file system, and its types."""
 
 from __future__ import annotations
 
@@ -15,12 +10,11 @@ __all__ = ["Finish", "RangeRequest", "Reader", "Storage", "UnsafePathError", "Wr
 
 
 class UnsafePathError(OSError):
-    """A path below the storage root is a symbolic link, or not the regular file or directory
-    it should be.
+    """A path below the storage root is a link, or not the regular file or directory it should be.
 
     Attributes:
-        found: What the refused entry is, in words (``"a symbolic link"``, ``"a FIFO"``, ...),
-            where the backend knows; ``filename`` is its path.
+        found: What the entry at ``filename`` is (``"a symbolic link"``, ``"a FIFO"``, ...),
+            where the backend knows.
         expected: What it should have been (``"a regular file"`` or ``"a directory"``).
     """
 
@@ -35,43 +29,32 @@ class Writer(Protocol):
         """Append ``data``."""
 
     def write_vector(self, parts: Sequence[memoryview | bytes | bytearray]) -> None:
-        """Append ``parts`` in order (one system call where the storage has one: no copy
-        into a buffer first)."""
+        """Append ``parts`` in order (one system call where the storage has one, no copy)."""
 
     def close(self, sync: bool) -> None:
         """Finish the file; with ``sync``, make it durable (fsync) first."""
 
     def abort(self) -> None:
-        """Give the file up after a failure: nothing of it stays (errors are logged, not
-        raised: the write has already failed)."""
+        """Give the file up after a failure: nothing of it stays (errors are logged, not raised)."""
 
 
 class Reader(Protocol):
     """A regular file opened for positioned reads (safe to share between threads)."""
 
-    #: The file's path in its storage.
     path: str
     #: The file's size in bytes when it was opened.
     size: int
 
     @property
     def identity(self) -> object:
-        """Equal for two readers of one file (hard links to it included): tells apart the
-        files whose bytes two ranges may share."""
-
-    @property
-    def shared_identity(self) -> list[int] | None:
-        """Equal for two readers on one host exactly when they read the same bytes through
-        one page cache (a local file: its device, inode, size and modification time);
-        ``None`` where readers share nothing (an object store)."""
+        """Equal for two readers of one file (hard links to it included)."""
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
 
     def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
-        """Read the bytes from ``offset`` on into ``buffers``, one after the other (a scatter
-        read: one ``preadv`` locally, so that parts of a range go straight to where they
-        belong); returns the count read, short only at the end of the file."""
+        """Scatter the bytes from ``offset`` on into ``buffers`` in turn (one ``preadv``
+        locally); returns the count read, short only at the end of the file."""
 
     def close(self) -> None:
         """Release the file."""
@@ -96,12 +79,6 @@ class RangeRequest:
     length: int
     buffer: memoryview | None = None
 
-    @classmethod
-    def into(cls, reader: Reader, offset: int, buffer: memoryview) -> RangeRequest:
-        """A read that fills ``buffer``."""
-        view = buffer.cast("B")
-        return cls(reader, offset, len(view), view)
-
 
 class Storage(Protocol):
     """The operations the checkpoint layer needs from a file system."""
@@ -113,8 +90,7 @@ class Storage(Protocol):
     #: does not (object stores: a copy, then a delete), writers put each file under its final
     #: name, where it appears complete when it is closed.
     atomic_rename: bool
-    #: Whether a read is a request to a remote service (latency, cost per request): readers
-    #: keep bytes they have verified rather than request them again.
+    #: Whether a read is a request to a remote service (latency, cost per request).
     remote: bool
 
     def join(self, *parts: str) -> str:
@@ -135,9 +111,6 @@ class Storage(Protocol):
     def open_write(self, path: str) -> Writer:
         """Open ``path`` for writing from scratch."""
 
-    def read_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
-
     def read_ranges(
         self, requests: Sequence[RangeRequest], then: Finish | None = None
     ) -> list[int]:
@@ -147,10 +120,8 @@ class Storage(Protocol):
         Args:
             requests: The reads.
             then: Called as ``then(number, data)`` once request ``number`` is complete, with
-                the bytes read (a view of its buffer, or the new buffer; shorter than asked
-                only at the end of the file), on the thread that read them where there are
-                threads: work on bytes just read, while they are in the cache. What it raises
-                propagates.
+                the bytes read, on the thread that read them (work on bytes while they are in
+                the cache). What it raises propagates.
 
         Raises:
             OSError: A read failed (its ``filename`` names the file, where known).
@@ -166,11 +137,11 @@ class Storage(Protocol):
         """
 
     def open_below(self, relative: str) -> Reader:
-        """Open the regular file ``relative`` below the root, for input that names its own
-        files (``relative`` is made of plain components: no empty, ``.`` or ``..`` one).
+        """Open the regular file ``relative`` (plain components only) below the root, for
+        input that names its own files.
 
-        Locally every component is opened inside the one before it (``openat``), so no
-        component can be swapped for a link between a check and an open.
+        Locally every component is opened inside the one before it (``openat``), so none can
+        be swapped for a link between a check and an open.
 
         Raises:
             FileNotFoundError: The file or a directory on the way is missing.
@@ -187,9 +158,6 @@ class Storage(Protocol):
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the entries of directory ``path``; empty if it is missing."""
-
-    def check_directory(self, path: str) -> None:
-        """Raise :class:`UnsafePathError` if ``path`` exists but is not a real directory."""
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Create the file ``path`` holding ``data`` unless it exists (then return False)."""
