@@ -1,10 +1,7 @@
-"""The coordinator's index (``docs/format.md``, *Writing the index*): built from the plan's
-layouts and each rank's file facts, in O(keys + files + entries outside grids), never
-enumerating a grid's cells.
-
-The index's ``files`` are in group-rank order, ``null`` for a rank that wrote nothing, so a
-grid's file numbers, which are group ranks (:func:`~.layout_plan.mesh_grid`), are positions
-in it.
+"""The coordinator's index (``docs/format.md``, *Writing the index*), built from the plan's
+layouts and each rank's file facts in O(keys + files + entries outside grids), never
+enumerating a grid's cells. Its ``files`` are in group-rank order (``null`` for a rank that
+wrote nothing), so a grid's file numbers, which are group ranks, are positions in it.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from shardwise.checkpoint.index import (
     LayoutRecord,
     ObjectRecord,
     SaveFacts,
+    TensorRecord,
     decode_index,
     encode_index,
 )
@@ -47,8 +45,8 @@ def build_index(
     Args:
         planned: The coordinator's plan.
         objects: The coordinator's objects (blobs are in its file).
-        written: Each rank's file facts (:func:`~.data_writer.write_data_file`; empty for a
-            rank that wrote no file), in group-rank order.
+        written: Each rank's file facts (:func:`~.writer.write_data_file`), in group-rank
+            order.
         facts: Who wrote the checkpoint.
 
     Raises:
@@ -88,12 +86,12 @@ def build_index(
         if grid is not None:
             layout = grid
             grid_bytes += math.prod(row.size) * row.itemsize
-        elif key in whole:
-            zeros = origin(len(row.size))
-            nbytes = math.prod(row.size) * row.itemsize
-            layout = (stored(chunk_key(key, zeros), zeros, row.size, nbytes),)
         else:
-            boxes = sorted(box for box, _ in plan.chunks[key])
+            boxes = (
+                [(origin(len(row.size)), row.size)]
+                if key in whole
+                else sorted(box for box, _ in plan.chunks[key])
+            )
             layout = tuple(
                 stored(chunk_key(key, o), o, s, math.prod(s) * row.itemsize) for o, s in boxes
             )
@@ -134,10 +132,9 @@ def _check_read_back(
     aliases: Mapping[str, str],
     written: Sequence[Mapping[str, Any]],
 ) -> None:
-    """What is committed must read back as built (the decoder validated everything a reader
-    checks up front): compared in O(keys + files + entries outside grids), a grid by its rule,
-    not cell by cell; and each file's grid cells end where its other entries begin, as a
-    reader will check when it reads the file."""
+    """What is committed must read back as built (the decoder validated the rest), compared
+    in O(keys + files + entries outside grids), a grid by its rule; and each file's grid cells
+    end where its other entries begin, as a reader will check."""
     named = dict(entry for entry in files if entry is not None)
     same = (
         index.files == {name: facts.size for name, facts in named.items()}
@@ -147,28 +144,8 @@ def _check_read_back(
         and index.objects == {record.fqn: record for record in objects}
         and len(index.tensors) == len(records) + len(aliases)
     )
-    # Pairs of (decoded, built) properties found equal: few distinct objects on each side,
-    # so each pair is compared field by field once.
     equal: set[tuple[int, int]] = set()
-    tensors = index.tensors
-    for record in records if same else ():
-        found = tensors.get(record.fqn)
-        same = found is not None and found.size == record.size
-        if same and found is not None:
-            pair = (id(found.properties), id(record.properties))
-            if pair not in equal:
-                same = found.properties == record.properties
-                if same:
-                    equal.add(pair)
-        if same and found is not None:
-            chunks = found.chunks
-            layout = record.layout
-            if isinstance(layout, Grid):
-                same = isinstance(chunks, LayoutChunks) and chunks.grid == layout
-            else:
-                same = tuple(chunks) == tuple(layout)
-        if not same:
-            break
+    same = same and all(_same(index.tensors.get(record.fqn), record, equal) for record in records)
     for part in written:
         if part:
             begins = part["begins"].values()
@@ -176,3 +153,18 @@ def _check_read_back(
             same = same and part["data_start"] + part["grid_bytes"] == end
     if not same:
         raise CheckpointError("the index of this save does not read back as built")
+
+
+def _same(found: TensorRecord | None, record: LayoutRecord, equal: set[tuple[int, int]]) -> bool:
+    """``found`` (decoded) is ``record`` (built). ``equal`` holds the pairs of properties
+    found equal: few distinct objects on each side, so each pair is compared once."""
+    if found is None or found.size != record.size:
+        return False
+    pair = (id(found.properties), id(record.properties))
+    if pair not in equal:
+        if found.properties != record.properties:
+            return False
+        equal.add(pair)
+    if isinstance(record.layout, Grid):
+        return isinstance(found.chunks, LayoutChunks) and found.chunks.grid == record.layout
+    return tuple(found.chunks) == tuple(record.layout)

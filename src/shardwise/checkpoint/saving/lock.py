@@ -1,19 +1,10 @@
-"""One save at a time per checkpoint path: the save lock (see ``docs/format.md``, *Concurrent
-saves*).
+"""One save at a time per checkpoint path (``docs/format.md``, *One save at a time*).
 
-The coordinator of a save creates ``<ckpt>/shardwise.lock`` exclusively before any data file
-is written and removes it after the commit and the cleanup. The lock names its holder (save
-id, host, pid) and carries a heartbeat the holder renews every few seconds. A second save to
-the same path finds the lock and is refused with a clear error, unless the lock is stale: its
-holder's process is gone (same host) or its heartbeat stopped (a holder killed on another
-host). Holding the lock is also what makes removing leftovers of killed saves safe: no other
-save can be writing there.
-
-The exclusive create is :meth:`~shardwise.checkpoint.storage.Storage.create_exclusive`: a hard
-link on a local file system; on an object store a check, then a conditional PUT
-(``If-None-Match: *``) where the backend offers one (s3fs), which the store refuses if another
-save created the lock in between; a plain write (check then write: it can race) where it does
-not.
+The coordinator creates ``<ckpt>/shardwise.lock`` exclusively before any data file is written
+(:meth:`~shardwise.checkpoint.storage.Storage.create_exclusive`: a hard link on a local file
+system; on an object store a conditional PUT where the backend offers one, else a check then a
+write, which can race) and removes it after the commit and the cleanup. Holding it is what
+makes removing leftovers of killed saves safe.
 """
 
 from __future__ import annotations
@@ -37,16 +28,6 @@ logger = logging.getLogger("shardwise.checkpoint.lock")
 #: Name of the lock file, in the checkpoint directory.
 LOCK_NAME = "shardwise.lock"
 _MAX_LOCK_BYTES = 4096
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
 
 
 class SaveLock:
@@ -103,8 +84,13 @@ class SaveLock:
             or pid <= 0
         ):
             return True
-        if host == socket.gethostname() and not _alive(pid):
-            return True
+        if host == socket.gethostname():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # it exists, owned by someone else
+                pass
         return abs(time.time() - float(heartbeat)) > tuning.TUNING.lock_stale_seconds
 
     def acquire(self) -> None:

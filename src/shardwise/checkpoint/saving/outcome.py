@@ -1,10 +1,11 @@
-"""What every rank of a save learns once the coordinator committed the index, and what it
-returns: a :class:`Metadata` whose entries are decoded when first looked at, from the index
-itself when it is small (sent with the outcome), else read from storage, so that no rank but
-the coordinator receives anything O(ranks) (``docs/design/scale.md``, *Wired*)."""
+"""What every rank of a save learns once the index is committed, and what it returns: a
+:class:`Metadata` whose entries are decoded when first looked at, from the index sent with
+the outcome when it is small, else read from storage, so that no rank but the coordinator
+receives anything O(ranks); a training loop that ignores the return value pays for neither."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, cast
 
@@ -19,9 +20,7 @@ __all__ = ["outcome", "returned_metadata"]
 
 def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
     """What the coordinator tells every rank once the index ``data`` is committed: the facts
-    of the :class:`Metadata` each rank returns (the coordinator's is ``metadata``), and the
-    index itself when it is small (else each rank's return value reads it from storage if it
-    is ever walked: no rank receives a large chunk list)."""
+    of its ``metadata``, and the index itself when it is small."""
     assert metadata.storage_meta is not None
     facts = {
         "planner_data": metadata.planner_data,
@@ -36,26 +35,21 @@ def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
 def returned_metadata(
     received: Mapping[str, Any], path: str, storage_options: Any, save_id: str
 ) -> Metadata:
-    """A non-coordinator rank's return value, from the ``received`` outcome (see
-    :func:`outcome`). Its entries are decoded when first looked at, from the index received
-    or else from storage: a training loop that ignores the return value pays for neither."""
+    """A non-coordinator rank's return value, from the ``received`` :func:`outcome`."""
     text = received.get("index")
-    loaded: list[Metadata] = []
 
+    @functools.cache
     def load() -> Metadata:
-        if not loaded:
-            if text is not None:
-                loaded.append(decode_index(text.encode()).to_metadata())
-                return loaded[0]
-            found = read_metadata(path, storage_options=storage_options)
-            if found.storage_meta is None or found.storage_meta.save_id != save_id:
-                raise CheckpointError(
-                    f"the checkpoint at {path} was replaced by a later save since this one "
-                    "returned; read its metadata with read_metadata",
-                    file=path,
-                )
-            loaded.append(found)
-        return loaded[0]
+        if text is not None:
+            return decode_index(text.encode()).to_metadata()
+        found = read_metadata(path, storage_options=storage_options)
+        if found.storage_meta is None or found.storage_meta.save_id != save_id:
+            raise CheckpointError(
+                f"the checkpoint at {path} was replaced by a later save since this one "
+                "returned; read its metadata with read_metadata",
+                file=path,
+            )
+        return found
 
     return Metadata(
         state_dict_metadata=cast(
@@ -69,8 +63,7 @@ def returned_metadata(
 
 
 class _OnFirstUse(MutableMapping[Any, Any]):
-    """A mapping that is ``source()``'s, fetched on first use (a committed index's entries,
-    read from storage only if someone walks them)."""
+    """The mapping ``source()`` returns, fetched on first use."""
 
     def __init__(self, source: Callable[[], MutableMapping[Any, Any]]) -> None:
         self._source = source

@@ -27,10 +27,9 @@ def exchange_with_bar(
     bar: JobProgress | None,
     dst: int | None = None,
 ) -> tuple[_T, list[Any] | None]:
-    """``comm.exchange_or_raise(work)`` for the step of a job that ``bar`` (if any) counts:
-    each rank's last bytes are counted when its ``work`` ends, and the bar ends full only
-    when every rank succeeded. With ``dst``, ``comm.gather_or_raise(work, dst=dst)``: the
-    results only on group rank ``dst`` (``None`` elsewhere)."""
+    """``comm.exchange_or_raise(work)``, or with ``dst`` ``comm.gather_or_raise(work, dst=dst)``,
+    for the step of a job that ``bar`` (if any) counts: the bar ends full only when every rank
+    succeeded."""
 
     def counted() -> _T:
         try:
@@ -39,19 +38,18 @@ def exchange_with_bar(
             if bar is not None:
                 bar.finish()
 
+    succeeded = False
     try:
         result: tuple[_T, list[Any] | None] = (
             comm.exchange_or_raise(counted)
             if dst is None
             else comm.gather_or_raise(counted, dst=dst)
         )
-    except BaseException:
+        succeeded = True
+        return result
+    finally:
         if bar is not None:
-            bar.close(succeeded=False)
-        raise
-    if bar is not None:
-        bar.close(succeeded=True)
-    return result
+            bar.close(succeeded=succeeded)
 
 
 def log_done(

@@ -1,25 +1,14 @@
-"""``save`` and ``async_save``.
+"""``save`` and ``async_save`` (the files: ``docs/format.md``; the exchanges:
+``docs/architecture.md``, *Save*).
 
-Order of work (see ``docs/format.md`` for the files):
-
-1. Each rank describes what it holds (no copies) and validates it, as a table of layouts
-   (``_save_tables``); the coordinator gathers every rank's envelope (a digest, or the table
-   when it differs from the coordinator's) and every rank gets the same verdict (a bad value
-   on one rank raises on all).
+1. Each rank describes what it holds (no copies) and validates it as a table of layouts; every
+   rank gets the same verdict (a bad value on one rank raises on all).
 2. The coordinator plans (dedups replicated chunks, balances bytes across ranks) and sends
    each rank only what it writes.
-3. Each rank that holds something to write writes it into one safetensors file under a
-   temporary name, straight from tensor memory, checksumming as it goes; then fsyncs and
-   renames it. A rank with nothing to write writes no file.
-4. The byte ranges and block checksums go to the coordinator, which builds the sealed index
-   (``_save_index``), writes it to a temporary name, fsyncs it and renames it to
-   ``shardwise.json`` —
-   the commit point — then tells every rank, and removes the data files that the index it
-   replaced named and the new one does not (never any other file). Nobody returns before the
-   commit.
-
-Writes never follow a link below the checkpoint: ``data/`` must be a real directory, and files
-are created fresh (``O_EXCL | O_NOFOLLOW``) under temporary names and renamed.
+3. Each rank with something to write writes one data file (:mod:`.writer`).
+4. The coordinator builds the sealed index from the ranks' file facts (:mod:`.build_index`),
+   commits it (:func:`_commit`), tells every rank, and removes what earlier saves left
+   (:func:`_remove_leftovers`). Nobody returns before the commit.
 """
 
 from __future__ import annotations
@@ -68,9 +57,8 @@ if TYPE_CHECKING:
 __all__ = ["async_save", "save"]
 
 logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
-# The temporary name of the index of a save (see _commit).
+# Temporary names of the index (see _commit) and of the lock (LocalStorage.replace_small).
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
-# The temporary name under which the save lock is written (see LocalStorage.replace_small).
 _TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
 
 
@@ -82,13 +70,10 @@ def _save_facts(world_size: int, save_id: str, path: str) -> SaveFacts:
 
 
 def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
-    """Write the index: the commit point. Every data file it names is complete and visible
-    (every rank acknowledged its own before the coordinator gets here)."""
+    """Write the index: the commit point (every rank's data file is complete by now)."""
     name = storage.join(INDEX_NAME)
     if not storage.atomic_rename:
-        # Object stores: one PUT makes the whole index visible at once, replacing the
-        # previous one; a reader sees the old index or the new, never a part. A failure is
-        # a CheckpointStorageError already.
+        # Object stores: one PUT shows a reader the old index or the new, never a part.
         storage.replace_small(name, index)
         return
     temporary = f"{name}.{save_id}.tmp"
@@ -110,13 +95,8 @@ def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> N
 
 
 def _remove_leftovers(storage: Storage, index: Index) -> None:
-    """Remove what earlier saves to this path left: every name in ``data/`` that has the
-    writer's data-file pattern and that the committed index does not name (files of the index
-    it replaced, and of saves that crashed before their commit), the writer's temporary data
-    files, and temporary indexes. Safe because this save holds the save lock: no other save is
-    writing there. Runs after the commit is acknowledged, so no rank waits for it. Nothing else
-    is ever removed: not a file of another name, nothing outside ``data/`` and the index's
-    temporary names (a ``data/`` that is a link is refused, not followed)."""
+    """Remove what earlier saves to this path left (``docs/format.md``, *Cleanup*): safe
+    because this save holds the lock; runs after the commit is acknowledged, so no rank waits."""
     keep = {name.removeprefix(f"{DATA_DIR}/") for name in index.files}
     stale = [
         storage.join(DATA_DIR, name)
@@ -150,14 +130,8 @@ def _save_snapshot(
     options: SaveOptions,
     local_error: BaseException | None = None,
 ) -> Metadata:
-    """Steps 2 to 4 of a save (see the module's docstring), on every rank of ``comm``; a
-    ``local_error`` of step 1 is raised on this rank and shared with the others.
-
-    The exchanges (``docs/design/scale.md`` §2): the coordinator broadcasts its table's
-    digest; every rank sends it its envelope (the table only when the digests differ) and
-    the verdict comes back; the coordinator plans and sends each rank what it writes; each
-    rank writes and sends it its file's facts; the coordinator builds, checks and commits the
-    index and sends every rank the outcome. No rank but the coordinator receives anything
+    """Steps 2 to 4 of a save on every rank of ``comm``; a ``local_error`` of step 1 is raised
+    on this rank and shared with the others. No rank but the coordinator receives anything
     O(ranks) or O(other ranks' entries)."""
     started = time.monotonic()
     coordinator_rank = options.coordinator_rank
@@ -183,10 +157,11 @@ def _save_snapshot(
         table_error.add_note(f"It was not shared with the other ranks: {failure}")
         raise table_error from None
     save_id = ""
-    blob_bytes = 0
+    objects = snapshot.objects if coordinating else {}
+    blobs = [(fqn, obj) for fqn, obj in objects.items() if obj.encoding not in TEXT_ENCODINGS]
 
     def envelope() -> dict[str, Any]:
-        nonlocal storage, lock, table, save_id, blob_bytes
+        nonlocal storage, lock, table, save_id
         if table_error is not None:
             raise table_error
         storage = open_shared_storage(path, options.storage_options, comm.world_size)
@@ -200,17 +175,12 @@ def _save_snapshot(
         if comm.rank == 0:
             sent["progress"] = options.progress
         if coordinating:
-            # One save at a time per path, taken before anything is written (see lock.py).
+            # One save at a time per path, taken before anything is written.
             save_id = secrets.token_hex(8)
             storage.makedirs(storage.root)
             taken = SaveLock(storage, save_id)
             taken.acquire()
             lock = taken  # only a lock this save holds is released by it
-            blob_bytes = sum(
-                len(obj.payload)
-                for obj in snapshot.objects.values()
-                if obj.encoding not in TEXT_ENCODINGS
-            )
         return sent
 
     try:
@@ -222,6 +192,7 @@ def _save_snapshot(
         def plan() -> list[dict[str, Any]]:
             nonlocal planned
             assert envelopes is not None
+            blob_bytes = sum(len(obj.payload) for _, obj in blobs)
             try:
                 planned = _save_tables.plan_from_tables(
                     table, envelopes, comm.world_size, {coordinator_rank: blob_bytes}
@@ -246,13 +217,6 @@ def _save_snapshot(
         mine, grid_cells = _save_tables.own_file_writes(
             table, snapshot.tensors, assignment, comm.rank
         )
-        blobs = []
-        if coordinating:
-            blobs = [
-                (fqn, obj)
-                for fqn, obj in snapshot.objects.items()
-                if obj.encoding not in TEXT_ENCODINGS
-            ]
 
         def write() -> dict[str, Any]:
             data_dir = storage.join(DATA_DIR)
@@ -298,9 +262,6 @@ def _save_snapshot(
         def commit() -> dict[str, Any]:
             nonlocal committed, built
             assert planned is not None and written is not None
-            objects = {fqn: obj for fqn, obj in snapshot.objects.items()}
-            # What is committed must read back as built (the decoder validates everything a
-            # reader checks), and every data file it names must be visible here.
             try:
                 facts = _save_facts(comm.world_size, save_id, path)
                 data, index = _save_index.build_index(planned, objects, written, facts)

@@ -1,6 +1,5 @@
-"""Step 1 of a save: what a rank will write, described locally (no copies) and checked, or
-copied to CPU memory first (``async_save``), with the keys whose local data is another key's
-(tied tensors)."""
+"""Step 1 of a save: what a rank will write, described locally (no copies) and checked, with
+its tied keys; copied to CPU memory first for ``async_save``."""
 
 from __future__ import annotations
 
@@ -61,9 +60,8 @@ def _describe_state(state_dict: Mapping[str, Any], allow_pickle: bool) -> Snapsh
                 objects[key] = describe_object(fqn, value, allow_pickle)
         except (TypeError, ValueError):
             raise
-        # Anything else (an AttributeError while pickling, a RuntimeError of a DTensor
-        # helper) is named and shared with every rank like the user errors above, so no rank
-        # is left waiting.
+        # Anything else (an AttributeError while pickling, ...) is named and shared with
+        # every rank like the user errors above, so no rank is left waiting.
         except Exception as err:
             raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
     return Snapshot(tensors, objects, _local_aliases(tensors))
@@ -118,7 +116,7 @@ def describe_or_error(
     state_dict: Mapping[str, Any], allow_pickle: bool, stage: bool
 ) -> tuple[Snapshot, BaseException | None]:
     """The local description (staged to CPU memory with ``stage``), or the error that stops
-    it: raised later, after every rank has shared its verdict."""
+    it, raised once every rank has shared its verdict."""
     try:
         snapshot = _describe_state(state_dict, allow_pickle)
     except Exception as err:
@@ -138,15 +136,15 @@ def _stage(snapshot: Snapshot) -> Snapshot:
     for fqn, value in snapshot.tensors.items():
         target = snapshot.aliases.get(fqn)
         if target is not None:  # the same local data as an earlier key: staged once
-            tensors[fqn] = TensorValue(
-                value.size, value.dtype, value.properties, tensors[target].boxes, value.layout
-            )
-            continue
-        boxes = []
-        for box in value.boxes:
-            source = box.tensor.detach()
-            staged = torch.empty(source.size(), dtype=source.dtype, device="cpu", pin_memory=pin)
-            staged.copy_(source)
-            boxes.append(LocalBox(box.offsets, box.sizes, staged))
+            boxes = tensors[target].boxes
+        else:
+            boxes = []
+            for box in value.boxes:
+                source = box.tensor.detach()
+                staged = torch.empty(
+                    source.size(), dtype=source.dtype, device="cpu", pin_memory=pin
+                )
+                staged.copy_(source)
+                boxes.append(LocalBox(box.offsets, box.sizes, staged))
         tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes, value.layout)
     return Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)

@@ -1,12 +1,10 @@
-"""The data files of a save: writing one rank's (step 3 of ``save``; see ``docs/format.md``,
-*Data files* and *Checksums: blocks*), and checking that the coordinator sees every rank's.
+"""The data files of a save (``docs/format.md``, *Data files*, *Checksums: blocks*): writing
+one rank's, and checking that the coordinator sees every rank's.
 
-The file is a safetensors file laid out before the first byte is written. Entries go
-straight from tensor memory to the file, each 1 MiB block of the data section checksummed
-right before it is written, while it is in cache, hashed as a stream across entries (no
-per-entry checksums). Small entries are gathered into one buffer to save system calls, GPU
-tensors are copied to the host through one reused pinned buffer. Every size here is a tunable of
-:mod:`shardwise.checkpoint.tuning`.
+A safetensors file laid out before the first byte is written. Entries go straight from tensor
+memory to the file, each block of the data section checksummed right before it is written,
+while in cache, as one stream across entries. GPU tensors reach the host through one reused
+pinned buffer. The sizes are tunables of :mod:`shardwise.checkpoint.tuning`.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import xxhash
 from shardwise._boxes import byte_view, checked_bytes
 from shardwise._progress import JobProgress
 from shardwise.checkpoint import tuning
-from shardwise.checkpoint.entries.items import LocalBox, ObjectValue, TensorValue
+from shardwise.checkpoint.entries.items import ObjectValue, TensorValue
 from shardwise.checkpoint.index import BLOCK_SIZE, DATA_DIR, Index, data_file_name
 from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.planning import planner
@@ -32,8 +30,7 @@ __all__ = ["check_visible", "open_fresh", "write_data_file"]
 
 
 def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
-    """Create ``path`` (a name unique to this save: temporary where the storage renames,
-    final on object stores) for writing.
+    """Create ``path``, a name unique to this save, for writing.
 
     Raises:
         CheckpointDataError: It exists already (something else created it, perhaps a link).
@@ -50,9 +47,8 @@ def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
 
 
 class _FileBlocks:
-    """The block checksums of a stream of bytes (a file's data section): xxh3_64 of
-    each ``block_size`` bytes, hashed as the bytes go by (one block of zero bytes when none
-    did)."""
+    """The block checksums of a stream of bytes: xxh3_64 of each ``block_size`` bytes, hashed
+    as they go by (one block of zero bytes when none did)."""
 
     def __init__(self, block_size: int = BLOCK_SIZE) -> None:
         self._block_size = block_size
@@ -81,13 +77,12 @@ class _FileBlocks:
 
 
 class _ChecksummingWriter:
-    """Writes entries to a file, gathering small writes, and checksums the blocks of its data
-    section as it streams by (``file_blocks``; see ``docs/format.md``).
+    """Writes entries to a file and checksums its data section as it streams by.
 
     Entries below ``TUNING.small_write_bytes`` wait and go out together in one vectored write
     (``writev``): tiny ones copied into a shared buffer, the others straight from tensor
-    memory (no copy: measured 190 against 210 ms for 288 MiB of 576 KiB shards on tmpfs).
-    The tensors the views borrow are held (``_held``) until they are written.
+    memory (no copy: measured 190 against 210 ms for 288 MiB of 576 KiB shards on tmpfs),
+    their tensors held (``_held``) until written.
     """
 
     def __init__(self, writer: Writer, file_blocks: _FileBlocks) -> None:
@@ -97,8 +92,7 @@ class _ChecksummingWriter:
         self._held: list[torch.Tensor] = []
         self._pending = 0  # bytes waiting
         self._file_blocks = file_blocks
-        # Leading bytes waiting that no checksum covers (the header).
-        self._unsummed = 0
+        self._unsummed = 0  # leading bytes waiting that no checksum covers (the header)
 
     def header(self, data: bytes) -> None:
         self._tiny += data
@@ -143,8 +137,6 @@ class _ChecksummingWriter:
             self.flush()
 
     def _staged_entry(self, tensor: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
-        # Copy device memory to the host in bounded pieces (a multiple of the block size)
-        # through one reused pinned buffer.
         self.flush()
         source = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         staging = _pinned_staging(min(tuning.TUNING.staging_bytes, max(source.numel(), 1)))
@@ -197,13 +189,6 @@ def _pinned_staging(nbytes: int) -> torch.Tensor:  # pragma: no cover - needs a 
         return _staging_buffer[:nbytes]
 
 
-def _find_box(value: TensorValue, offsets: tuple[int, ...]) -> LocalBox:
-    for box in value.boxes:
-        if box.offsets == offsets:
-            return box
-    raise AssertionError(f"no local box at {offsets}")
-
-
 def write_data_file(
     storage: Storage,
     rank: int,
@@ -216,8 +201,7 @@ def write_data_file(
     grid_cells: int,
 ) -> dict[str, Any]:
     """Write this rank's data file: the chunks ``assignments`` names (their data taken from
-    ``tensors``), then the ``blobs``; no file when there are none (``docs/format.md``,
-    *Writing the index*).
+    ``tensors``), then the ``blobs``; no file when there are none.
 
     Args:
         grid_cells: How many of ``assignments`` (leading) are grid cells, in the file's
@@ -238,19 +222,15 @@ def write_data_file(
         entries.append(
             FileEntry(chunk_key(item.fqn, item.offsets), value.dtype, item.sizes, item.nbytes)
         )
-        boxes = value.boxes
-        if len(boxes) == 1 and boxes[0].offsets == item.offsets:  # a whole tensor: its box
-            sources.append(boxes[0].tensor)
-        else:
-            sources.append(_find_box(value, item.offsets).tensor)
+        box = next((box for box in value.boxes if box.offsets == item.offsets), None)
+        assert box is not None, f"no local box at {item.offsets}"
+        sources.append(box.tensor)
     for fqn, blob in blobs:
         entries.append(FileEntry(bytes_key(fqn), None, (len(blob.payload),), len(blob.payload)))
     layout = layout_file(entries, {"format": "shardwise", "save_id": save_id, "rank": str(rank)})
     final = storage.join(*name.split("/"))
-    # Where renames are atomic (a local file system) the file is written under a temporary
-    # name and renamed once complete. Object stores have no rename (a copy, then a delete):
-    # the file goes under its final name, unique to this save, where it appears complete when
-    # closed. Either way no index names it before every rank has written its file.
+    # Object stores have no rename (a copy, then a delete): the file goes under its final
+    # name, unique to this save, where it appears complete when closed.
     staging = f"{final}.tmp" if storage.atomic_rename else final
     writer = open_fresh(storage, staging, rank)
     file_blocks = _FileBlocks()
