@@ -1,9 +1,8 @@
 """The data files of one checkpoint, opened safely and read: :class:`DataFiles`.
 
-Each file is opened once, only as a regular file inside ``<ckpt>/data`` (no link followed)
-whose size is the one the index declares; every read either comes back whole or raises a
-:class:`~shardwise.errors.CheckpointDataError` naming the file, the entry and the rank. The
-read pass (:mod:`._read`) reads through here.
+Each file is opened once, only as a regular file inside ``<ckpt>/data`` (no link followed) of
+the size the index declares; every read comes back whole or raises a
+:class:`~shardwise.errors.CheckpointDataError` naming the file, the entry and the rank.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ class DataFiles:
 
     Attributes:
         bytes_read: Bytes read from the storage so far.
-        bytes_verified: Bytes of blocks verified so far.
     """
 
     def __init__(self, storage: Storage, index: Index, rank: int | None) -> None:
@@ -36,7 +34,6 @@ class DataFiles:
         self.index = index
         self.rank = rank
         self.bytes_read = 0
-        self.bytes_verified = 0
         self.lock = threading.Lock()
         self._handles: dict[str, Reader] = {}
 
@@ -53,8 +50,7 @@ class DataFiles:
         return self.storage.join("data", name[5:])
 
     def shown(self, name: str) -> str:
-        """The path of data file ``name`` as errors show it (an object store's with its
-        protocol)."""
+        """The path of data file ``name`` as errors show it (a URL on an object store)."""
         return self.storage.url(self.path(name))
 
     def error(self, message: str, file: str, key: str | None) -> CheckpointDataError:
@@ -100,19 +96,11 @@ class DataFiles:
         with self.lock:
             self.bytes_read += count
 
-    def read_into(self, file: str, offset: int, buffer: memoryview, key: str | None) -> None:
-        """Fill ``buffer`` with the bytes of ``file`` at ``offset``, on the calling thread.
-
-        Raises:
-            CheckpointDataError: The read failed or came back short (a truncated file).
-        """
-        self.read_vector(file, offset, [buffer], key)
-
     def read_vector(
         self, file: str, offset: int, buffers: Sequence[memoryview], key: str | None
     ) -> None:
         """Fill ``buffers`` in turn with the bytes of ``file`` from ``offset`` (a scatter read:
-        locally one ``preadv``), on the calling thread.
+        locally one ``preadv``).
 
         Raises:
             CheckpointDataError: The read failed or came back short (a truncated file).
@@ -147,9 +135,9 @@ class DataFiles:
         keys: Sequence[str | None],
         then: Callable[[int, memoryview], None],
     ) -> None:
-        """Perform every request (of this checkpoint's data files) as one batch (see
-        :meth:`~shardwise.checkpoint.storage.Storage.read_ranges`); ``keys`` name their
-        entries in errors, ``then(number, data)`` is called with each one's bytes.
+        """Perform ``requests`` as one batch (see
+        :meth:`~shardwise.checkpoint.storage.Storage.read_ranges`), calling
+        ``then(number, data)`` with each one's bytes; ``keys`` name their entries in errors.
 
         Raises:
             CheckpointDataError: A read failed, or came back short (a truncated file).

@@ -1,35 +1,26 @@
-"""The one read pass of a checkpoint: each checksummed block a read touches is read once,
-checked, and its bytes used (:func:`read`); and the audit of whole data files
-(:func:`audit`).
+"""The one read pass: each checksummed block a read touches is read once, checked, and its
+bytes used (:func:`read`); and the audit of whole data files (:func:`audit`).
 
-A read is a list of :class:`Segment`: bytes ``[begin, begin + len(memory))`` of a data file
-that go into ``memory`` (a destination tensor's bytes, or a staging buffer). Per file, the
-blocks the segments touch are grouped into *spans* of adjacent blocks (at most
-``TUNING.read_run_bytes``), and each span is read in *pieces*:
+A read is a list of :class:`Segment` (file bytes → memory). Per file, the blocks the segments
+touch are grouped into *spans* of adjacent blocks (at most ``TUNING.read_run_bytes``):
 
-- **Locally**, a piece is one scatter read (``preadv``) of at most
-  ``TUNING.hot_buffer_bytes``: every byte a segment wants goes straight into its memory, every
-  other byte of the touched blocks (the rest of a block shared with another entry, the gaps
-  of a column band) into a scratch buffer of the thread, reused piece after piece. The piece's
-  blocks are hashed right after, while their bytes are in the cache. No staging copy, no
-  second read: the cost over an unverified read is the hash (xxh3, a few ms per GiB).
-- **On an object store**, a span is one ranged request (sent concurrently, batches of at most
-  ``TUNING.read_batch_bytes``), into the one segment it serves when it serves one, else into
-  a buffer from which the segments' bytes are copied once the blocks matched. Each byte is
-  requested once; nothing goes to a local file; memory beyond the destinations is one batch.
+- **Locally**, a span is read in pieces, each one scatter read (``preadv``) of at most
+  ``TUNING.hot_buffer_bytes``: wanted bytes go straight into their memory, the rest into the
+  thread's scratch buffer; the piece's blocks are hashed right after, while in the cache (the
+  cost over an unverified read: xxh3, a few ms per GiB).
+- **On an object store**, a span is one ranged request (concurrent, in batches of
+  ``TUNING.read_batch_bytes``), into its segment when it is exactly one's bytes, else into a
+  buffer copied to the segments once its blocks matched. No byte goes to a local file.
 
-Without ``verify``, spans are the segments themselves (gaps of at most
-``TUNING.read_gap_bytes`` read through into scratch), and nothing is hashed.
-
-A block that does not match raises :class:`ChecksumError` (or is collected, for an audit)
-after the span is read: the bytes of a span may have reached their segments' memory before
-the mismatch is known. So a failed read leaves its destinations undefined; what the caller
-does with that is its contract (``load`` says so in the error and replaces no Python value).
+Without ``verify``, spans are the segments (gaps under ``TUNING.read_gap_bytes`` read through).
+A mismatch is known only after its span is read: a failed read leaves its destinations
+undefined.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,8 +44,8 @@ _local = threading.local()
 
 
 def scratch() -> memoryview:
-    """This thread's reused buffer of ``TUNING.hot_buffer_bytes`` (made once per thread and
-    size: no allocation and no page faults per piece)."""
+    """This thread's reused buffer of ``TUNING.hot_buffer_bytes`` (no allocation and no page
+    faults per piece)."""
     size = tuning.TUNING.hot_buffer_bytes
     buffer: memoryview | None = getattr(_local, "buffer", None)
     if buffer is None or len(buffer) != size:
@@ -64,8 +55,8 @@ def scratch() -> memoryview:
 
 @dataclass(slots=True)
 class Segment:
-    """Bytes ``[begin, begin + len(memory))`` of data file ``file``, read into ``memory``
-    (bytes, writable); ``key`` names the entry in errors."""
+    """Bytes ``[begin, begin + len(memory))`` of data file ``file``, read into ``memory``;
+    ``key`` names the entry in errors."""
 
     file: str
     begin: int
@@ -79,15 +70,14 @@ class Segment:
 
 @dataclass(slots=True)
 class _Span:
-    """Bytes ``[begin, end)`` of ``file`` read together, and the segments (in file order)
-    whose bytes lie in them; ``checked``: the span is whole blocks, each hashed."""
+    """Bytes ``[begin, end)`` of ``file`` read together; ``checked``: whole blocks, hashed."""
 
     file: str
     begin: int
     end: int
     segments: list[Segment] = field(default_factory=list)
     checked: bool = True
-    owners: list[_Owner] | None = None  # an audit's entries, to name blocks (else segments)
+    owners: list[_Owner] | None = None  # an audit's entries, to name blocks
 
     @property
     def length(self) -> int:
@@ -99,7 +89,6 @@ class _Span:
 
     @property
     def wanted(self) -> int:
-        """The bytes of the span that segments want (an audit: all of them)."""
         if self.owners is not None:
             return self.length
         return sum(min(s.end, self.end) - max(s.begin, self.begin) for s in self.segments)
@@ -113,17 +102,9 @@ def read(
     progress: Callable[[int], object] | None = None,
     note: str = "",
 ) -> None:
-    """Read every segment, verifying every block it touches (with ``verify``).
-
-    Segments may overlap (two destinations of the same bytes): a segment whose bytes another
-    one already takes is read in a later round, its blocks read and checked again.
-
-    Args:
-        files: The data files (opened and checked on first use).
-        segments: What to read where.
-        verify: Check the checksum of every block touched.
-        progress: Called with the bytes of segments read, batch after batch.
-        note: Appended to a checksum error's message (what the mismatch means to the caller).
+    """Read every segment, verifying every block it touches (with ``verify``); a segment
+    overlapping one already taken is read in a later round. ``progress`` is called with the
+    bytes read, batch after batch; ``note`` ends a checksum error's message.
 
     Raises:
         ChecksumError: A block does not match its checksum.
@@ -142,10 +123,9 @@ def audit(
     progress: Callable[[int], object] | None = None,
     owners: Mapping[str, Sequence[tuple[int, int, str]]] | None = None,
 ) -> None:
-    """Read and check every block of the data sections of the files ``names``, collecting
-    mismatches in ``problems`` (nothing is copied anywhere). ``owners`` (per file, the byte
-    ranges ``(begin, end, key)`` of its entries, in file order) name a block's first entry in
-    its error; ``progress`` is called with the bytes checked."""
+    """Check every block of the data sections of the files ``names``, collecting mismatches in
+    ``problems``. ``owners`` (per file, the ``(begin, end, key)`` of its entries, in file
+    order) name a block's first entry in its error."""
     spans = []
     run = _run_bytes(files)
     for name in names:
@@ -157,25 +137,21 @@ def audit(
         named = [_Owner(*owner) for owner in (owners or {}).get(name, ())]
         for begin in range(start, size, run):
             end = min(begin + run, size)
-            spans.append(
-                _Span(name, begin, end, owners=[o for o in named if o.touches(begin, end)])
-            )
+            touching = [o for o in named if o.begin < end and begin < o.end]
+            spans.append(_Span(name, begin, end, owners=touching))
     _perform(files, spans, problems, progress, "")
 
 
 class _Owner(NamedTuple):
-    """The bytes ``[begin, end)`` of an entry ``key`` (for naming a block in an audit)."""
+    """The bytes ``[begin, end)`` of entry ``key`` (to name a block in an audit)."""
 
     begin: int
     end: int
     key: str
 
-    def touches(self, begin: int, end: int) -> bool:
-        return self.begin < end and begin < self.end
-
 
 def _run_bytes(files: DataFiles) -> int:
-    """The length of a span: ``TUNING.read_run_bytes``, in whole blocks."""
+    """``TUNING.read_run_bytes`` in whole blocks."""
     size = files.index.block_size or 1
     return max(1, tuning.TUNING.read_run_bytes // size) * size
 
@@ -183,8 +159,8 @@ def _run_bytes(files: DataFiles) -> int:
 def _plan(
     files: DataFiles, segments: list[Segment], verify: bool
 ) -> tuple[list[_Span], list[Segment]]:
-    """The spans that read ``segments`` (those of them that no earlier one overlaps), and the
-    segments left for a later round."""
+    """The spans that read the ``segments`` no earlier one overlaps, and the rest (for a later
+    round)."""
     segments.sort(key=lambda s: (s.file, s.begin))
     taken: list[Segment] = []
     later: list[Segment] = []
@@ -196,20 +172,17 @@ def _plan(
         taken.append(segment)
         file, end = segment.file, segment.end
     spans: list[_Span] = []
-    start = 0
-    for number in range(1, len(taken) + 1):
-        if number == len(taken) or taken[number].file != taken[start].file:
-            group = taken[start:number]
-            for segment in group:  # a missing or unsafe file fails before any read
-                files.handle(segment.file, segment.key)
-            spans.extend(_blocks_spans(files, group) if verify else _plain_spans(group))
-            start = number
+    for _, grouped in itertools.groupby(taken, key=lambda segment: segment.file):
+        group = list(grouped)
+        for segment in group:  # a missing or unsafe file fails before any read
+            files.handle(segment.file, segment.key)
+        spans.extend(_blocks_spans(files, group) if verify else _plain_spans(group))
     return spans, later
 
 
 def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
-    """Spans of the blocks that ``group`` (segments of one file, in order, disjoint) touches:
-    adjacent blocks together, at most a run each, every span whole blocks."""
+    """Spans of whole blocks that ``group`` (disjoint segments of one file, in order) touches:
+    adjacent blocks together, at most a run each."""
     if not group:
         return []
     index = files.index
@@ -238,9 +211,8 @@ def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
 
 
 def _plain_spans(group: list[Segment]) -> list[_Span]:
-    """Spans of exactly the bytes ``group`` wants (no checksums): segments closer than
-    ``TUNING.read_gap_bytes`` (the gap read through) together, at most a run each (a larger
-    segment in runs, which the I/O threads share)."""
+    """Spans of exactly the bytes ``group`` wants: close segments together, a large one cut
+    in runs (which the I/O threads share)."""
     gap = min(tuning.TUNING.read_gap_bytes, tuning.TUNING.hot_buffer_bytes)
     run = tuning.TUNING.read_run_bytes
     spans: list[_Span] = []
@@ -265,9 +237,8 @@ def _perform(
 ) -> None:
     """Read every span (on the I/O threads locally, as concurrent requests remotely)."""
     remote = files.storage.remote
-    # Batches bound the buffers in flight of remote reads and pace the progress reports;
-    # local reads hold no buffers of their own and, without progress, go in one batch (no
-    # thread waits at the end of a batch for the slowest span of it).
+    # Batches bound remote buffers in flight and pace progress; local reads otherwise go in
+    # one batch (no thread waits at the end of a batch for its slowest span).
     limit = tuning.TUNING.read_batch_bytes if remote or progress is not None else sys.maxsize
     for batch in batches(spans, _length, limit):
         if remote:
@@ -276,8 +247,6 @@ def _perform(
             found = run_concurrently(batch, _length, lambda span: _read_local(files, span, note))
             for mismatches in found:
                 _found(mismatches, problems)
-        with files.lock:
-            files.bytes_verified += sum(span.length for span in batch if span.checked)
         if progress is not None:
             progress(sum(span.wanted for span in batch))
 
@@ -294,8 +263,7 @@ def _found(mismatches: list[ChecksumError], problems: list[ChecksumError] | None
 
 
 def _parts(span: _Span) -> Iterator[tuple[int, memoryview | None]]:
-    """The bytes of ``span`` in order as ``(length, memory)``: a segment's memory, or None
-    for bytes no segment wants."""
+    """The bytes of ``span`` in order as ``(length, memory)`` (None: no segment wants them)."""
     position = span.begin
     for segment in span.segments:
         begin, end = max(segment.begin, span.begin), min(segment.end, span.end)
@@ -308,9 +276,8 @@ def _parts(span: _Span) -> Iterator[tuple[int, memoryview | None]]:
 
 
 def _pieces(span: _Span, limit: int, buffer: memoryview) -> Iterator[list[memoryview]]:
-    """The buffers of each scatter read of ``span``: at most ``limit`` bytes and
-    :data:`_MAX_BUFFERS` buffers each; bytes no segment wants go into ``buffer`` (distinct
-    places within a piece when the span is hashed, one place when nobody looks at them)."""
+    """The buffers of each scatter read of ``span``; unwanted bytes go into ``buffer``, at
+    distinct places only when the span is hashed."""
     piece: list[memoryview] = []
     length = used = 0
     for size, memory in _parts(span):
@@ -334,19 +301,14 @@ def _pieces(span: _Span, limit: int, buffer: memoryview) -> Iterator[list[memory
 
 
 def _read_local(files: DataFiles, span: _Span, note: str) -> list[ChecksumError]:
-    """Read ``span`` piece by piece on this thread, hashing each piece's blocks right after
-    it is read; returns the mismatches."""
+    """Read ``span`` on this thread, hashing each piece after it is read; the mismatches."""
     buffer = scratch()
-    # Hashed pieces fit the scratch buffer (their unwanted bytes have distinct places there);
-    # unhashed ones are as long as a run.
+    # Hashed pieces must fit the scratch buffer; unhashed ones are as long as a run.
     limit = len(buffer) if span.checked else tuning.TUNING.read_run_bytes
     checker = _Checker(files, span, note) if span.checked else None
     position = span.begin
     for piece in _pieces(span, limit, buffer):
-        if len(piece) == 1:
-            files.read_into(span.file, position, piece[0], span.key)
-        else:
-            files.read_vector(span.file, position, piece, span.key)
+        files.read_vector(span.file, position, piece, span.key)
         if checker is not None:
             for part in piece:
                 checker.feed(part)
@@ -357,9 +319,7 @@ def _read_local(files: DataFiles, span: _Span, note: str) -> list[ChecksumError]
 def _read_remote(
     files: DataFiles, spans: list[_Span], problems: list[ChecksumError] | None, note: str
 ) -> None:
-    """Read ``spans`` as one batch of concurrent requests: each into the one segment it
-    serves when it is exactly that segment's bytes, else into a new buffer, hashed, and
-    copied to its segments once its blocks matched."""
+    """Read ``spans`` as one batch of concurrent requests (see the module's docstring)."""
     found: list[list[ChecksumError]] = [[] for _ in spans]
 
     def finish(number: int, data: memoryview) -> None:
@@ -386,7 +346,7 @@ def _read_remote(
 
 
 def _direct(span: _Span) -> memoryview | None:
-    """The memory ``span``'s bytes go to as they are (one segment, exactly the span)."""
+    """The memory of the one segment that takes all of ``span``, if any."""
     if len(span.segments) == 1:
         segment = span.segments[0]
         if segment.begin <= span.begin and span.end <= segment.end:
@@ -395,7 +355,7 @@ def _direct(span: _Span) -> memoryview | None:
 
 
 class _Checker:
-    """Hashes the bytes of a span (whole blocks), fed in order, block by block."""
+    """Hashes a span's bytes (whole blocks), fed in order, block by block."""
 
     __slots__ = ("_begin", "_end", "_files", "_hasher", "_note", "_position", "_span", "mismatches")
 
@@ -433,14 +393,12 @@ class _Checker:
             self._done(digest)
 
     def _done(self, digest: str) -> None:
-        """The block ``[_begin, _end)`` hashed to ``digest``: compare, move to the next."""
-        index = self._files.index
+        """Compare block ``[_begin, _end)``'s ``digest``, move to the next."""
+        index, span = self._files.index, self._span
         assert index.block_size is not None
-        name = self._span.file
-        number = (self._begin - index.data_starts[name]) // index.block_size
-        span = self._span
+        number = (self._begin - index.data_starts[span.file]) // index.block_size
         key = _key_at(span.segments if span.owners is None else span.owners, self._begin, self._end)
-        _compare(self._files, name, number, digest, key, self.mismatches, self._note)
+        _compare(self._files, span.file, number, digest, key, self.mismatches, self._note)
         self._hasher = None
         self._begin = self._position = self._end
         self._end = self._block_end(self._end)
@@ -463,7 +421,7 @@ def _compare(
     mismatches: list[ChecksumError],
     note: str,
 ) -> None:
-    """Add the mismatch of block ``number`` of file ``name`` to ``mismatches``, if it is one."""
+    """Add block ``number`` of file ``name`` to ``mismatches`` if ``digest`` is not its sum."""
     index = files.index
     expected = index.file_checksums[name][number * _HEX : (number + 1) * _HEX]
     if digest == expected:
@@ -478,8 +436,7 @@ def _compare(
     )
     what += f" in block {number} of the file (bytes {begin}-{end})"
     if key and _shared_block(files, key, name, begin, end):
-        # The block is named after the first entry read from it: a checksum cannot tell
-        # which of its entries' bytes changed.
+        # A checksum cannot tell which entry's bytes changed.
         what += ", which also holds bytes of other entries (the changed bytes may be theirs)"
     mismatches.append(
         ChecksumError(
@@ -493,9 +450,8 @@ def _compare(
 
 
 def _shared_block(files: DataFiles, key: str, name: str, begin: int, end: int) -> bool:
-    """Whether block ``[begin, end)`` of ``name`` may hold bytes of entries other than
-    ``key``'s (as far as the index tells without building every chunk: a blob's or a
-    single-chunk tensor's bytes are known; anything else is said to share)."""
+    """Whether block ``[begin, end)`` of ``name`` may hold bytes of other entries than
+    ``key`` (known without building chunks only for a blob or a single-chunk tensor)."""
     item = files.index.objects.get(key)
     chunk = item.blob if item is not None else None
     if chunk is None:

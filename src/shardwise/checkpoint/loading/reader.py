@@ -1,13 +1,9 @@
 """The one reader of checkpoints: every path that reads one (``load``, ``load_tensor``,
 ``read_metadata``, the CLI) goes through :class:`CheckpointReader`.
 
-It reads the index without following links (at most :data:`~.index.MAX_INDEX_BYTES`), has
-:func:`~shardwise.checkpoint.index.decode_index` validate all of it (:mod:`._index_file`),
-opens data files only as regular files inside ``<ckpt>/data`` whose size agrees with the index
-(:mod:`._data_files`), and reads in one verified pass (:mod:`._read`): each checksummed block a
-read touches is read once, checked, and its bytes used. No read returns while a byte it copied
-is unverified; after a mismatch, the destinations of the read are undefined (partly filled).
-``audit`` checks whole data files without reading them anywhere (``shardwise verify``).
+The index is found and validated by :mod:`.index_file`, data files opened safely by
+:mod:`.data_files`, and read in one verified pass (:mod:`.read`): no read returns while a byte
+it copied is unverified; after a mismatch, its destinations are undefined (partly filled).
 """
 
 from __future__ import annotations
@@ -85,24 +81,14 @@ class CheckpointReader:
         """Bytes read from the storage so far."""
         return self.files.bytes_read
 
-    @property
-    def bytes_verified(self) -> int:
-        """Bytes of checksummed blocks verified so far."""
-        return self.files.bytes_verified
-
     # -- files ------------------------------------------------------------------------------
 
     def file_path(self, name: str) -> str:
         """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
         return self.files.path(name)
 
-    def shown(self, name: str) -> str:
-        """The path of data file ``name`` as errors show it."""
-        return self.files.shown(name)
-
     def handle(self, name: str, key: str | None = None) -> Reader:
-        """Data file ``name`` opened for reads, after checking it is a regular file inside
-        ``<ckpt>/data`` whose size agrees with the index (opened once per reader)."""
+        """Data file ``name`` opened for reads (see :meth:`.DataFiles.handle`)."""
         return self.files.handle(name, key)
 
     def check_files(self, items: Iterable[tuple[str, SavedChunk]]) -> None:
@@ -117,8 +103,7 @@ class CheckpointReader:
         """The tensor entry ``fqn``; :class:`CheckpointKeyError` if there is none.
 
         ``fqn`` may also be the dotted key as ``inspect`` shows it (``optim.state.0.exp_avg``)
-        of an entry whose path has int parts (stored with their positions, see
-        ``docs/format.md``, *Keys*), when exactly one entry has that dotted key."""
+        of exactly one entry whose path has int parts (``docs/format.md``, *Keys*)."""
         record = self.index.tensors.get(fqn)
         if record is None and display_key(fqn) == fqn:
             dotted = [key for key in self.index.tensors if key != fqn and display_key(key) == fqn]
@@ -134,17 +119,16 @@ class CheckpointReader:
         return record
 
     def plan(self, fqn: str, box: planner.Box, target: int) -> list[Job]:
-        """The reads that fill the global ``box`` of tensor ``fqn`` (into destination
-        ``target``)."""
+        """The reads that fill the global ``box`` of tensor ``fqn`` into destination
+        ``target``."""
         record = self.tensor_record(fqn)
         dtype = record.dtype
         chunks = record.chunks
         lookup: planner.Candidates | None = None
         reads = None
         if type(chunks) is not tuple and isinstance(chunks, LayoutChunks):  # (an ABC: slow)
-            # A version-4 grid answers by arithmetic, and builds only the chunks it finds:
-            # the begins of their cells come from the file order of each file touched,
-            # whose packing is checked against the file's size when first built.
+            # A grid answers by arithmetic and builds only the chunks it finds (each file's
+            # packing is checked against its size when first built).
             lookup = chunks
         elif (
             len(chunks) > 1
@@ -163,15 +147,11 @@ class CheckpointReader:
             if reads is None:
                 reads = planner.plan_reads(box, chunks, dtype.itemsize, lookup=lookup)
         except CheckpointFormatError as err:  # grid cells that do not fill their file
-            raise CheckpointFormatError(err.bare_message, key=fqn, file=self._index_url) from err
+            index_url = self.storage.url(self.storage.join(INDEX_NAME))
+            raise CheckpointFormatError(err.bare_message, key=fqn, file=index_url) from err
         except ValueError as err:  # the chunks tile the tensor: only a box outside it fails
             raise CheckpointFormatError(str(err), key=fqn) from err
         return [Job(target, fqn, chunks[read.chunk], read, dtype) for read in reads]
-
-    @property
-    def _index_url(self) -> str:
-        """The index file as errors name it."""
-        return self.storage.url(self.storage.join(INDEX_NAME))
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -185,9 +165,8 @@ class CheckpointReader:
         note: str = "",
         also: Sequence[Segment] = (),
     ) -> None:
-        """Perform ``jobs`` (read their bytes into the destinations ``targets``) and read the
-        segments ``also``, in one pass that verifies every block it reads (see
-        :func:`._fill.fill`).
+        """Perform ``jobs`` into ``targets`` and read the segments ``also`` in one verified
+        pass (see :func:`.fill.fill`).
 
         Raises:
             ChecksumError: A block does not match its checksum; the destinations are then
@@ -197,8 +176,7 @@ class CheckpointReader:
         fill(self.files, jobs, targets, verify=verify, progress=progress, note=note, also=also)
 
     def blob_segment(self, item: ObjectRecord) -> tuple[Segment, bytearray]:
-        """A segment that reads the stored bytes of object ``item`` (a blob), and the buffer
-        it fills."""
+        """A segment reading the blob of object ``item``, and the buffer it fills."""
         chunk = item.blob
         assert chunk is not None
         data = bytearray(chunk.nbytes)
@@ -211,8 +189,7 @@ class CheckpointReader:
         progress: Callable[[int], object] | None = None,
         owners: Mapping[str, Sequence[tuple[int, int, str]]] | None = None,
     ) -> None:
-        """Check every block of the data files ``names``, collecting mismatches in
-        ``problems`` (``shardwise verify``; see :func:`._read.audit`)."""
+        """Check every block of the data files ``names`` (see :func:`.read.audit`)."""
         audit(self.files, names, problems, progress, owners)
 
     # -- whole values -----------------------------------------------------------------------
@@ -222,10 +199,9 @@ class CheckpointReader:
         fqn: str,
         offsets: Sequence[int] | None = None,
         sizes: Sequence[int] | None = None,
-        verify: bool = True,
     ) -> torch.Tensor:
         """The box ``offsets``/``sizes`` (default: all) of tensor ``fqn`` as a new CPU tensor,
-        every byte verified. The tensor is allocated only after its files were checked.
+        every byte verified; allocated only after its files were checked.
 
         Raises:
             CheckpointKeyError: ``fqn`` is not a tensor of the checkpoint.
@@ -254,14 +230,14 @@ class CheckpointReader:
         jobs = self.plan(fqn, (box_offsets, box_sizes), 0)
         self.check_files((job.key, job.chunk) for job in jobs)
         result = torch.empty(box_sizes, dtype=record.dtype)
-        self.fill(jobs, [LocalBox(box_offsets, box_sizes, result)], verify=verify)
+        self.fill(jobs, [LocalBox(box_offsets, box_sizes, result)])
         return result
 
-    def blob(self, fqn: str, verify: bool = True) -> bytes:
+    def blob(self, fqn: str) -> bytes:
         """The stored bytes of object ``fqn`` (never decoded), every byte verified."""
         item = self.index.objects.get(fqn)
         if item is None or item.blob is None:
             raise CheckpointKeyError("not a stored object of the checkpoint", key=fqn)
         segment, data = self.blob_segment(item)
-        read(self.files, [segment], verify=verify)
+        read(self.files, [segment])
         return bytes(data)
