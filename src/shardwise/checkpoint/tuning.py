@@ -1,14 +1,10 @@
-"""Every tunable of the checkpoint machinery, in one place, each overridable from the environment.
+"""Every tunable of the checkpoint machinery, each overridable from the environment.
 
 The defaults are measured choices (the reason stands beside each field). A deployment whose
-storage differs from the one they were measured on (a network file system, an object store
-far away, a machine with many cores) can override any of them without code changes, by
-setting ``SHARDWISE_<FIELD NAME IN CAPITALS>`` before the process imports
-``shardwise.checkpoint``; byte counts take an integer with an optional binary suffix
-(``KiB``, ``MiB``, ``GiB``). The README lists them under "Tuning".
-
-Read once, at import: every rank of a job reads the same environment (``torchrun`` passes
-it on), so ranks agree on every value without exchanging them.
+storage differs can set ``SHARDWISE_<FIELD NAME IN CAPITALS>`` before importing
+``shardwise.checkpoint``; byte counts take an integer with an optional ``KiB``, ``MiB`` or
+``GiB`` suffix (the README lists them under "Tuning"). Read once, at import: every rank of a
+job reads the same environment, so ranks agree on every value without exchanging them.
 """
 
 from __future__ import annotations
@@ -33,23 +29,21 @@ class Tuning:
     """The tunables. Fields ending in ``_bytes`` are byte counts, in ``_seconds`` durations."""
 
     io_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
-    """Threads that read (and, on object stores, write) concurrently: 4, or the number of
-    cores if fewer. Reads are I/O bound and release the GIL in ``preadv``, hashing and copies,
-    so a few threads overlap them; more threads than cores only add hand-offs (measured on 2
-    cores: the verifying pass over 300 MiB took 21 ms on 2 threads and 28 ms on 4)."""
+    """Threads that read (and, on object stores, write) concurrently: 4, or fewer cores. Reads
+    release the GIL, but more threads than cores only add hand-offs (measured on 2 cores: the
+    verifying pass over 300 MiB took 21 ms on 2 threads and 28 ms on 4)."""
 
     inline_bytes: int = 1 << 20
-    """Work on fewer bytes than this runs on the calling thread: handing it to a pool costs
-    more in GIL hand-offs (measured: 10,000 small reads took 2.1 s on 4 threads, 0.45 s on
-    one)."""
+    """Work on fewer bytes runs on the calling thread, as a pool costs more in GIL hand-offs
+    (measured: 10,000 small reads took 2.1 s on 4 threads, 0.45 s on one)."""
 
     request_bytes: int = 8 << 20
     """The most bytes one request to a remote store reads, so that a large read becomes
     several concurrent requests."""
 
     storage_batch_bytes: int = 64 << 20
-    """The most bytes one batched ranged read (``cat_ranges``) of a remote store asks for;
-    it holds them in memory before they are copied out."""
+    """The most bytes one batched ranged read (``cat_ranges``) of a remote store asks for (it
+    holds them in memory)."""
 
     read_batch_bytes: int = 32 << 20
     """The most bytes each pass of a load reads in one batch: bounds the buffers in flight."""
@@ -59,38 +53,35 @@ class Tuning:
     I/O thread reads and checks piece by piece)."""
 
     read_gap_bytes: int = 64 << 10
-    """A load with ``verify=False`` reads through a gap between needed bytes smaller than this
-    rather than issue another read."""
+    """A load with ``verify=False`` reads through a smaller gap between needed bytes rather
+    than issue another read."""
 
     hot_buffer_bytes: int = 1 << 20
-    """A load reads a span in pieces of at most this much, hashing each piece's blocks right
-    after it is read, while the bytes are in the cache; each I/O thread's reused scratch
-    buffer (the bytes of a block that no destination wants) is this large. Measured: the
-    read-and-hash loop 49 ms with fresh 8 MiB buffers, 28 ms with a reused 1 MiB one, 300 MiB
-    on tmpfs."""
+    """A load reads a span in pieces of at most this much, hashing each while in cache, and
+    each I/O thread's reused scratch buffer is this large (measured, 300 MiB on tmpfs: 49 ms
+    with fresh 8 MiB buffers, 28 ms with a reused 1 MiB one)."""
 
     read_cost_bytes: int = 64 << 10
-    """What one more read costs, in bytes read: a load reads through a gap between two needed
-    runs of a chunk smaller than this instead of issuing another read."""
+    """What one more read costs, in bytes: a load reads through a smaller gap between two
+    needed runs of a chunk instead of issuing another read."""
 
     sent_index_bytes: int = 4 << 20
-    """A save sends its committed index to every rank with the outcome when it is at most this
-    large; above, each rank's returned ``Metadata`` reads it from storage when walked."""
+    """A save sends its committed index to every rank with the outcome up to this size; above,
+    each rank's returned ``Metadata`` reads it from storage when walked."""
 
     scatter_run_bytes: int = 16 << 10
-    """The shortest contiguous run of a strided read that is read straight into its
-    destination (one ``preadv`` over many buffers); shorter ones go through a thread's buffer.
-    Measured on column blocks of row chunks from tmpfs: 0.79x for 4 KiB runs, 0.98x for 8 KiB,
-    1.05x for 16 KiB, 1.19x for 32 KiB, 1.47x for 48 KiB (below about 16 KiB, building a
-    buffer per run in Python costs more than the copy it saves)."""
+    """The shortest run of a strided read that is read straight into its destination (one
+    ``preadv``); shorter ones go through a thread's buffer, since building a buffer per run
+    costs more (measured from tmpfs: 0.79x for 4 KiB runs, 0.98x for 8 KiB, 1.05x for 16 KiB,
+    1.19x for 32 KiB, 1.47x for 48 KiB)."""
 
     lookup_chunks: int = 8
-    """A tensor saved in more chunks than this is planned through a sweep order
-    (``planner.ChunkLookup``) instead of comparing each target with every chunk."""
+    """A tensor saved in more chunks is planned through a sweep order (``ChunkLookup``)
+    instead of comparing each target with every chunk."""
 
     small_write_bytes: int = 1 << 20
-    """Saved entries smaller than this are gathered into one buffer before writing, to save
-    system calls (10,000 small tensors otherwise cost 10,000 writes)."""
+    """Smaller saved entries are gathered into one buffer before writing, to save system
+    calls (10,000 small tensors otherwise cost 10,000 writes)."""
 
     write_buffer_bytes: int = 8 << 20
     """The size of that buffer: it is written out when full."""
@@ -106,12 +97,12 @@ class Tuning:
     """The holder of a save lock renews its heartbeat this often."""
 
     lock_stale_seconds: float = 120.0
-    """A lock whose heartbeat is older than this belongs to a dead save and may be taken
-    over (a generous margin for clock differences between hosts)."""
+    """A lock whose heartbeat is older belongs to a dead save and may be taken over (a
+    generous margin for clock differences between hosts)."""
 
     consolidate_piece_bytes: int = 8 << 20
-    """``shardwise consolidate`` reads, casts and writes this many bytes of a tensor at a
-    time: the memory a tensor needs beyond itself."""
+    """``shardwise consolidate`` reads, casts and writes a tensor this many bytes at a time:
+    the memory a tensor needs beyond itself."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

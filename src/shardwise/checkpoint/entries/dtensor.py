@@ -1,17 +1,14 @@
 """Where a DTensor's local shard lies in the global tensor, in closed form.
 
-torch's ``compute_local_shape_and_global_offset`` answers this for every placement, but builds
-index tensors for each sharded mesh dimension (``torch.arange`` of the shard's rows), which
-costs about 42 µs per DTensor: most of a save's per-tensor work for FSDP states of thousands of
-tensors. For the placements that cover nearly every real state, plain ``Shard(d)`` and
-``Replicate()``, the answer is a few integer operations; anything else (``_StridedShard``,
-``Partial``, a placement we do not know) returns ``None`` and the caller asks torch.
+torch's ``compute_local_shape_and_global_offset`` builds index tensors per sharded mesh
+dimension: about 42 µs per DTensor, most of a save's per-tensor work for FSDP states of
+thousands of tensors. For plain ``Shard(d)`` and ``Replicate()`` (nearly every real state) the
+answer is a few integer operations; anything else returns ``None`` and the caller asks torch.
 
-The rule reproduced (torch.chunk's): a dimension of current length ``n`` split over ``k``
-mesh coordinates gives coordinate ``c`` the rows ``[c·q, min(n, (c+1)·q))`` with
-``q = ceil(n / k)``; several mesh dimensions sharding one tensor dimension split it again,
-left to right. An empty shard's offset is the dimension's global size (torch's convention,
-which the index records as it is).
+The rule (torch.chunk's): a dimension of current length ``n`` split over ``k`` mesh
+coordinates gives coordinate ``c`` the rows ``[c·q, min(n, (c+1)·q))``, ``q = ceil(n / k)``;
+several mesh dimensions sharding one tensor dimension split it again, left to right. An empty
+shard's offset is the dimension's global size (torch's convention, recorded as it is).
 """
 
 from __future__ import annotations
@@ -54,7 +51,8 @@ def local_shape_and_offset(
         step = -(-length // chunks)
         start = step * coordinate[mesh_dim]
         size = max(0, min(length, start + step) - start)
-        # An empty shard's offset is the global size; once empty, a dimension stays so.
+        # Once empty, a dimension stays so.
         offsets[dim] = global_shape[dim] if size == 0 else offsets[dim] + start
+
         shape[dim] = size
     return tuple(shape), tuple(offsets)

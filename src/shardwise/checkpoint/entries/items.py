@@ -1,8 +1,5 @@
-"""What a state dict holds, rank by rank: tensor boxes with their local data, and objects.
-
-Shared by save (which writes the boxes it holds) and load (which fills the boxes it holds).
-Every supported value kind is described by the global box(es) this rank holds and the local
-tensors backing them.
+"""What a state-dict leaf is to a checkpoint on this rank: the global boxes of a tensor with
+the local tensors backing them (save writes them, load fills them), or an object's stored form.
 """
 
 from __future__ import annotations
@@ -64,12 +61,11 @@ class TensorValue:
         dtype: Element type.
         properties: Tensor properties to record.
         boxes: The boxes this rank holds.
-        layout: How the value is laid out over the ranks, when a rule says so (see
-            ``docs/design/scale.md`` §2): ``("whole",)`` for a plain tensor (replicated on
-            every rank that has the key), ``("mesh", device_mesh, placements)`` for a DTensor
-            whose placements are all ``"R"``/``"S<dim>"`` (for a ``ChunkShardingSpec``
-            ShardedTensor, ``device_mesh`` is ``(shape, global ranks)``); ``None``: only the
-            boxes tell.
+        layout: How the value lies over the ranks when a rule says so: ``("whole",)`` for a
+            plain tensor (replicated on every rank that has the key), ``("mesh", device_mesh,
+            placements)`` for a DTensor whose placements are all ``"R"``/``"S<dim>"`` (a
+            ``ChunkShardingSpec`` ShardedTensor's mesh is ``(shape, global ranks)``); ``None``:
+            only the boxes tell.
     """
 
     size: tuple[int, ...] | None
@@ -80,19 +76,16 @@ class TensorValue:
 
 
 def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
-    """What identifies the local data of ``value``: equal for two state-dict entries that are
-    the same tensor on this rank (the same object, or views of one storage with the same
-    offset, strides and boxes, as ``model.state_dict()`` gives for tied weights), ``None``
-    when this rank holds none of its elements (it cannot tell)."""
+    """What identifies the local data of ``value``: equal for two entries that are the same
+    tensor on this rank (one object, or views of one storage with the same offset, strides
+    and boxes: tied weights), ``None`` when this rank holds none of its elements."""
     parts: list[Any] = [value.size, value.dtype, value.properties.requires_grad]
     for box in value.boxes:
         tensor = box.tensor
         if tensor.numel() == 0:
             continue
         try:
-            # The address of its first element (the storage's plus the offset) with the
-            # strides: the same elements in the same order (read through the same lazy
-            # conjugation or negation).
+            # The same elements in the same order, read through the same lazy conj/neg.
             where: Any = (
                 tensor.data_ptr(),
                 tensor.stride(),
@@ -107,14 +100,9 @@ def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
 
 
 def _loaded_type(module: str, name: str) -> type | None:
-    """The class ``module.name`` if its module is imported, else ``None``.
-
-    No value of a class exists before its module is imported, so an ``isinstance`` check
-    needs the class only once it is. Importing DTensor takes seconds (a process that never
-    touched it does not pay for it here), a checkpoint of plain tensors need not import the
-    sharded-tensor stack, and ``shardwise.local_shards`` imports this package itself
-    (importing it here would be a cycle).
-    """
+    """The class ``module.name`` if its module is imported, else ``None`` (then no value of it
+    exists). Importing DTensor takes seconds, plain tensors need no sharded-tensor stack, and
+    ``shardwise.local_shards`` imports this package (a cycle)."""
     found: type | None = getattr(sys.modules.get(module), name, None)
     return found
 
@@ -136,8 +124,7 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
 
     Raises:
         ValueError: A DTensor with a ``Partial`` placement (it needs a reduction first).
-        TypeError: A quantized, sparse, nested or MKL-DNN tensor (a checkpoint stores the
-            elements of strided tensors).
+        TypeError: A quantized, sparse, nested or MKL-DNN tensor (see :func:`unstorable`).
     """
     if type(value) in _PLAIN_TENSOR_TYPES:  # the common case, without the checks below
         return _describe_plain(fqn, value)
@@ -162,8 +149,7 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
     if value.is_quantized or value.layout is not torch.strided or value.is_nested:
         raise _unsaved(fqn, str(unstorable(value)))
     requires_grad = value.requires_grad
-    # Held without autograd: a plain tensor that needs no gradient already is (a detached
-    # view costs more than the rest of this description).
+    # A detached view costs more than the rest of this description: only where needed.
     tensor = value.detach() if requires_grad or type(value) is not torch.Tensor else value
     size = tuple(tensor.size())
     dtype = tensor.dtype
@@ -203,9 +189,8 @@ def _unsaved(fqn: str, kind: str) -> TypeError:
 
 
 _WHOLE = ("whole",)
-# The properties a description records, one object per distinct value: a state dict holds
-# thousands of tensors of a few kinds, and later steps (tables, the index) work per distinct
-# object. Nothing writes to a description's properties.
+# One properties object per distinct value (never written to): a state dict holds thousands
+# of tensors of a few kinds, and tables and the index work per distinct object.
 _PROPERTIES: dict[tuple[torch.dtype, bool], TensorProperties] = {}
 
 
@@ -232,9 +217,8 @@ def _describe_sharded(value: Any) -> TensorValue:
 
 
 def _chunk_layout(value: Any, ndim: int) -> tuple[Any, ...] | None:
-    """``("mesh", (shape, global ranks), ("S<dim>",))`` of a ShardedTensor of a
-    ``ChunkShardingSpec`` whose chunks are on distinct ranks (one chunk each, in placement
-    order: a one-dim mesh), else ``None``."""
+    """``("mesh", (shape, global ranks), ("S<dim>",))`` of a ``ChunkShardingSpec``
+    ShardedTensor with one chunk per rank (a one-dim mesh), else ``None``."""
     chunk_spec = _loaded_type("shardwise.sharding_spec.chunk", "ChunkShardingSpec")
     spec = value.sharding_spec()
     if chunk_spec is None or not isinstance(spec, chunk_spec) or not ndim:
@@ -284,14 +268,12 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
         if coordinate is None:
             boxes = []
         else:
-            # The closed form covers Shard/Replicate; torch's function everything else.
             found = local_shape_and_offset(size, mesh_shape, coordinate, placements)
             if found is None:
                 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
                 found = compute_local_shape_and_global_offset(value.size(), mesh, placements)
             shape, offsets = found
-            # Held without autograd (a plain local tensor that needs no gradient already is).
             if local.requires_grad or type(local) is not torch.Tensor:
                 local = local.detach()
             boxes = [LocalBox(tuple(offsets), tuple(shape), local)]
@@ -300,9 +282,9 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
 
 
 def _mesh_facts(mesh: Any) -> tuple[Any, tuple[int, ...]]:
-    """This rank's coordinate in ``mesh`` (None: not in it) and the mesh's shape, computed
-    once per mesh object (``mesh.shape`` builds a tuple from a tensor on every call, and a
-    state dict holds thousands of DTensors on a few meshes)."""
+    """This rank's coordinate in ``mesh`` (None: not in it) and its shape, once per mesh
+    (``mesh.shape`` builds a tuple from a tensor on every call; thousands of DTensors share a
+    few meshes)."""
     found = _MESHES.get(id(mesh))
     if found is not None and found[0] is mesh:
         return found[1], found[2]
@@ -314,13 +296,12 @@ def _mesh_facts(mesh: Any) -> tuple[Any, tuple[int, ...]]:
     return coordinate, shape
 
 
-# Per mesh object (by id, the object kept to check identity): (mesh, coordinate, shape).
+# By id, the mesh kept to check identity: (mesh, coordinate, shape).
 _MESHES: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
 
 
-# The placements of the DTensors met, by value (a few distinct tuples per model; placement
-# types compare by class and fields, so a _StridedShard is not a Shard): their names for a
-# ``mesh`` layout, ``None`` when they are not only Shard/Replicate, or _PARTIAL.
+# The placements met (a few tuples per model; compared by class and fields, so a
+# _StridedShard is not a Shard), to :func:`_placement_names` of them.
 _PLACEMENTS: dict[Any, Any] = {}
 _PARTIAL = ("Partial",)
 
@@ -328,8 +309,7 @@ _PARTIAL = ("Partial",)
 def _placement_names(placements: Any) -> tuple[str, ...] | None:
     """``("S<dim>"/"R", ...)`` of placements that are exactly ``Shard`` (a dim >= 0) and
     ``Replicate``; ``_PARTIAL`` when one is ``Partial``; else ``None``."""
-    # Only called with a DTensor's placements, whose module is then imported already.
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard  # imported: a DTensor exists
 
     if any(isinstance(placement, Partial) for placement in placements):
         return _PARTIAL
@@ -350,10 +330,9 @@ class ObjectValue:
     """A non-tensor state-dict value.
 
     Attributes:
-        encoding: ``"json"`` (stored in the index), ``"pyjson"`` (JSON with tuples and
-            non-string keys tagged, in the index), ``"bytes"``, ``"bytesio"`` or
-            ``"pickle"`` (stored as a blob in a data file).
-        payload: JSON text for ``json``/``pyjson``; the blob bytes otherwise.
+        encoding: ``"json"``, ``"pyjson"`` or ``"pyjson2"`` (text in the index), ``"bytes"``,
+            ``"bytesio"`` or ``"pickle"`` (a blob in a data file).
+        payload: The JSON text, or the blob's bytes.
     """
 
     encoding: str
@@ -407,13 +386,9 @@ def _too_deep(value: object) -> bool:
 
 
 def _json_form(value: object) -> tuple[int, object, bool] | None:
-    """``value``'s simplest exact form (``_json.python_form``), its JSON tree, and whether
-    readers accept the tree's depth (at most ``MAX_DEPTH``; only a value nested deep enough
-    to reach it has its tree walked); None when it has no such form.
-
-    Raises:
-        RecursionError: ``value`` nests deeper than the interpreter's recursion limit.
-    """
+    """``value``'s simplest exact form (:func:`python_form`), its JSON tree, and whether
+    readers accept the tree's depth (walked only when it may exceed ``MAX_DEPTH``); None
+    when it has no such form. ``RecursionError`` past the interpreter's recursion limit."""
     found = form_and_depth(value)
     if found is None:
         return None
@@ -424,10 +399,9 @@ def _json_form(value: object) -> tuple[int, object, bool] | None:
 
 
 def _as_json(value: object) -> ObjectValue | None:
-    """``value`` as ``json`` (plain JSON; NaN and Infinity allowed, so ``float("inf")``
-    round-trips), ``pyjson`` or ``pyjson2`` (tagged) text: the simplest that gives it back
-    exactly, types included. None when none does, or when its JSON would nest deeper than
-    readers accept."""
+    """``value`` as the simplest JSON text that gives it back exactly (``json`` allows NaN and
+    Infinity); None when none does, or when it would nest deeper than readers accept."""
+
     try:
         found = _json_form(value)
         if found is None or not found[2]:

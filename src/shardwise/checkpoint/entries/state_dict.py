@@ -1,24 +1,9 @@
-"""How a state dict is taken apart into checkpoint entries, and put back (see
-``docs/format.md``, *Keys*).
+"""How a state dict is taken apart into checkpoint entries, and put back.
 
-A state dict is any nesting of Mappings (``dict``, ``OrderedDict``; keys ``str`` or ``int``),
-lists and tuples, and Stateful objects (anything with ``state_dict()`` and
-``load_state_dict()``, such as modules, optimizers and LR schedulers), down to leaves:
-tensors (plain, ShardedTensor, DTensor, LocalShardsWrapper) and other values.
-
-* A Mapping is always entered: each value's path gets the key.
-* A Stateful object is entered through its ``state_dict()`` (on load, that dict is filled and
-  handed to ``load_state_dict``).
-* A list or tuple is entered (each element's path gets its index) when it holds a tensor, a
-  Mapping, a Stateful object or an enterable list or tuple; otherwise it is one leaf (a list of
-  numbers, the ``betas`` tuple of Adam, ``random.getstate()``).
-
-An entry's **key** is its path's parts joined by ``.`` — the key DCP gives the same entry
-(``optim.state.0.exp_avg``, ``optim.param_groups.0.lr``). Paths with ``int`` parts (an
-optimizer's ``state`` keys, list indices) also record which parts are ints, so ``{0: x}`` and
-``{"0": y}`` stay distinct: the internal key is then ``<key>\\x00<positions>``, the positions
-(in the ``.``-split key) of the int parts, comma separated. :func:`display_key` drops that
-suffix for messages.
+Mappings are entered, Stateful objects through their ``state_dict()``, lists and tuples when
+they hold something to enter. An entry's internal key is its path's parts joined by ``.`` (the
+key DCP gives it), then, when some parts are ints, ``\\x00`` and their positions, so that
+``{0: x}`` and ``{"0": y}`` stay distinct. The rules: ``docs/format.md``, *Keys*.
 """
 
 from __future__ import annotations
@@ -56,8 +41,8 @@ def is_stateful(value: object) -> bool:
     )
 
 
-# The internal key of a path, built a part at a time as a walk goes down (O(1) per part, not
-# O(depth) per leaf): (dotted key, the positions of int parts, dotted segments so far).
+# A path's key, built a part at a time on the way down (O(1) per part, not O(depth) per
+# leaf): (dotted key, the positions of int parts, dotted segments so far).
 _KeyState = tuple[str, tuple[str, ...], int]
 _ROOT: _KeyState = ("", (), 0)
 
@@ -72,8 +57,7 @@ def _extend(state: _KeyState, part: str | int, first: bool) -> _KeyState:
 
 
 def _key_of(state: _KeyState) -> str:
-    """The internal key of a path's state: its dotted key, then NUL and the positions of
-    its int parts when it has some."""
+    """The internal key of a path's state."""
     dotted, ints, _ = state
     return f"{dotted}{_SEPARATOR}{','.join(ints)}" if ints else dotted
 
@@ -107,8 +91,7 @@ class Flat:
 
 def _enterable(value: object, depth: int = 0) -> bool:
     """Whether ``value`` is a node to enter; a list or tuple is one when it holds something
-    to enter within the depth a state dict may have (deeper, it is a leaf, which a save
-    refuses as too deep)."""
+    to enter within the depth a state dict may have (deeper, it is a leaf)."""
     if isinstance(value, (torch.Tensor, Mapping)) or is_stateful(value):
         return True
     return (
@@ -190,26 +173,15 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
         node = _node(flat, value) if path else value
         children = _children(node) if path else iter(value.items())
         if children is None:
-            key = _key_of(state)
-            if key in flat.leaves:
-                raise ValueError(
-                    f"state_dict keys [{display_key(key)!r}] appear twice after flattening"
-                )
-            flat.leaves[key] = node
+            _add_leaf(leaves, _key_of(state), node)
             return
         first = not path
         shallow = len(path) < _MAX_DEPTH
         for part, child in children:
             part = _check_part(part, path)
             if type(child) in _PLAIN_TENSORS and shallow:
-                # A plain tensor is a leaf (never Stateful): what visit would do for it,
-                # without the call (a state dict is mostly these).
-                key = _key_of(_extend(state, part, first))
-                if key in leaves:
-                    raise ValueError(
-                        f"state_dict keys [{display_key(key)!r}] appear twice after flattening"
-                    )
-                leaves[key] = child
+                # A plain tensor is a leaf: no visit call (a state dict is mostly these).
+                _add_leaf(leaves, _key_of(_extend(state, part, first)), child)
                 continue
             visit(child, (*path, part), _extend(state, part, first))
         if path and is_stateful(value):
@@ -219,15 +191,20 @@ def flatten(state_dict: Mapping[str, Any]) -> Flat:
     return flat
 
 
+def _add_leaf(leaves: dict[str, Any], key: str, value: Any) -> None:
+    if key in leaves:
+        raise ValueError(f"state_dict keys [{display_key(key)!r}] appear twice after flattening")
+    leaves[key] = value
+
+
 # Exactly these types are plain tensors (a subclass may be anything, e.g. Stateful).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[str, Any]) -> None:
-    """Put ``values`` (leaves by internal key, as :func:`flatten` of this same ``state_dict``
-    named them) into ``state_dict`` in place: Mappings and lists are assigned into, tuples are
-    rebuilt (``type(t)(...)``, so namedtuples stay namedtuples) and assigned into their parent,
-    and every Stateful object gets ``load_state_dict`` of its filled dict."""
+    """Put ``values`` (leaves by internal key, from :func:`flatten` of this ``state_dict``)
+    into ``state_dict`` in place: Mappings and lists are assigned into, tuples rebuilt (named
+    tuples stay named) in their parent, and every Stateful object gets ``load_state_dict``."""
 
     def rebuild(value: Any, path: tuple[str | int, ...], state: _KeyState) -> Any:
         container = _node(flat, value) if path else value
