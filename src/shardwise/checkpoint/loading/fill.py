@@ -1,19 +1,14 @@
-"""Reads of saved bytes into destination tensors: :class:`Job` (one read planned into one
-destination box) and :func:`fill`, which turns jobs into the segments of the read pass
-(:mod:`._read`) and runs it.
+"""Reads of saved bytes into destination tensors: :class:`Job` (one planned read) and
+:func:`fill`, which turns jobs into segments of the read pass (:mod:`.read`) and runs it.
 
-- A read whose bytes are the destination's as they are (C order, same dtype, a contiguous CPU
-  tensor: nearly every read of a load) is one segment straight into the destination's memory.
-- A strided read (a part of a chunk whose rows are not adjacent in the file, e.g. a column
-  block of row-wise chunks) into such a destination is one segment per contiguous run, when
-  runs are at least ``TUNING.scatter_run_bytes``: the scatter reads put each run in its place,
-  and the gaps (read only where a checksummed block holds them) into scratch.
-- Anything else (a cast, a destination that is not contiguous CPU memory, such as a GPU
-  tensor, or short strided runs) is read into a host staging buffer, and copied into the
-  destination only once the read pass has verified every block of it: no unverified byte
-  reaches device memory. Staging buffers are made round by round, at most
-  ``TUNING.read_batch_bytes`` a round (a large job in pieces of rows), pinned for a GPU
-  destination.
+- Bytes the destination takes as they are (same dtype, contiguous CPU memory: nearly every
+  read of a load) are one segment straight into its memory.
+- A strided read (e.g. a column block of row-wise chunks) into such a destination is one
+  segment per contiguous run, when runs are at least ``TUNING.scatter_run_bytes``.
+- Anything else (a cast, a GPU or non-contiguous destination, short runs) is read into a host
+  staging buffer and copied only once every block of it matched: no unverified byte reaches
+  device memory. Staging is made round by round, at most ``TUNING.read_batch_bytes`` a round
+  (a large job in pieces of rows), pinned for a GPU destination.
 """
 
 from __future__ import annotations
@@ -38,8 +33,8 @@ __all__ = ["Job", "fill"]
 
 @dataclass(slots=True)
 class Job:
-    """One read of saved bytes into a destination box (treated as immutable; not frozen,
-    which costs a fifth of a microsecond per field on construction, per job).
+    """One read of saved bytes into a destination box (immutable by convention: frozen costs
+    a fifth of a microsecond per field, per job).
 
     Attributes:
         target: Index of the destination in the list given to :func:`fill`.
@@ -66,8 +61,8 @@ def fill(
     note: str = "",
     also: Sequence[Segment] = (),
 ) -> None:
-    """Perform ``jobs``: read their bytes into the destinations ``targets``, and the segments
-    ``also`` (e.g. objects' blobs), verifying every block read (with ``verify``).
+    """Read ``jobs`` into the destinations ``targets``, and the segments ``also`` (e.g.
+    objects' blobs), verifying every block read (with ``verify``).
 
     Raises:
         ChecksumError: A block does not match its checksum (the destinations are then
@@ -87,8 +82,8 @@ def fill(
         else:
             staged.extend(_in_rows(job, destination, tuning.TUNING.read_batch_bytes))
     rounds = list(batches(staged, lambda pair: pair[0].read.nbytes, tuning.TUNING.read_batch_bytes))
-    # The first round reads the direct segments with the first staging buffers: a block that
-    # one of each touches is read once.
+    # Direct segments go with the first round, so a block shared with a staged read is read
+    # once.
     for number, group in enumerate(rounds or [[]]):
         stages = [_Staged.prepare(job, destination) for job, destination in group]
         wanted = [stage.segment for stage in stages]
@@ -104,8 +99,7 @@ def fill(
 
 
 def _destination(job: Job, target: LocalBox) -> torch.Tensor:
-    """The part of the target that ``job`` fills (a whole target, the common case, as it
-    is)."""
+    """The part of the target that ``job`` fills."""
     overlap = job.read.overlap
     if overlap[0] == target.offsets and overlap[1] == target.sizes:
         return target.tensor
@@ -113,8 +107,7 @@ def _destination(job: Job, target: LocalBox) -> torch.Tensor:
 
 
 def _plain(job: Job, destination: torch.Tensor) -> bool:
-    """Whether ``destination``'s memory takes the saved bytes as they are (same dtype,
-    contiguous CPU memory that holds its values as they are)."""
+    """Whether ``destination``'s memory takes the saved bytes as they are."""
     return (
         destination.dtype == job.dtype
         and destination.is_cpu
@@ -130,8 +123,8 @@ def _direct_segments(job: Job, destination: torch.Tensor) -> list[Segment] | Non
     if not _plain(job, destination):
         return None
     read, file, key = job.read, job.chunk.file, job.key
-    # Taken from its address (the destination stays referenced by the caller's targets while
-    # the read runs): a third of the cost of a NumPy view, which counts for many small tensors.
+    # From its address (the caller's targets keep it alive): a third of the cost of a NumPy
+    # view, which counts for many small tensors.
     memory = borrowed_bytes(destination)
     if read.strides is None:
         return [Segment(file, read.file_offset, memory, key)]
@@ -163,8 +156,8 @@ def _contiguous_dims(shape: Sequence[int], strides: Sequence[int], itemsize: int
 
 
 def _in_rows(job: Job, destination: torch.Tensor, limit: int) -> Iterator[tuple[Job, torch.Tensor]]:
-    """``job`` cut along its first dim into jobs of at most about ``limit`` bytes (whole rows;
-    a job of one row, or a 0-d one, whole)."""
+    """``job`` cut along its first dim into jobs of about ``limit`` bytes at most (whole
+    rows)."""
     read = job.read
     sizes = read.overlap[1]
     if read.nbytes <= limit or not sizes or sizes[0] <= 1:
@@ -220,8 +213,7 @@ class _Staged:
     def finish(self) -> None:
         """Copy the staged (verified) bytes into the destination."""
         overlap, strides = self.job.read.overlap, self.job.read.strides
-        # A strided read covers the overlap from its first to its last element; the overlap
-        # is the view of those bytes with the chunk's strides.
+        # A strided read covers the overlap from its first to its last element.
         source = (
             self.staging.view(overlap[1])
             if strides is None
@@ -235,7 +227,6 @@ class _Staged:
             ):
                 self.destination.copy_(source)
                 return
-            # As bytes (the saved and destination dtypes are the same): torch copies no
-            # elements of some dtypes (int1 to int7, uint1 to uint7) and rewrites others (a
-            # bool byte 2 becomes 1), which a read straight into the destination does not.
+            # As bytes: torch copies no elements of some dtypes (int1 to int7, uint1 to uint7)
+            # and rewrites others (a bool byte 2 becomes 1), unlike a direct read.
             _bytes_of(self.destination).copy_(_bytes_of(source))

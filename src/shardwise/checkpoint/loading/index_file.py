@@ -1,9 +1,6 @@
-"""Finding a checkpoint: its index read safely, decoded, and, where there is none, what is
-there instead.
-
-The index is read without following links and up to :data:`~.index.MAX_INDEX_BYTES`; where it
-is missing, the error says what the path holds (nothing, a file, an empty directory, an
-interrupted save, a DCP checkpoint, a Hugging Face model directory), told by names alone.
+"""Finding a checkpoint: its index read (no link followed, at most
+:data:`~.index.MAX_INDEX_BYTES`) and decoded, or, where there is none, what is there instead,
+told by names alone.
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ def read_index_bytes(storage: Storage, path: str) -> bytes:
     name = storage.join(INDEX_NAME)
     if not storage.exists(name):
         raise CheckpointNotFoundError(_what_is_there(storage, path), file=storage.url(name))
-    # On an object store the size is looked up apart from the read, and a save may replace
-    # the index in between: an index of another size then comes back longer or shorter than
-    # looked up (one byte more is asked for to see it), and is read again rather than
+    # On an object store a save may replace the index between the size lookup and the read:
+    # a length other than the size (one byte more is asked for) is read again rather than
     # decoded as a mix. (Locally, the open file is the index that was there, whole.)
     for _ in range(_INDEX_ATTEMPTS):
         size, data = _read_index(storage, name, path)
@@ -65,7 +61,7 @@ _INDEX_ATTEMPTS = 5
 
 
 def _read_index(storage: Storage, name: str, path: str) -> tuple[int, bytes]:
-    """The size of the index ``name`` when opened, and the bytes then read (up to one more)."""
+    """The size of the index ``name`` when opened, and the bytes read (up to one more)."""
     shown = storage.url(name)
     try:
         reader = storage.open_reader(name)
@@ -115,11 +111,9 @@ _SHOWN = 5
 
 
 def _what_is_there(storage: Storage, path: str) -> str:
-    """Why there is no checkpoint at ``path`` (whose index is missing), for the error.
-
-    Cheap and safe: names only, from at most one listing of ``path`` and one of its ``data/``;
-    no file is read and no link below ``path`` is followed.
-    """
+    """Why there is no checkpoint at ``path`` (whose index is missing), for the error: names
+    only, from at most one listing of ``path`` and one of its ``data/``; no file is read and no
+    link below ``path`` followed."""
     storage = _resolve_root(storage)
     try:
         if not storage.exists(storage.root):
@@ -171,8 +165,8 @@ def _missing_bucket(storage: Storage) -> str:
 
 
 def _resolve_root(storage: Storage) -> Storage:
-    """``storage``, its root resolved if it is a local link: the checkpoint path itself may be
-    one (the user chose it, as for any read), but local listings refuse links."""
+    """``storage``, its root resolved if it is a local link: the user chose that path, but
+    local listings refuse links."""
     if isinstance(storage, LocalStorage) and os.path.islink(storage.root):
         return LocalStorage(os.path.realpath(storage.root))
     return storage

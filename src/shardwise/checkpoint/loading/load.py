@@ -1,25 +1,15 @@
 """``load``, ``read_metadata`` and ``load_tensor``: read a checkpoint into any layout.
 
-Every rank lists the boxes its state dict needs (its ShardedTensor shards, its DTensor chunk,
-its LocalShardsWrapper shards, or the whole plain tensor), intersects them with the saved
-chunks and reads only the bytes it needs: one positioned read straight into the destination
-when the overlap is contiguous in the saved chunk, otherwise one read per row piece, or fewer
-reads spanning the gaps between pieces where a gap costs less than a read (see
-:func:`~shardwise.checkpoint.planning.planner.plan_reads`).
+Every rank reads only the bytes its state dict's boxes need (its shards, its DTensor chunk, or
+the whole plain tensor), in steps that all ranks agree on before the next starts:
 
-The order of work (every step is agreed by all ranks before the next starts):
-
-1. The index is read by rank 0 and broadcast; every rank validates it (same bytes, same
-   verdict). Keys, sizes and dtypes are checked against the state dict, every data file
-   needed is opened and checked (regular file, size as the index says), and the objects kept
-   in the index are decoded. A failure here leaves the state dict untouched.
-2. One verified pass (:meth:`~shardwise.checkpoint.loading.reader.CheckpointReader.fill`) reads each
-   checksummed block the reads touch once, checks it and uses its bytes: into the tensors, and
-   the stored objects' bytes, which are decoded then. A checksum mismatch raises on every rank;
-   the tensors being filled are then undefined (partly filled), and no Python value has been
-   replaced.
-3. Only when every rank has read everything are the objects replaced and Stateful objects
-   given their state.
+1. Rank 0 reads the index and broadcasts it; every rank decodes the same bytes (same
+   verdict), checks keys, sizes and dtypes against the state dict, opens the data files it
+   needs and decodes the objects kept in the index. A failure leaves the state dict untouched.
+2. One verified pass (:meth:`.CheckpointReader.fill`) fills the tensors and reads the stored
+   objects' bytes. A checksum mismatch raises on every rank; the tensors being filled are
+   then undefined (partly filled), and no Python value has been replaced.
+3. Only then are the objects replaced and Stateful objects given their state.
 """
 
 from __future__ import annotations
@@ -82,7 +72,7 @@ logger = logging.getLogger("shardwise.checkpoint.load")  # the name users config
 def read_metadata(
     path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> Metadata:
-    """The :class:`Metadata` of the checkpoint at ``path`` (no data is read, no collective).
+    """The :class:`Metadata` of the checkpoint at ``path`` (no data read, no collective).
 
     Raises:
         CheckpointNotFoundError: No committed checkpoint at ``path``.
@@ -93,8 +83,8 @@ def read_metadata(
 
 
 def _outside(box: LocalBox, size: tuple[int, ...]) -> bool:
-    """Whether a shard has other dims than a tensor of ``size`` or holds elements outside it
-    (an empty shard may sit past the end: the ceil rule)."""
+    """Whether a shard does not fit a tensor of ``size`` (an empty one may sit past the end:
+    the ceil rule)."""
     if len(box.sizes) != len(size):
         return True
     return planner.numel(box.sizes) > 0 and any(
@@ -105,7 +95,6 @@ def _outside(box: LocalBox, size: tuple[int, ...]) -> bool:
 def _check_target(
     fqn: str, described: TensorValue, record: TensorRecord, allow_dtype_cast: bool
 ) -> None:
-    saved_dtype = record.dtype
     for box in described.boxes:
         _check_memory(fqn, box.tensor)
     if described.size is not None and tuple(described.size) != record.size:
@@ -119,16 +108,15 @@ def _check_target(
             f"size mismatch: the state dict's shards do not fit the saved size {list(record.size)}",
             key=fqn,
         )
-    if described.dtype != saved_dtype and not (
-        allow_dtype_cast and _castable(saved_dtype) and _castable(described.dtype)
-    ):
+    castable = record.dtype.is_floating_point and described.dtype.is_floating_point
+    if described.dtype != record.dtype and not (allow_dtype_cast and castable):
         hint = (
             "; pass allow_dtype_cast=True to cast it on load"
-            if _castable(saved_dtype) and _castable(described.dtype)
+            if castable
             else " (only floating-point dtypes are cast on load)"
         )
         raise CheckpointMismatchError(
-            f"dtype mismatch: the checkpoint has {saved_dtype}, the state dict expects "
+            f"dtype mismatch: the checkpoint has {record.dtype}, the state dict expects "
             f"{described.dtype}{hint}",
             key=fqn,
         )
@@ -161,12 +149,6 @@ def _check_memory(fqn: str, tensor: torch.Tensor) -> None:
         )
 
 
-def _castable(dtype: torch.dtype) -> bool:
-    """Whether ``allow_dtype_cast`` may cast to or from ``dtype`` (floating point: fp64,
-    fp32, bf16, fp16 and the float8 types)."""
-    return dtype.is_floating_point
-
-
 class LoadResult(NamedTuple):
     """What :func:`load` did, like ``nn.Module.load_state_dict``'s result.
 
@@ -183,12 +165,11 @@ class LoadResult(NamedTuple):
 def _match(
     flat: Flat, index: Index
 ) -> tuple[dict[str, str], dict[str, list[str]], list[str], list[str]]:
-    """Pair the state dict's keys with the checkpoint's: by key and int positions first,
-    else by the dotted key alone when that names one entry (a checkpoint converted from DCP,
-    or of format version 1, whose keys do not record ints).
+    """Pair the state dict's keys with the checkpoint's: by key and int positions, else by
+    the dotted key when that names one entry (a checkpoint converted from DCP records no ints).
 
-    An empty Mapping of the state dict under which the checkpoint has entries (the ``state``
-    of an optimizer that has not stepped yet) is grown: those entries are loaded into it.
+    An empty Mapping under which the checkpoint has entries (the ``state`` of an optimizer
+    that has not stepped yet) is grown: those entries are loaded into it.
 
     Returns:
         The pairs (state dict key to checkpoint key), the grown Mappings (state dict key to
@@ -236,18 +217,12 @@ _Parts = tuple[str | int, ...]
 
 def _grown_paths(grown: dict[str, list[str]], typed: bool) -> dict[str, list[tuple[_Parts, str]]]:
     """Where each checkpoint entry goes inside its grown Mapping: its key's parts after the
-    Mapping's, ints where the checkpoint recorded ints.
-
-    Args:
-        grown: See :func:`_match`.
-        typed: Whether the checkpoint records int parts at all (a checkpoint converted from
-            DCP, or of format version 1, does not: DCP turns every key into a string).
+    Mapping's, ints where the checkpoint recorded ints (``typed``: it records them at all).
 
     Raises:
-        CheckpointFormatError: One entry's parts are a prefix of another's (an entry would
-            have to be a value and a Mapping at once).
+        CheckpointFormatError: One entry's parts are a prefix of another's.
         CheckpointMismatchError: The checkpoint does not record key types and a part is all
-            digits: an int key (an optimizer's parameter number) or a string cannot be told
+            digits: an int (an optimizer's parameter number) and a string cannot be told
             apart, and guessing wrong would leave the state unused without a word.
     """
     paths: dict[str, list[tuple[_Parts, str]]] = {}
@@ -301,11 +276,8 @@ def _grow(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]], values: dict[s
 
 
 def _parameters_of(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]]) -> dict[str, Any]:
-    """The parameter each grown entry of an optimizer's state belongs to, by checkpoint key.
-
-    An optimizer passed itself (Stateful) that has not stepped has an empty ``state``; the
-    entries grown into it, ``state.<n>.<name>``, are the state of its ``n``-th parameter
-    (``torch.optim.Optimizer.state_dict`` numbers them across its param groups in order)."""
+    """The parameter each grown entry ``state.<n>.<name>`` of a Stateful optimizer's state
+    belongs to, by checkpoint key: its ``n``-th across its param groups, in order."""
     optimizers = {
         id(state["state"]): stateful
         for stateful, state in flat.statefuls
@@ -325,9 +297,8 @@ def _parameters_of(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]]) -> di
 
 
 def _allocate(record: TensorRecord, parameter: Any) -> torch.Tensor:
-    """A new tensor for a grown entry: shaped and placed like ``parameter`` when it is the
-    state of that parameter (the same global size; a DTensor stays sharded as the parameter
-    is, so an FSDP optimizer resumes with sharded state), else the whole tensor on the CPU."""
+    """A new tensor for a grown entry: like ``parameter`` when of its global size (a DTensor
+    stays sharded, so an FSDP optimizer resumes with sharded state), else whole on the CPU."""
     if (
         isinstance(parameter, torch.Tensor)
         and tuple(parameter.shape) == record.size
@@ -359,12 +330,19 @@ class _Plan:
     unexpected: list[str]
 
 
-def _plan_load(
-    flat: Flat, reader: CheckpointReader, strict: bool, allow_pickle: bool, allow_dtype_cast: bool
-) -> _Plan:
+def _check_pickle(item: ObjectRecord, key: str, allow_pickle: bool) -> None:
+    if item.encoding == "pickle" and not allow_pickle:
+        raise PickleNotAllowedError(
+            "this entry was pickled; pass allow_pickle=True to load it (only for "
+            "checkpoints you trust: unpickling runs code)",
+            key=key,
+        )
+
+
+def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _Plan:
     index: Index = reader.index
     pairs, grown, missing, unexpected = _match(flat, index)
-    if strict and missing:
+    if options.strict and missing:
         raise CheckpointKeyError(
             "missing from the checkpoint (pass strict=False to skip missing keys"
             + (f"; {len(missing)} keys are missing" if len(missing) > 1 else "")
@@ -378,12 +356,7 @@ def _plan_load(
         record = index.tensors.get(saved_key)
         if record is None:
             stored = index.objects[saved_key]
-            if stored.encoding == "pickle" and not allow_pickle:
-                raise PickleNotAllowedError(
-                    "this entry was pickled; pass allow_pickle=True to load it (only for "
-                    "checkpoints you trust: unpickling runs code)",
-                    key=display_key(saved_key),
-                )
+            _check_pickle(stored, display_key(saved_key), options.allow_pickle)
             plan.objects.append((saved_key, stored))
             continue
         # Allocated only once its data files are known to hold it.
@@ -403,7 +376,7 @@ def _plan_load(
                     "the state dict holds a tensor, the checkpoint an object", key=fqn
                 )
             described = _describe_target(fqn, value)
-            _check_target(fqn, described, tensor, allow_dtype_cast)
+            _check_target(fqn, described, tensor, options.allow_dtype_cast)
             for box in described.boxes:
                 plan.jobs.extend(reader.plan(saved_key, box.box, len(plan.targets)))
                 plan.targets.append(box)
@@ -413,19 +386,13 @@ def _plan_load(
             raise CheckpointMismatchError(
                 "the state dict holds an object, the checkpoint a tensor", key=fqn
             )
-        if item.encoding == "pickle" and not allow_pickle:
-            raise PickleNotAllowedError(
-                "this entry was pickled; pass allow_pickle=True to load it (only for "
-                "checkpoints you trust: unpickling runs code)",
-                key=fqn,
-            )
+        _check_pickle(item, fqn, options.allow_pickle)
         plan.objects.append((key, item))
     return plan
 
 
 def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
-    """The boxes of a tensor to load into; what cannot take a checkpoint's elements is a
-    :class:`CheckpointMismatchError` (before anything is read)."""
+    """The boxes of a tensor to load into, or a :class:`CheckpointMismatchError`."""
     try:
         return describe_tensor(fqn, value)
     except (TypeError, ValueError) as err:
@@ -436,7 +403,7 @@ def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:
-    """The value of a stored object (``like``: the value it replaces, whose named tuples'
+    """The value of a stored object (``like``: the value it replaces, whose named tuple
     classes a tagged JSON value takes; ``payload``: a blob's verified bytes)."""
     if item.text is not None:
         return decode_text(item, like)
@@ -445,8 +412,7 @@ def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: by
         return decode_object(item.encoding, payload, pickle.loads)
     try:
         return pickle.loads(payload)
-    # The caller opted in to pickle for a checkpoint it trusts; a payload that passed its
-    # checksums but does not unpickle fails in whatever way the pickled classes do.
+    # A verified payload that does not unpickle fails in whatever way its classes do.
     except Exception as err:
         raise CheckpointDataError(
             f"the pickled value cannot be loaded: {type(err).__name__}: {err}",
@@ -477,13 +443,11 @@ def load(
     """Fill ``state_dict`` in place from the checkpoint at ``path`` (collective).
 
     Tensors (plain, ShardedTensor, DTensor, LocalShardsWrapper; any layout, any world size)
-    are filled in place from whatever layout was saved; other values are replaced in their
-    containers (a tuple is rebuilt and replaced in its parent); every Stateful object has its
-    ``state_dict()`` filled and passed to its ``load_state_dict``. Every rank validates the
-    index, keys, sizes and dtypes before anything is read (such a failure leaves the state
-    dict unchanged); then each block read is checked as it is used, and no load returns while
-    a byte it copied is unverified. After a checksum mismatch the tensors being filled are
-    undefined (partly filled) and no Python value was replaced: load another checkpoint.
+    are filled in place; other values are replaced in their containers (a tuple is rebuilt);
+    every Stateful object gets its filled ``state_dict()`` through ``load_state_dict``. A
+    failed check of the index, keys, sizes or dtypes leaves the state dict unchanged; no load
+    returns while a byte it copied is unverified. After a checksum mismatch the tensors being
+    filled are undefined (partly filled) and no Python value was replaced.
 
     Args:
         state_dict: The target, with tensors of the right size and dtype.
@@ -517,7 +481,6 @@ def load(
     path_text = os.path.expanduser(os.fspath(path))
     storage = open_shared_storage(path_text, storage_options, comm.world_size)
 
-    # Rank 0 reads the index and broadcasts it (or its failure): O(index) bytes per rank.
     # surrogateescape carries arbitrary bytes through the JSON broadcast unchanged.
     envelope: dict[str, Any] = {}
     error: Exception | None = None
@@ -535,7 +498,6 @@ def load(
     if "error" in envelope:
         raise collectives.rebuild_error(envelope["error"], 0)
     data = envelope["text"].encode("utf-8", "surrogateescape")
-    # Every rank decodes the same bytes, so every rank reaches the same verdict.
     reader = CheckpointReader(storage, decode(data, storage), path_text, comm.rank)
     options = LoadOptions(
         strict=strict,
@@ -581,21 +543,18 @@ def _load(
     state_dict: MutableMapping[str, Any],
     options: LoadOptions,
 ) -> tuple[LoadResult, int]:
-    """Plan, verify and fill (see the module's docstring). Returns the result and the bytes
-    every rank read into the state dict."""
+    """Plan, verify and fill; returns the result and the bytes every rank read."""
     flat = Flat()
     texts: dict[str, Any] = {}
 
     def plan() -> _Plan:
         nonlocal flat
         flat = flatten(state_dict)
-        planned = _plan_load(
-            flat, reader, options.strict, options.allow_pickle, options.allow_dtype_cast
-        )
+        planned = _plan_load(flat, reader, options)
         blobs = [(item.fqn, item.blob) for _, item in planned.objects if item.blob is not None]
         jobs = ((job.key, job.chunk) for job in planned.jobs)
         reader.check_files(itertools.chain(jobs, blobs))
-        # Values kept in the index need no read: a malformed one fails before anything is.
+        # A malformed value kept in the index fails before anything is read.
         for key, item in planned.objects:
             if item.text is not None:
                 texts[key] = _decode(reader, item, flat.leaves.get(key), None)
@@ -604,8 +563,7 @@ def _load(
     def offer(planned: _Plan) -> list[Any]:
         return [options.progress, token, sum(job.read.nbytes for job in planned.jobs)]
 
-    # Rank 0's wish for a progress bar and a name for the count every rank adds to; every
-    # rank's bytes to read.
+    # Rank 0's wish for a bar, the name of the count every rank adds to, and the bytes.
     token = secrets.token_hex(8)
     planned, wishes = comm.exchange_or_raise(plan, offer)
     total = sum(wish[2] for wish in wishes)
@@ -631,8 +589,6 @@ def _load(
             values[key] = _decode(reader, item, flat.leaves.get(key), bytes(data))
 
     exchange_with_bar(comm, fill, bar)
-    # Objects are replaced, and Stateful objects given their state, only once every rank has
-    # loaded everything.
     _grow(flat, planned.grown, {**values, **planned.new_tensors})
     restore(state_dict, flat, values)
     return LoadResult(planned.missing, planned.unexpected), total
@@ -646,9 +602,8 @@ def load_tensor(
     sizes: list[int] | tuple[int, ...] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Read one tensor, or the box ``offsets``/``sizes`` of it, into a new CPU tensor.
-
-    No process group needed. Every byte returned is verified against its block checksum.
+    """Read one tensor, or the box ``offsets``/``sizes`` of it, into a new CPU tensor
+    (no process group; every byte verified).
 
     Raises:
         CheckpointKeyError: ``fqn`` is not a tensor of the checkpoint.
