@@ -1,8 +1,6 @@
-"""Pure planning for save and load: the records both share (a chunk as stored, a chunk a
-rank writes, a tensor's holders), the agreement on tied tensors, and which bytes each rank
-reads for each target box. No I/O, no collectives: every rank runs the same functions on the
-same exchanged metadata and reaches the same plan. (Who writes what is planned from layouts,
-in :mod:`.save_plan`.)
+"""The records save and load share (a chunk as stored, a chunk a rank writes, a tensor's
+holders), the agreement on tied tensors, and which bytes each rank reads for each target box.
+Every rank runs the same functions on the same exchanged metadata and reaches the same plan.
 
 The records are slotted, not frozen, and treated as immutable: a save or load builds one per
 chunk, and frozen construction costs four to five times as much.
@@ -13,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -167,13 +166,12 @@ def _split_level(
     """How many leading dims to split a non-contiguous overlap along: one read per index of
     dims ``[0, level)``. The level with the least ``reads * read_cost + bytes`` wins (the
     fewest reads on a tie)."""
-    best, best_cost = 0, -1
-    for level in range(len(overlap_sizes)):
-        count = numel(overlap_sizes[:level])
-        cost = count * (read_cost + _span(overlap_sizes[level:], strides[level:]) * itemsize)
-        if best_cost < 0 or cost < best_cost:
-            best, best_cost = level, cost
-    return best
+
+    def cost(level: int) -> int:
+        span = _span(overlap_sizes[level:], strides[level:])
+        return numel(overlap_sizes[:level]) * (read_cost + span * itemsize)
+
+    return min(range(len(overlap_sizes)), key=cost, default=0)
 
 
 class Candidates(Protocol):
@@ -189,10 +187,9 @@ class ChunkLookup:
     every chunk.
 
     Chunks are sorted by their offset along the dim where they have the most distinct
-    offsets. A query bisects that order for the chunks that can reach the box along it
-    (bounded by the longest chunk), then intersects only those: O(log n + k) for ``k``
-    candidates instead of O(n), so that a rank of a 1,024-rank job plans its share without
-    scanning every chunk of every tensor.
+    offsets; a query bisects that order (bounded by the longest chunk): O(log n + k) for
+    ``k`` candidates instead of O(n), so that a rank of a 1,024-rank job plans its share
+    without scanning every chunk of every tensor.
 
     Args:
         chunks: The boxes of the saved chunks (any order; chunks without elements are never
@@ -246,13 +243,11 @@ def plan_reads(
 
     A contiguous overlap is one read of exactly its bytes. A non-contiguous one (e.g. a column
     block of row-wise chunks) is read in pieces split along its leading dims, each from its
-    first to its last element; the split minimizing ``reads * read_cost + bytes read`` wins,
-    so a gap is skipped exactly when it costs more than another read. ``read_cost`` defaults
-    to ``TUNING.read_cost_bytes`` (measured on local files, a positioned read with its
-    bookkeeping costs about as much as copying 64 KiB); with ``0``, only needed bytes are read.
+    first to its last element, split so that a gap is read through exactly when it is
+    smaller than ``read_cost`` (default ``TUNING.read_cost_bytes``: measured on local files, a
+    positioned read costs about as much as copying 64 KiB; ``0``: only needed bytes).
     ``lookup`` (a :class:`ChunkLookup` of ``chunks``, or a grid's ``LayoutChunks``) finds the
-    overlapping chunks without comparing ``target`` with each: pass one when planning many
-    boxes of one tensor.
+    overlapping chunks without comparing ``target`` with each.
 
     Raises:
         ValueError: The chunks do not cover ``target``.
@@ -287,8 +282,8 @@ def plan_reads(
             reads.append(
                 ChunkRead(index, chunk.begin, chunk.end - chunk.begin, overlap, True, None)
             )
-            continue
-        reads.extend(_overlap_reads(index, chunk, overlap, itemsize, read_cost))
+        else:
+            reads.extend(_overlap_reads(index, chunk, overlap, itemsize, read_cost))
     if covered != numel(target[1]):
         raise ValueError(
             f"saved chunks cover {covered} of the {numel(target[1])} elements of the box at "
@@ -322,24 +317,15 @@ def _overlap_reads(
     piece_sizes = (1,) * level + tuple(sizes[level:])
     span = _span(piece_sizes, strides)
     layout = None if span == numel(piece_sizes) else tuple(strides)
+    nbytes = span * itemsize
     reads = []
     for lead in itertools.product(*(range(size) for size in sizes[:level])):
-        piece_offsets = tuple(o + i for o, i in zip(offsets, lead, strict=False)) + tuple(
-            offsets[level:]
-        )
+        piece_offsets = tuple(map(operator.add, offsets, lead)) + tuple(offsets[level:])
         first = sum(
             (o - c) * s for o, c, s in zip(piece_offsets, chunk.offsets, strides, strict=True)
         )
-        reads.append(
-            ChunkRead(
-                index,
-                chunk.begin + first * itemsize,
-                span * itemsize,
-                (piece_offsets, piece_sizes),
-                False,
-                layout,
-            )
-        )
+        begin = chunk.begin + first * itemsize
+        reads.append(ChunkRead(index, begin, nbytes, (piece_offsets, piece_sizes), False, layout))
     return reads
 
 

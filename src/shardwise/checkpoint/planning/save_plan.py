@@ -75,7 +75,7 @@ def mesh_grid(
     placements = tuple(placements)
     size = tuple(size)
     if rules is None:
-        return _mesh_grid(size, shape, ranks, placements, replica, None)
+        rules = {}
     # Replicas that choose the same writers share a grid: the choice, not the number, is
     # the memo's key (every key of a fully sharded mesh has choice 0).
     kinds = ("replicas", placements, len(size))
@@ -100,8 +100,8 @@ def _mesh_grid(
     shape: Sequence[int],
     ranks: Sequence[int],
     placements: tuple[str, ...],
-    replica: int,
-    rules: dict[Any, Any] | None,
+    choice: int,
+    rules: dict[Any, Any],
 ) -> Grid | None:
     dims = _sharded_dims(placements, len(size))
     if dims is None or len(placements) != len(shape) or math.prod(shape) != len(ranks):
@@ -114,7 +114,6 @@ def _mesh_grid(
     probe = Grid(size, steps, 0, (0,) * len(size))
     axis_strides = [math.prod(shape[axis + 1 :]) for axis in range(len(shape))]
     replicas = [axis for axis, dim in enumerate(dims) if dim < 0]
-    choice = replica % max(1, math.prod(shape[axis] for axis in replicas))
     coordinate = [0] * len(shape)
     rest = choice
     for axis in reversed(replicas):
@@ -128,12 +127,9 @@ def _mesh_grid(
         return ranks[sum(c * s for c, s in zip(position, axis_strides, strict=True))]
 
     key = ("rule", placements, probe.counts, choice)
-    if rules is not None and key in rules:
-        rule = rules[key]
-    else:
-        rule = _rule(probe, rank_of)
-        if rules is not None:
-            rules[key] = rule
+    if key not in rules:
+        rules[key] = _rule(probe, rank_of)
+    rule = rules[key]
     return None if rule is None else Grid(size, steps, rule[0], rule[1])
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,26 +140,21 @@ class _Meshes:
         return number
 
 
-def _row(key: str, value: TensorValue, size: Sequence[int], layout: tuple[Any, ...]) -> TableRow:
-    facts = _facts_of(value)
-    return TableRow(key, facts[0], facts[1], tuple(size), facts[2], layout)
-
-
 # Properties are one object per distinct value (``items._properties``): their JSON form is
 # computed once per object, not per key (the object is kept, so its id is not reused).
 _FACTS: dict[tuple[int, torch.dtype], tuple[Any, str, int, dict[str, Any]]] = {}
 
 
-def _facts_of(value: TensorValue) -> tuple[str, int, dict[str, Any]]:
+def _row(key: str, value: TensorValue, size: Sequence[int], layout: tuple[Any, ...]) -> TableRow:
     properties = value.properties
-    key = (id(properties), value.dtype)
-    known = _FACTS.get(key)
+    memo = (id(properties), value.dtype)
+    known = _FACTS.get(memo)
     if known is None or known[0] is not properties:
         if len(_FACTS) > 256:  # only shared objects repeat; never grow without bound
             _FACTS.clear()
         dtype = value.dtype
-        known = _FACTS[key] = (properties, dtype_name(dtype), dtype.itemsize, properties.to_dict())
-    return known[1], known[2], known[3]
+        known = _FACTS[memo] = (properties, dtype_name(dtype), dtype.itemsize, properties.to_dict())
+    return TableRow(key, known[1], known[2], tuple(size), known[3], layout)
 
 
 def rank_table(
@@ -260,10 +256,7 @@ def own_file_writes(
         box = next(box for box in value.boxes if box.offsets == wanted)
         nbytes = math.prod(box.sizes) * value.dtype.itemsize
         others.append(WriteAssignment(key, box.offsets, box.sizes, nbytes))
-
-    def order(item: WriteAssignment) -> tuple[str, tuple[int, ...]]:
-        return item.fqn, item.offsets
-
+    order = operator.attrgetter("fqn", "offsets")
     return sorted(cells, key=order) + sorted(others, key=order), len(cells)
 
 
@@ -287,11 +280,6 @@ class CoordinatorPlan:
     total: int
 
 
-def _mesh_key(mesh: Sequence[Any]) -> Mesh:
-    shape, ranks = mesh
-    return tuple(int(n) for n in shape), tuple(int(r) for r in ranks)
-
-
 def plan_from_tables(
     coordinator: RankTable,
     envelopes: Sequence[Mapping[str, Any]],
@@ -312,8 +300,8 @@ def plan_from_tables(
 
     def renumber(rows: list[TableRow], own: Sequence[Mesh]) -> list[TableRow]:
         mapping = []
-        for mesh in own:
-            mesh = _mesh_key(mesh)
+        for shape, ranks in own:
+            mesh = (tuple(int(n) for n in shape), tuple(int(r) for r in ranks))
             if mesh not in mesh_numbers:
                 mesh_numbers[mesh] = len(meshes)
                 meshes.append(mesh)
@@ -331,6 +319,7 @@ def plan_from_tables(
     holders: list[list[int]] = [[]]
     table_of: dict[str, int] = {coordinator.digest: 0}
     rank_tables = []
+    local: dict[int, dict[str, list[Box]]] = {}
     for rank, envelope in enumerate(envelopes):
         number = table_of.get(envelope["digest"])
         if number is None:
@@ -341,8 +330,6 @@ def plan_from_tables(
             holders.append([])
         holders[number].append(rank)
         rank_tables.append(number)
-    local: dict[int, dict[str, list[Box]]] = {}
-    for rank, envelope in enumerate(envelopes):
         if envelope["local"]:
             local[rank] = {
                 key: [(tuple(o), tuple(s)) for o, s in boxes]
@@ -350,7 +337,7 @@ def plan_from_tables(
             }
     demoted = _reconcile(tables, holders, meshes, local)
     _fill_sizes(tables, local)
-    aliases = _agree_aliases(tables, holders, meshes, local, envelopes, world_size)
+    aliases = _agree_aliases(tables, holders, meshes, local, envelopes)
     plan = plan_save(tables, holders, meshes, local, world_size, blob_bytes, skip=aliases)
     numbers = {key: number for number, key in enumerate(plan.rows)}
     per_table_numbers: list[list[int] | None] = [
@@ -435,15 +422,11 @@ def _fill_sizes(
         return
     bounds: dict[str, list[int]] = {}
     for boxes in local.values():
-        for key, held in boxes.items():
-            if key not in unsized:
-                continue
-            for offsets, sizes in held:
-                if not math.prod(sizes):
-                    continue
-                stops = [o + s for o, s in zip(offsets, sizes, strict=True)]
-                known = bounds.get(key)
-                bounds[key] = stops if known is None else list(map(max, known, stops))
+        for key in boxes.keys() & unsized:
+            for offsets, sizes in boxes[key]:
+                if math.prod(sizes):
+                    stops = [o + s for o, s in zip(offsets, sizes, strict=True)]
+                    bounds[key] = list(map(max, bounds.get(key, stops), stops))
     for n, table in enumerate(tables):
         tables[n] = [
             dataclasses.replace(r, size=tuple(bounds.get(r.key, [])), layout=_LOCAL)
@@ -459,7 +442,6 @@ def _agree_aliases(
     meshes: Sequence[Mesh],
     local: Mapping[int, Mapping[str, Sequence[Box]]],
     envelopes: Sequence[Mapping[str, Any]],
-    world_size: int,
 ) -> dict[str, str]:
     """:func:`planner.agree_aliases` on the keys some rank sees tied, with their holders
     derived from the layouts (O(ranks) per such key; tied keys are few)."""

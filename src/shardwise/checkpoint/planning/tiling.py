@@ -29,10 +29,10 @@ class _Chunk:
 
 
 def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
-    """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, a box
-    with elements lies inside it, no two boxes share an element, and together they cover
-    every element. Boxes without elements may lie anywhere (the ceil rule puts trailing empty
-    chunks past the end).
+    """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, no two
+    share an element, together they cover every element, and a box with elements lies inside
+    the tensor (empty ones may lie anywhere: the ceil rule puts trailing empty chunks past
+    the end).
 
     Raises:
         ValueError: The boxes do not tile the tensor (the message says how).
@@ -105,9 +105,8 @@ def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
 
 
 def check_tiling_generally(size: Sequence[int], boxes: Sequence[Box]) -> None:
-    """:func:`check_tiling` of boxes that have the tensor's dims, by the general rules: no
-    two boxes with elements overlap (an O(n log n) sweep), every one lies inside the tensor,
-    and their volumes add up to the tensor's.
+    """:func:`check_tiling` of boxes that have the tensor's dims, by an O(n log n) overlap
+    sweep and coverage by volume.
 
     Raises:
         ValueError: The boxes do not tile the tensor (the message says how).
