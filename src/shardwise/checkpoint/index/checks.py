@@ -1,5 +1,5 @@
-"""The strict checks every decoder of the index shares: JSON parsing without surprises, the
-type of each field, byte ranges per file, tensor tiling, and keys. Every failure raises
+"""The strict checks the index decoder shares: JSON parsing, field types, byte ranges per
+file, tensor tiling, and keys. Every failure raises
 :class:`~shardwise.errors.CheckpointFormatError` naming the key."""
 
 from __future__ import annotations
@@ -9,26 +9,21 @@ import json
 import re
 from typing import Any, NoReturn
 
-from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
 from shardwise.checkpoint.entries.pyjson import check_plain, json_depth, untag
-from shardwise.checkpoint.index.names import (
-    ENCODINGS,
-    MAX_DEPTH,
-    MAX_DIMS,
-    MAX_INT,
-)
+from shardwise.checkpoint.index.names import MAX_DEPTH, MAX_DIMS, MAX_INT
 from shardwise.checkpoint.index.records import ObjectRecord
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.errors import CheckpointFormatError
-from shardwise.metadata import TensorProperties
 
-__all__ = ["ENCODINGS", "decode_text", "fail", "load_json_value"]
+__all__ = ["decode_text", "fail", "load_json_value"]
 
 HEX_DIGITS = re.compile(r"[0-9a-f]*")
 # A \uD800-\uDFFF escape (an odd run of backslashes before "u"): the index is written with
 # raw UTF-8, so such an escape can only be a lone surrogate, which no Python text can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_INT_SUFFIX = re.compile(r"[^\x00]*\x00(0|[1-9][0-9]{0,3})(,(0|[1-9][0-9]{0,3}))*")
+_INT_PART = re.compile(r"-?(0|[1-9][0-9]{0,18})")
 
 
 def fail(message: str, key: str | None = None) -> NoReturn:
@@ -72,10 +67,9 @@ def load_json_value(text: str, key: str) -> Any:
 
 
 def decode_text(record: ObjectRecord, like: object = None) -> Any:
-    """The value of an object kept in the index as JSON text (``json``; ``pyjson`` and
-    ``pyjson2``, whose tuples, non-string dict keys and other Python values are tagged). A
-    named tuple takes the class of the one at its place in ``like``, the value it replaces,
-    when the names agree (``_json.untag``).
+    """The value of an object kept in the index as JSON text (``json``, or ``pyjson`` and
+    ``pyjson2``, which tag Python values). A named tuple takes the class of the one at its
+    place in ``like``, the value it replaces, when the names agree (``pyjson.untag``).
 
     Raises:
         CheckpointFormatError: The text is not JSON, is nested too deeply, or its tags are
@@ -122,9 +116,8 @@ def row_of(value: object, length: int, what: str, key: str | None = None) -> lis
 
 
 class Ranges:
-    """Byte ranges per data file: checked to lie in the file's data section (from its
-    ``starts`` entry to its declared size) and not to overlap (so the declared bytes fit the
-    files)."""
+    """Byte ranges per data file, checked to lie in the file's data section (from its
+    ``starts`` entry to its declared size) and not to overlap."""
 
     def __init__(self, files: dict[str, int], starts: dict[str, int]) -> None:
         self.files = files
@@ -146,9 +139,8 @@ class Ranges:
             self._ranges[chunk.file].append((chunk.begin, chunk.end, key))
 
     def add_range(self, file: str, begin: int, end: int, key: str) -> bool:
-        """Add ``[begin, end)`` of ``file`` (a name of the index, ``0 <= begin <= end``),
-        where :meth:`add` would accept it; False (nothing added) where it would raise, so
-        that the caller runs :meth:`add` for the message."""
+        """:meth:`add` for ``[begin, end)`` of ``file`` (``0 <= begin <= end``) without
+        raising: False, nothing added, where :meth:`add` would raise (for the message)."""
         if end >= MAX_INT or begin < self._starts[file] or end > self.files[file]:
             return False
         if end > begin:
@@ -175,7 +167,7 @@ class Ranges:
 
 def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk]) -> None:
     """The chunks of ``fqn`` tile a tensor of ``size`` exactly (one whole chunk, the common
-    case, without the general check)."""
+    case, skips the general check)."""
     only = chunks[0] if len(chunks) == 1 else None
     whole = (
         only is not None
@@ -190,15 +182,9 @@ def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk])
             fail(f"the saved chunks do not tile the tensor of size {list(size)}: {err}", fqn)
 
 
-_INT_SUFFIX = re.compile(r"[^\x00]*\x00(0|[1-9][0-9]{0,3})(,(0|[1-9][0-9]{0,3}))*")
-
-
-_INT_PART = re.compile(r"-?(0|[1-9][0-9]{0,18})")
-
-
 def check_int_suffix(key: str) -> None:
-    """A key with int parts: ``<dotted key>\x00<positions>``, the positions of
-    the int parts in the ``.``-split key, increasing and inside it."""
+    """A key with int parts: ``<dotted key>\x00<positions>``, the positions of the int parts
+    in the ``.``-split key, increasing and inside it."""
     if _INT_SUFFIX.fullmatch(key) is None:
         fail(f"malformed key {key!r}: a NUL may only introduce the positions of int parts")
     name, positions = key.split("\x00")
@@ -221,26 +207,3 @@ def has_surrogate_escape(data: bytes) -> bool:
         if run % 2 == 0:
             return True
     return False
-
-
-def properties_of(row: object) -> TensorProperties:
-    """A ``properties`` row: known dtype, layout and memory-format names, two booleans."""
-    dtype, layout, requires_grad, memory_format, pin_memory = row_of(row, 5, "a properties entry")
-    if (
-        not isinstance(dtype, str)
-        or dtype not in DTYPES
-        or not isinstance(layout, str)
-        or layout not in LAYOUTS
-        or not isinstance(memory_format, str)
-        or memory_format not in MEMORY_FORMATS
-        or type(requires_grad) is not bool
-        or type(pin_memory) is not bool
-    ):
-        fail(f"malformed or unknown tensor properties {row!r}")
-    return TensorProperties(
-        dtype=DTYPES[dtype],
-        layout=LAYOUTS[layout],
-        requires_grad=requires_grad,
-        memory_format=MEMORY_FORMATS[memory_format],
-        pin_memory=pin_memory,
-    )

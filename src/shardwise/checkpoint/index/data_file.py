@@ -1,16 +1,14 @@
 """The on-disk format of checkpoint data files: safetensors files (see ``docs/format.md``).
 
 A data file is ``<8-byte little-endian header length><JSON header><data>``. The header maps
-each entry key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
-start of the data section) and carries ``__metadata__``. The header is padded with spaces so
-the data section starts on a 64-byte boundary; entries are packed without holes, as the
-safetensors reader requires. Entry keys are ``<fqn>@<offsets joined by ",">`` for tensor
-chunks and ``<fqn>@bytes`` for byte blobs.
+each entry key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (relative to the data
+section) and carries ``__metadata__``; it is padded with spaces so the data section starts on
+a 64-byte boundary, and entries are packed without holes, as safetensors requires. Entry keys
+are ``<fqn>@<offsets joined by ",">`` for tensor chunks and ``<fqn>@bytes`` for byte blobs.
 
 Readers take byte ranges from the index, never from a header. :func:`parse_header` and
-:func:`compare_header` (pure: bytes in, verdicts out) let ``shardwise verify`` check that
-every header is valid safetensors and agrees with the index, so third-party readers can rely
-on the files.
+:func:`compare_header` let ``shardwise verify`` check that every header is valid safetensors
+and agrees with the index, so third-party readers can rely on the files.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from shardwise.checkpoint.entries.pyjson import compact
+from shardwise.checkpoint.index.names import MAX_DIMS, MAX_INT
 
 __all__ = [
     "ALIGNMENT",
@@ -72,9 +71,6 @@ _CODE_SIZES = {code: dtype.itemsize for dtype, code in _SAFETENSORS_DTYPES.items
 _LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
 _ENTRY_FIELDS = ("data_offsets", "dtype", "shape")
-# Bounds on what a header may declare, as in the index: dims per shape, integer values.
-_MAX_DIMS = 64
-_MAX_INT = 1 << 62
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str | None:
@@ -113,13 +109,8 @@ class FileEntry:
 
 @dataclass(frozen=True, slots=True)
 class FileLayout:
-    """Where every entry of a data file lands.
-
-    Attributes:
-        header: The complete header bytes (length prefix included), padded for alignment.
-        ranges: Per entry, absolute ``(begin, end)`` byte offsets in the file.
-        size: The total file size.
-    """
+    """Where every entry of a data file lands: the padded header bytes (length prefix
+    included), each entry's absolute ``(begin, end)`` in the file, and the file size."""
 
     header: bytes
     ranges: tuple[tuple[int, int], ...]
@@ -128,15 +119,8 @@ class FileLayout:
 
 @dataclass(frozen=True, slots=True)
 class HeaderEntry:
-    """One entry of a safetensors header.
-
-    Attributes:
-        key: The entry's name.
-        dtype: Its safetensors dtype code (``"F32"``, ``"U8"``, ...).
-        shape: Its shape.
-        begin: Its first byte, counted from the start of the file (not of the data section).
-        end: One past its last byte, likewise.
-    """
+    """One entry of a safetensors header: key, dtype code (``"F32"``, ``"U8"``, ...), shape,
+    and ``[begin, end)`` counted from the start of the file (not of the data section)."""
 
     key: str
     dtype: str
@@ -147,31 +131,20 @@ class HeaderEntry:
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """A parsed and checked safetensors header.
-
-    Attributes:
-        length: The header's length ``N`` in bytes (the data section starts at ``8 + N``).
-        metadata: Its ``__metadata__``, if any.
-        entries: Its entries by key, in header order.
-    """
+    """A checked safetensors header: its length ``N`` (the data starts at ``8 + N``), its
+    ``__metadata__`` if any, and its entries by key, in header order."""
 
     length: int
     metadata: dict[str, str] | None
     entries: dict[str, HeaderEntry]
 
 
-def _stored_as(entry: FileEntry) -> tuple[str, tuple[int, ...]]:
-    """The dtype code and shape ``entry`` is written with: raw bytes are ``U8 [nbytes]``."""
-    code = None if entry.dtype is None else safetensors_dtype(entry.dtype)
-    if code is None:
-        return "U8", (entry.nbytes,)
-    return code, tuple(entry.shape)
-
-
 def header_entry(entry: FileEntry, begin: int) -> HeaderEntry:
-    """The header entry a writer records for ``entry`` at absolute byte ``begin``."""
-    code, shape = _stored_as(entry)
-    return HeaderEntry(entry.key, code, shape, begin, begin + entry.nbytes)
+    """The header entry a writer records for ``entry`` at absolute byte ``begin`` (raw bytes
+    are ``U8 [nbytes]``)."""
+    code = None if entry.dtype is None else safetensors_dtype(entry.dtype)
+    shape = (entry.nbytes,) if code is None else tuple(entry.shape)
+    return HeaderEntry(entry.key, code or "U8", shape, begin, begin + entry.nbytes)
 
 
 def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileLayout:
@@ -180,22 +153,16 @@ def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileL
     position = 0
     relative = []
     codes = _SAFETENSORS_DTYPES
-    # Written out as _stored_as says, with tuples where JSON has lists (orjson writes them
-    # alike): a cost per entry of every save.
+    # header_entry written out, with tuples for lists (orjson writes them alike): a cost per
+    # entry of every save.
     for entry in entries:
         end = position + entry.nbytes
         span = (position, end)
         code = None if entry.dtype is None else codes.get(entry.dtype)
-        shape = entry.shape
-        header[entry.key] = {
-            "dtype": "U8" if code is None else code,
-            "shape": (entry.nbytes,)
-            if code is None
-            else shape
-            if type(shape) is tuple
-            else tuple(shape),
-            "data_offsets": span,
-        }
+        shape = entry.shape if type(entry.shape) is tuple else tuple(entry.shape)
+        if code is None:
+            code, shape = "U8", (entry.nbytes,)
+        header[entry.key] = {"dtype": code, "shape": shape, "data_offsets": span}
         relative.append(span)
         position = end
     text = compact(header)
@@ -207,9 +174,6 @@ def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileL
         ranges=tuple([(start + begin, start + end) for begin, end in relative]),
         size=start + position,
     )
-
-
-# -- reading headers --------------------------------------------------------------------------
 
 
 def _invalid(message: str) -> NoReturn:
@@ -254,7 +218,7 @@ def _reject_constant(name: str) -> NoReturn:
 
 
 def _is_int(value: object) -> bool:
-    return type(value) is int and 0 <= value < _MAX_INT
+    return type(value) is int and 0 <= value < MAX_INT
 
 
 def _entry(key: str, value: object, data_start: int) -> HeaderEntry:
@@ -265,7 +229,7 @@ def _entry(key: str, value: object, data_start: int) -> HeaderEntry:
     code, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     if not isinstance(code, str) or code not in _CODE_SIZES:
         _invalid(f"entry {key!r} has the unknown dtype {code!r}")
-    if type(shape) is not list or len(shape) > _MAX_DIMS or not all(map(_is_int, shape)):
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(map(_is_int, shape)):
         _invalid(f"entry {key!r} has a malformed shape {shape!r}")
     if (
         type(offsets) is not list
@@ -285,14 +249,13 @@ def _entry(key: str, value: object, data_start: int) -> HeaderEntry:
 
 
 def parse_header(data: bytes | bytearray | memoryview, file_size: int) -> Header:
-    """Parse and check the safetensors header at the start of a file of ``file_size`` bytes.
+    """Parse and check the safetensors header in ``data``, the first bytes (at least prefix
+    and header) of a file of ``file_size`` bytes.
 
-    ``data`` holds the file's first bytes: at least the 8-byte length prefix and the header.
-    Checks everything a safetensors reader checks, and a little more: the length is bounded;
-    the header is a UTF-8 JSON object starting with ``{``, without repeated keys;
-    ``__metadata__`` maps strings to strings; every entry has exactly a known ``dtype``, a
-    ``shape`` and ``data_offsets`` that agree; the entries follow each other without holes or
-    overlaps from the start of the data section, which ends exactly at the end of the file.
+    Checks what safetensors checks, and more: a bounded length; a UTF-8 JSON object starting
+    with ``{``, without repeated keys; ``__metadata__`` maps strings to strings; each entry
+    has exactly a known ``dtype``, a ``shape`` and ``data_offsets`` that agree; the entries
+    follow each other without holes or overlaps from the data section's start to the file's end.
 
     Raises:
         ValueError: Any of that does not hold (the message says which and where).

@@ -1,16 +1,17 @@
 """The strict decoder: :func:`decode_index` reads an index and trusts nothing.
 
-It checks the seal first, then every type, name, number, layout, tiling and byte range, and
-returns records; every failure is a :class:`~shardwise.errors.CheckpointFormatError` naming
-the key. Only what needs the files themselves (their real size, their type) is left to the
-reader, and, per data file when a chunk of it is first needed, that its grid cells are packed
-as the format says (:class:`FileOrders`: O(tensors) per file read, not O(chunks) per reader).
+It checks the seal, then every type, name, number, layout, tiling and byte range; every
+failure is a :class:`~shardwise.errors.CheckpointFormatError` naming the key. Left to the
+reader: what needs the files (their real size and type), and the packing of a file's grid
+cells, checked when a chunk of it is first needed (:class:`FileOrders`: O(tensors) per file
+read, not O(chunks) per reader).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -57,8 +58,6 @@ from shardwise.checkpoint.planning.planner import SavedChunk
 
 __all__ = ["FileOrders", "decode_index"]
 
-_CHECKSUM_KEYS = ("algorithm", "block_size", "scope")
-
 
 def decode_index(data: bytes) -> Index:
     """Read and validate a checkpoint index.
@@ -92,8 +91,7 @@ def decode_index(data: bytes) -> Index:
                 f"not a shardwise checkpoint index: format is {document.get('format')!r}, "
                 f"expected {FORMAT!r}"
             )
-        # Checked before anything else: another version may have other fields (see
-        # docs/format.md, *Versioning*).
+        # Checked first: another version may have other fields (docs/format.md, *Versioning*).
         version = document.get("format_version")
         if type(version) is not int or version != FORMAT_VERSION:
             fail(
@@ -107,35 +105,26 @@ def decode_index(data: bytes) -> Index:
         return _decode(document)
 
 
+@dataclass(slots=True, eq=False)
 class FileOrders:
-    """The :class:`FileOrder` of each data file of an index, computed the first time a chunk
-    of the file is asked for (O(tensors) per file: only the files a reader reads). A grid
-    cell in a file the index lists as ``null`` is refused then too."""
+    """The :class:`FileOrder` of each data file, computed when a chunk of the file is first
+    asked for (only the files a reader reads). A grid cell in a ``null`` file is refused then."""
 
-    __slots__ = ("_ends", "_grids", "_names", "_orders", "_starts")
-
-    def __init__(
-        self,
-        grids: list[tuple[str, Grid, int]],
-        names: Sequence[str | None],
-        starts: Mapping[str, int],
-        ends: Mapping[str, int],
-    ) -> None:
-        self._grids = grids
-        self._names = names
-        self._starts = starts
-        self._ends = ends
-        self._orders: dict[int, FileOrder] = {}
+    grids: list[tuple[str, Grid, int]]
+    names: Sequence[str | None]
+    starts: Mapping[str, int]
+    ends: Mapping[str, int]
+    _orders: dict[int, FileOrder] = field(default_factory=dict, init=False)
 
     def __call__(self, file: int) -> FileOrder:
         order = self._orders.get(file)
         if order is None:
-            name = self._names[file]
+            name = self.names[file]
             if name is None:
-                key = next(file_cells(self._grids, file), (None,))[0]  # the grid that asks
+                key = next(file_cells(self.grids, file), (None,))[0]  # the grid that asks
                 fail(f"a grid cell is in file {file}, a rank that wrote no data file (null)", key)
             try:
-                order = FileOrder(self._grids, file, self._starts[name], self._ends[name])
+                order = FileOrder(self.grids, file, self.starts[name], self.ends[name])
             except ValueError as err:
                 fail(f"the grid cells of {name} are not packed as its size says: {err}")
             self._orders[file] = order
@@ -143,17 +132,12 @@ class FileOrders:
 
 
 def _decode(document: dict[str, Any]) -> Index:
-    """A parsed, sealed index of this version, every field checked (see ``docs/format.md``,
-    *Validation*); the packing of grid cells is checked per file when a chunk of it is
-    first asked for (:class:`FileOrders`)."""
+    """A parsed, sealed index of this version, every field checked (but grid cell packing)."""
     expected = expected_keys(with_aliases="aliases" in document)
     if tuple(document) != expected:
         fail(f"the checkpoint index must have exactly the keys {list(expected)} in order")
     facts = decode_save_facts(document["save"])
-    checksum = decode_checksum(document["checksum"], _CHECKSUM_KEYS)
-    if checksum["scope"] != "file":
-        fail(f"unsupported checksum scope {checksum['scope']!r}; this version has 'file'")
-    block_size: int = checksum["block_size"]
+    block_size = decode_checksum(document["checksum"])
 
     files, names, starts, sums = _files(document["files"], block_size)
     properties = decode_properties(document["properties"])
@@ -205,17 +189,7 @@ def _decode(document: dict[str, Any]) -> Index:
     aliases = {}
     if "aliases" in document:
         aliases = decode_aliases(document["aliases"], tensors, objects)
-    return Index(
-        FORMAT_VERSION,
-        block_size,
-        files,
-        tensors,
-        objects,
-        facts,
-        aliases=aliases,
-        data_starts=starts,
-        file_checksums=sums,
-    )
+    return Index(FORMAT_VERSION, block_size, files, tensors, objects, facts, aliases, starts, sums)
 
 
 def _files(
@@ -260,11 +234,9 @@ def _known_grid(
     fqn: str,
     known: dict[tuple[Any, ...], Grid],
 ) -> Grid:
-    """:func:`_grid`, answered from ``known`` for a layout of only ints that an earlier row
-    of this index gave with the same size (a model's tensors repeat a few shapes: 8,000 rows
-    hold a few dozen distinct grids). What :func:`_grid` refuses is never in ``known``; ints
-    are checked by type first, so that ``True`` or ``3.0`` (equal to ``1`` and ``3`` as keys)
-    never find a grid."""
+    """:func:`_grid`, from ``known`` for an all-int layout an earlier row gave with the same
+    size (8,000 rows of a model hold a few dozen distinct grids). Ints are checked by type
+    first, so that ``True`` or ``3.0`` (equal to ``1`` and ``3`` as keys) find no grid."""
     if len(layout) == 3:
         _, steps, placement = layout
         if (
@@ -329,9 +301,8 @@ def _whole(
     fqn: str,
 ) -> SavedChunk:
     """A ``["whole", file, begin]`` layout's one chunk, its byte range added to ``ranges``.
-    The hot path of a reader of many small tensors: the checks of :func:`_chunk` and
-    :meth:`Ranges.add` written out for a well-formed row, which they then run for any
-    other to raise."""
+    A reader's hot path: the checks of :func:`_chunk` and :meth:`Ranges.add` written out for
+    a well-formed row; any other runs them to raise."""
     if len(layout) == 3:
         _, file, begin = layout
         if type(file) is int and 0 <= file < len(names) and type(begin) is int and begin >= 0:

@@ -1,6 +1,5 @@
-"""The fields of the index, each decoded and checked: the save facts, the checksum settings,
-a data file's name, the property table, the head of a tensor row, the objects and the aliases
-(see ``docs/format.md``, *Validation*). The layouts of tensors are decoded in :mod:`.decode`."""
+"""The fields of the index, each decoded and checked (see ``docs/format.md``, *Validation*);
+tensor layouts are decoded in :mod:`.decode`."""
 
 from __future__ import annotations
 
@@ -9,13 +8,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
 from shardwise.checkpoint.index.checks import (
     Ranges,
     check_int_suffix,
     dims_of,
     fail,
     int_of,
-    properties_of,
     row_of,
     text_of,
 )
@@ -48,22 +47,13 @@ __all__ = [
 
 _SAVE_KEYS = ("writer", "torch", "world_size", "save_id", "checkpoint_id")
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
-_KEYS = (
-    "format",
-    "format_version",
-    "save",
-    "checksum",
-    "files",
-    "properties",
-    "tensors",
-    "objects",
-    "index_checksum",
-)
+_CHECKSUM_KEYS = ("algorithm", "block_size", "scope")
+_KEYS = ("format", "format_version", "save", "checksum", "files", "properties", "tensors")
 
 
 def expected_keys(with_aliases: bool) -> tuple[str, ...]:
     """The keys of an index, in order (``aliases``, when there are ties, before the seal)."""
-    return (*_KEYS[:-1], "aliases", _KEYS[-1]) if with_aliases else _KEYS
+    return (*_KEYS, "objects", *(["aliases"] if with_aliases else []), "index_checksum")
 
 
 def decode_save_facts(save: object) -> SaveFacts:
@@ -88,9 +78,9 @@ def decode_save_facts(save: object) -> SaveFacts:
     )
 
 
-def decode_checksum(checksum: object, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The ``checksum`` object (exactly ``keys``, in order), its algorithm checked and its
-    ``block_size`` bounded."""
+def decode_checksum(checksum: object) -> int:
+    """The ``checksum`` object's block size, bounded; its keys, algorithm and scope checked."""
+    keys = _CHECKSUM_KEYS
     if type(checksum) is not dict or tuple(checksum) != keys:
         fail(f"the checkpoint index's checksum must have the keys {', '.join(keys)}")
     if checksum["algorithm"] != CHECKSUM_ALGORITHM:
@@ -101,7 +91,9 @@ def decode_checksum(checksum: object, keys: tuple[str, ...]) -> dict[str, Any]:
     block_size = int_of(checksum["block_size"], "block_size")
     if not MIN_BLOCK <= block_size <= MAX_BLOCK:
         fail(f"block_size {block_size} is outside [{MIN_BLOCK}, {MAX_BLOCK}]")
-    return checksum
+    if checksum["scope"] != "file":
+        fail(f"unsupported checksum scope {checksum['scope']!r}; this version has 'file'")
+    return block_size
 
 
 def decode_file_name(name: object, files: Mapping[str, int]) -> str:
@@ -115,10 +107,36 @@ def decode_file_name(name: object, files: Mapping[str, int]) -> str:
 
 
 def decode_properties(rows: object) -> list[TensorProperties]:
-    """The ``properties`` table."""
+    """The ``properties`` table: rows of known dtype, layout and memory-format names, and two
+    booleans."""
     if type(rows) is not list:
         fail("properties must be a list")
-    return [properties_of(row) for row in rows]
+    table = []
+    for row in rows:
+        dtype, layout, requires_grad, memory_format, pin_memory = row_of(
+            row, 5, "a properties entry"
+        )
+        if (
+            not isinstance(dtype, str)
+            or dtype not in DTYPES
+            or not isinstance(layout, str)
+            or layout not in LAYOUTS
+            or not isinstance(memory_format, str)
+            or memory_format not in MEMORY_FORMATS
+            or type(requires_grad) is not bool
+            or type(pin_memory) is not bool
+        ):
+            fail(f"malformed or unknown tensor properties {row!r}")
+        table.append(
+            TensorProperties(
+                dtype=DTYPES[dtype],
+                layout=LAYOUTS[layout],
+                requires_grad=requires_grad,
+                memory_format=MEMORY_FORMATS[memory_format],
+                pin_memory=pin_memory,
+            )
+        )
+    return table
 
 
 def decode_tensor_head(

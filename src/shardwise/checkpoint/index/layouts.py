@@ -1,12 +1,12 @@
 """The index's tensor layouts: a tensor described by its rule instead of one row per chunk.
 
-A ``grid`` cuts each dim by the ceil rule (``torch.chunk``'s, which FSDP, tensor parallelism
-and ``ChunkShardingSpec`` use) and maps each cell to a data file by an affine rule, so that a
-tensor sharded over 1,024 ranks is one row of the index, not 1,024. A cell's byte range is not
-stored: file ``f`` holds its grid cells packed from its data section's start, in index order
-then cell (row-major) order, so a reader derives each begin by a prefix sum over the cells of
-the files it reads (:class:`FileOrder`), and checks that they end where the file's other
-entries begin. Everything here is pure and O(dims) per query, or O(cells of one file).
+A ``grid`` cuts each dim by the ceil rule (``torch.chunk``'s, as FSDP, tensor parallelism
+and ``ChunkShardingSpec`` do) and maps each cell to a data file by an affine rule: a tensor
+sharded over 1,024 ranks is one row of the index, not 1,024. Byte ranges are not stored: a
+file holds its grid cells packed from its data section's start, in index order then
+row-major cell order, so a reader derives each begin by a prefix sum (:class:`FileOrder`) and
+checks that the cells end where the file's other entries begin. Everything here is pure and
+O(dims) per query, or O(cells of one file).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class Grid:
     last_file: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        # Frozen: derived values are set past the dataclass's __setattr__, once.
         counts = tuple(max(1, -(-n // s)) for n, s in zip(self.size, self.steps, strict=True))
         last = self.first + sum((c - 1) * s for c, s in zip(counts, self.strides, strict=True))
         object.__setattr__(self, "counts", counts)
@@ -131,12 +130,10 @@ class Grid:
 def file_cells(
     grids: Sequence[tuple[str, Grid, int]], file: int
 ) -> Iterator[tuple[str, int, Box, int]]:
-    """The grid cells of ``file`` in the order it holds them: ``(key, cell number, box,
-    nbytes)``, the tensors in index order (``grids``: ``(key, grid, itemsize)`` of every
-    grid tensor, in index order), each one's cells in row-major order. A writer writes them
-    in this order from its data section's start; :class:`FileOrder` sums them."""
-    # The tensors of a model repeat a few shapes: a grid's cells in the file are found once
-    # per distinct (grid, itemsize), not once per tensor.
+    """The grid cells of ``file`` in the order it holds them, ``(key, cell number, box,
+    nbytes)``, from ``grids``: ``(key, grid, itemsize)`` of every grid tensor, in index order.
+    """
+    # A model repeats a few shapes: cells are found once per distinct (grid, itemsize).
     known: dict[tuple[Grid, int], list[tuple[int, Box, int]]] = {}
     for key, grid, itemsize in grids:
         if not grid.first <= file <= grid.last_file:
@@ -152,20 +149,15 @@ def file_cells(
 
 
 class FileOrder:
-    """The begins of the grid cells of one data file: a prefix sum over :func:`file_cells`
-    from the file's data section's start (see the module docstring).
-
-    Args:
-        grids: Every grid tensor of the index, in index order: ``(key, grid, itemsize)``.
-        file: The file's number.
-        data_start: Where its data section starts.
-        end: Where its grid cells must end: the first byte of its other entries, or its size.
+    """The begins of the grid cells of data file number ``file``: a prefix sum over
+    :func:`file_cells` from ``data_start``. ``end`` is where the cells must end: the first
+    byte of the file's other entries, or its size.
 
     Raises:
         ValueError: The cells do not end exactly at ``end`` (the message says where).
     """
 
-    __slots__ = ("_begins", "end")
+    __slots__ = ("_begins",)
 
     def __init__(
         self,
@@ -183,8 +175,6 @@ class FileOrder:
                 raise ValueError(f"its grid cells run past byte {end}, at {key!r}")
         if position != end:
             raise ValueError(f"its grid cells end at byte {position}, not at {end}")
-        #: Where the cells end (the first byte of the file's other entries).
-        self.end = end
 
     def begin(self, key: str, number: int) -> int:
         """The first byte of cell ``number`` (row-major) of ``key``'s grid."""
@@ -192,20 +182,11 @@ class FileOrder:
 
 
 class LayoutChunks(Sequence[SavedChunk]):
-    """The chunks of a grid tensor as a sequence (its ``TensorRecord.chunks``),
-    built only when asked for: ``candidates`` finds those that overlap a box without
-    building the others (the same method as :class:`~shardwise.checkpoint.planning.planner.
-    ChunkLookup`, so ``plan_reads`` takes it as its ``lookup``).
-
-    Args:
-        key: The tensor's key.
-        grid: Its grid.
-        itemsize: Bytes per element.
-        names: The index's file names, by number (``None``: a null file, which ``order``
-            refuses).
-        order: The :class:`FileOrder` of a file number (computed once per file, by the
-            index that owns this sequence).
-    """
+    """The chunks of grid tensor ``key`` (its ``TensorRecord.chunks``), each built when first
+    asked for. ``candidates`` finds those that overlap a box without building the others (as
+    ``planner.ChunkLookup`` does, so ``plan_reads`` takes it as its ``lookup``). ``names``
+    are the index's file names by number; ``order`` gives a file number's :class:`FileOrder`
+    (and refuses a null file)."""
 
     __slots__ = ("_built", "_itemsize", "_key", "_len", "_names", "_order", "grid")
 
@@ -223,7 +204,7 @@ class LayoutChunks(Sequence[SavedChunk]):
         self._names = names
         self._order = order
         self._len = grid.num_cells
-        # The chunks built so far (a planner asks for a chunk more than once).
+        # A planner asks for a chunk more than once.
         self._built: dict[int, SavedChunk] = {}
 
     def __len__(self) -> int:
@@ -237,11 +218,6 @@ class LayoutChunks(Sequence[SavedChunk]):
             if -self._len <= number < 0:
                 return self[number + self._len]
             raise IndexError(number)
-        chunk = self._build(number)
-        self._built[number] = chunk
-        return chunk
-
-    def _build(self, number: int) -> SavedChunk:
         cell = self.grid.cell_at(number)
         offsets, sizes = self.grid.box(cell)
         file = self.grid.file_of(cell)
@@ -249,7 +225,8 @@ class LayoutChunks(Sequence[SavedChunk]):
         end = begin + math.prod(sizes) * self._itemsize
         name = self._names[file]
         assert name is not None  # the order of a null file raises
-        return SavedChunk(offsets, sizes, name, begin, end)
+        chunk = self._built[number] = SavedChunk(offsets, sizes, name, begin, end)
+        return chunk
 
     def __iter__(self) -> Iterator[SavedChunk]:
         return (self[number] for number in range(len(self)))

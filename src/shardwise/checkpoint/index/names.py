@@ -17,8 +17,7 @@ from shardwise.checkpoint.entries import pyjson as _json
 INDEX_NAME = "shardwise.json"
 #: Directory of the data files, relative to the checkpoint.
 DATA_DIR = "data"
-#: The version of the index format, the only one a reader reads (see ``docs/format.md``,
-#: *Versioning*: a change a reader of this version would not accept bumps it).
+#: The only index format version a reader reads (``docs/format.md``, *Versioning*).
 FORMAT_VERSION = 4
 #: The block checksum (xxh3, 64 bits, hex). Chosen by measurement: see docs/format.md.
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -70,21 +69,18 @@ def num_blocks(nbytes: int, block_size: int) -> int:
 def block_checksums(data: memoryview | bytes, block_size: int = BLOCK_SIZE) -> str:
     """The concatenated block checksums of ``data`` (one whole chunk)."""
     view = memoryview(data).cast("B")
-    if not len(view):
-        return str(xxhash.xxh3_64_hexdigest(b""))
     return "".join(
         xxhash.xxh3_64_hexdigest(view[start : start + block_size])
-        for start in range(0, len(view), block_size)
+        for start in range(0, max(1, len(view)), block_size)
     )
 
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector: building an index allocates hundreds of thousands
-    of small lists, which otherwise trigger full collections (measured: parsing the index of
-    10,000 tensors took 98 ms with it, 11 ms without). Nothing built here forms cycles.
-    ``save`` and ``load`` run whole under it too (10,000 small tensors: save 1.28 s -> 0.55 s,
-    load 0.62 s -> 0.36 s); a nested pause leaves the collector as the outer one wants it."""
+    """Pause the cyclic garbage collector: an index build allocates many small lists that
+    trigger full collections (parsing 10,000 tensors' index: 98 ms with it, 11 ms without)
+    and forms no cycles. ``save`` and ``load`` run under it too (10,000 small tensors: save
+    1.28 s -> 0.55 s, load 0.62 s -> 0.36 s); a nested pause keeps the outer one's state."""
     enabled = gc.isenabled()
     gc.disable()
     try:

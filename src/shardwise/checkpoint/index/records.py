@@ -30,12 +30,8 @@ class SaveFacts:
 @dataclass(slots=True)
 class TensorRecord:
     """One saved tensor: its properties, global size and chunks (which tile it exactly).
-    Treated as immutable (not frozen: see
-    :class:`~shardwise.checkpoint.planning.planner.SavedChunk`).
-
-    ``chunks`` is a tuple, except for a tensor saved by a rule (a grid): a
-    :class:`~shardwise.checkpoint.index.layouts.LayoutChunks`, a sequence that builds a chunk
-    only when it is asked for (and answers box queries by arithmetic)."""
+    Treated as immutable (not frozen: see ``SavedChunk``). ``chunks`` is a tuple, or for a
+    grid a :class:`~.layouts.LayoutChunks`, which builds a chunk only when asked for."""
 
     fqn: str
     properties: TensorProperties
@@ -64,19 +60,17 @@ class Index:
     Attributes:
         format_version: The format's version (:data:`~.names.FORMAT_VERSION`).
         block_size: Bytes per checksummed block of a data section.
-        files: Every data file that holds something, with its size (a rank that wrote
-            nothing has no file: its number in the index is ``null``, and it is not here).
+        files: Every data file that holds something, with its size (not the ``null`` of a
+            rank that wrote nothing).
         tensors: The tensor entries by key, in index order.
         objects: The other entries by key, in index order.
         save: Facts of the save.
-        aliases: Tied tensors: alias key -> the key whose tensor it is (the one first in the
-            saved state dict). ``tensors`` holds each alias too, with its target's record (the
-            same chunks), so that readers need not know about ties.
-        data_starts: Per file, the first byte of its data section (where its blocks are
-            counted from).
-        file_checksums: Per file, the checksums of its data section's blocks, concatenated
-            (16 hex digits each): a chunk's blocks are the file's blocks it touches
-            (:meth:`blocks_of`).
+        aliases: Tied tensors: alias key -> the key first in the saved state dict.
+            ``tensors`` holds each alias too, with its target's chunks, so that readers need
+            not know about ties.
+        data_starts: Per file, the first byte of its data section (where blocks count from).
+        file_checksums: Per file, its data section's block checksums, concatenated (16 hex
+            digits each; see :meth:`blocks_of`).
     """
 
     format_version: int
@@ -94,10 +88,9 @@ class Index:
         return self.blocks_of(chunk.file, chunk.begin, chunk.end)
 
     def blocks_of(self, file: str, begin: int, end: int) -> tuple[int, list[str]]:
-        """The first byte of the first block of ``file``'s data section that the bytes
-        ``[begin, end)`` touch, and the checksums of every block they touch (none when the
-        range is empty). A block is ``block_size`` bytes from the data section's start; the
-        last one ends at the file's end."""
+        """The first byte of the first block of ``file`` that ``[begin, end)`` touches, and the
+        checksums of the blocks it touches (none for an empty range). Blocks are counted from
+        the data section's start; the last one ends at the file's end."""
         start = self.data_starts[file]
         first = (begin - start) // self.block_size
         stop = -(-(end - start) // self.block_size) if end > begin else first
@@ -107,7 +100,5 @@ class Index:
         ]
 
     def to_metadata(self) -> Metadata:
-        """The index as DCP-style :class:`Metadata` (see ``docs/format.md``, *In memory*):
-        its entries and storage infos are built when they are first looked at, so that a
-        save of millions of chunks does not build millions of objects nobody reads."""
+        """The index as DCP-style :class:`Metadata`, built lazily (see :mod:`.view`)."""
         return metadata_view(self)

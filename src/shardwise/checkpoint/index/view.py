@@ -1,12 +1,9 @@
 """An index seen as DCP-style :class:`~shardwise.checkpoint.metadata.Metadata`, built lazily.
 
-``save`` returns this view on every rank and ``read_metadata`` returns it to users; an eager
-build costs one :class:`ChunkStorageMetadata` and one storage dict per chunk (measured: 44 s
-and 6.1 GiB per rank at 1,024 ranks x 10,000 tensors, ``docs/design/scale.md``). Here the
-entries and storage infos are mappings that build a value the first time it is looked up and
-keep it, so what nobody reads costs nothing. The ``Metadata`` API does not change: both are
-mutable mappings (a change first builds every value, then applies), equal to the dicts an
-eager build gives, and they pickle as plain dicts.
+``save`` and ``read_metadata`` return it. An eager build costs one ``ChunkStorageMetadata``
+and one storage dict per chunk (measured: 44 s and 6.1 GiB per rank at 1,024 ranks x 10,000
+tensors); here a value is built on first lookup and kept. Both mappings stay mutable (a
+change first builds every value), equal to an eager build's dicts, and pickle as dicts.
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ class LazyMapping(MutableMapping[K, V]):
         except KeyError:
             if self._whole:
                 raise
-        value = self._build(key)
-        self._built[key] = value
+        value = self._built[key] = self._build(key)
         return value
 
     def __iter__(self) -> Iterator[K]:
@@ -107,8 +103,7 @@ class LazyMapping(MutableMapping[K, V]):
 
 
 def metadata_view(index: Index) -> Metadata:
-    """``index`` as :class:`Metadata` whose ``state_dict_metadata`` and
-    ``storage_data`` are :class:`LazyMapping` s (see ``docs/format.md``, *In memory*)."""
+    """``index`` as :class:`Metadata` with :class:`LazyMapping` entries and storage data."""
     names = _metadata_names([*index.tensors, *index.objects])
     keys = {name: key for key, name in names.items()}
 
@@ -177,8 +172,8 @@ def _find_chunk(tensor: TensorRecord, where: MetadataIndex) -> SavedChunk:
 
 
 def _metadata_names(keys: list[str]) -> dict[str, str]:
-    """The key :class:`Metadata` gives each entry: its dotted key (as DCP names it), or, for
-    the rare second entry of the same dotted key (``{0: x, "0": y}``), its internal key."""
+    """Each entry's :class:`Metadata` key: its dotted key (as DCP names it), or its internal
+    key for a second entry of the same dotted key (``{0: x, "0": y}``)."""
     names: dict[str, str] = {}
     taken: set[str] = set()
     for key in keys:
