@@ -73,8 +73,7 @@ def build_index(
 
     records = []
     properties: dict[tuple[Any, ...], TensorProperties] = {}  # few distinct ones
-    # The last row's properties: consecutive rows mostly share them, and comparing two
-    # small dicts costs less than making the lookup key.
+    # Consecutive rows mostly share properties: comparing two small dicts beats the lookup.
     last: tuple[dict[str, Any] | None, TensorProperties | None] = (None, None)
     grid_bytes = 0
     aliases, grids, whole = planned.aliases, plan.grids, plan.whole

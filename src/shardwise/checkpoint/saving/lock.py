@@ -76,13 +76,7 @@ class SaveLock:
         heartbeat, host, pid = holder.get("heartbeat"), holder.get("host"), holder.get("pid")
         # The lock is a file like any other: a value no holder writes (a pid that is not a
         # process id, a heartbeat from the future) marks it stale rather than held forever.
-        if (
-            not isinstance(heartbeat, (int, float))
-            or isinstance(heartbeat, bool)
-            or not isinstance(pid, int)
-            or isinstance(pid, bool)
-            or pid <= 0
-        ):
+        if type(heartbeat) not in (int, float) or type(pid) is not int or pid <= 0:
             return True
         if host == socket.gethostname():
             try:
@@ -91,7 +85,7 @@ class SaveLock:
                 return True
             except PermissionError:  # it exists, owned by someone else
                 pass
-        return abs(time.time() - float(heartbeat)) > tuning.TUNING.lock_stale_seconds
+        return abs(time.time() - float(holder["heartbeat"])) > tuning.TUNING.lock_stale_seconds
 
     def acquire(self) -> None:
         """Take the lock (replacing a stale one) and start the heartbeat.
@@ -131,11 +125,8 @@ class SaveLock:
                 return  # the save fails or finishes on its own; a missed beat is harmless
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock.
-
-        A lock that cannot be removed (the storage failed) is logged, not raised: the save's
-        own outcome stands, and the lock goes stale once its heartbeat stops.
-        """
+        """Stop the heartbeat and remove the lock; a failure to remove it is logged, not raised
+        (the save's outcome stands, and the lock goes stale)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

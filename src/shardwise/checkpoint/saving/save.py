@@ -198,8 +198,7 @@ def _save_snapshot(
                     table, envelopes, comm.world_size, {coordinator_rank: blob_bytes}
                 )
             except (KeyError, IndexError, TypeError, AttributeError) as err:
-                # Planning itself raises ValueError only: anything else is an envelope of
-                # another shape than this rank's (another shardwise on some rank).
+                # Planning raises ValueError only: this is an envelope of another shardwise.
                 raise CheckpointError(
                     f"a rank sent a malformed save plan ({type(err).__name__}: {err}); "
                     "do all ranks run the same shardwise version?"
@@ -266,8 +265,7 @@ def _save_snapshot(
                 facts = _save_facts(comm.world_size, save_id, path)
                 data, index = _save_index.build_index(planned, objects, written, facts)
             except (KeyError, IndexError, TypeError, AttributeError) as err:
-                # Building raises CheckpointError only: anything else is file facts of
-                # another shape than this rank's (another shardwise on some rank).
+                # Building raises CheckpointError only: these are facts of another shardwise.
                 raise CheckpointError(
                     f"a rank sent malformed file facts ({type(err).__name__}: {err}); do all "
                     "ranks run the same shardwise version? Nothing was committed"
@@ -371,8 +369,6 @@ def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
             f"(world size {comm.world_size})"
         )
 
-
-# -- async -------------------------------------------------------------------------------------
 
 _async_lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None

@@ -3,6 +3,7 @@ its tied keys; copied to CPU memory first for ``async_save``."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +61,7 @@ def _describe_state(state_dict: Mapping[str, Any], allow_pickle: bool) -> Snapsh
                 objects[key] = describe_object(fqn, value, allow_pickle)
         except (TypeError, ValueError):
             raise
-        # Anything else (an AttributeError while pickling, ...) is named and shared with
-        # every rank like the user errors above, so no rank is left waiting.
+        # Anything else is named and shared with every rank too, so no rank is left waiting.
         except Exception as err:
             raise CheckpointError(f"cannot save it: {type(err).__name__}: {err}", key=fqn) from err
     return Snapshot(tensors, objects, _local_aliases(tensors))
@@ -79,17 +79,12 @@ def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
 
     Only keys whose first element lies at an address another key's does are compared in full
     (``storage_key``): in a state dict of thousands of tensors, few share memory."""
-    by_address: dict[int, int] = {}
-    addresses: dict[str, int] = {}
-    for key, value in tensors.items():
-        address = _first_address(value)
-        if address is not None:
-            addresses[key] = address
-            by_address[address] = by_address.get(address, 0) + 1
+    addresses = {key: _first_address(value) for key, value in tensors.items()}
+    shared = Counter(address for address in addresses.values() if address is not None)
     first: dict[tuple[Any, ...], str] = {}
     aliases = {}
     for key, address in addresses.items():
-        if by_address[address] < 2:
+        if address is None or shared[address] < 2:
             continue
         identity = storage_key(tensors[key])
         if identity is not None:

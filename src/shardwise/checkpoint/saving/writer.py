@@ -103,8 +103,7 @@ class _ChecksummingWriter:
         if not tensor.is_cpu:  # pragma: no cover - needs a GPU
             self._staged_entry(tensor)
             return
-        # Values as they are: a lazily conjugated or negated view is resolved (a copy). The
-        # flags are read first: three calls that return the tensor itself cost more.
+        # Lazy conj/neg views are resolved (a copy); reading the flags first costs less.
         if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg().contiguous()
         view = checked_bytes(tensor)
@@ -168,8 +167,7 @@ class _ChecksummingWriter:
         self._pending = 0
 
 
-# Entries smaller than this are copied into one buffer rather than given a buffer of their
-# own in the vectored write (a copy of a few KiB costs less than an I/O vector entry).
+# Smaller entries are copied into one buffer: cheaper than an I/O vector entry of their own.
 _TINY_BYTES = 16 << 10
 # At most this many buffers wait for one vectored write (the kernel's IOV_MAX is 1024).
 _MAX_PARTS = 1000
@@ -267,9 +265,8 @@ def write_data_file(
 
 
 def check_visible(storage: Storage, index: Index, path: str) -> None:
-    """Check that the coordinator sees every data file ``index`` names (one listing): a path
-    that is not shared by every node (a node-local disk) would otherwise commit an index
-    naming files that only their writers' nodes have.
+    """Check that the coordinator sees every data file ``index`` names (one listing), so that
+    a node-local path never commits an index naming files only their writers' nodes have.
 
     Raises:
         CheckpointDataError: A data file is not there.
