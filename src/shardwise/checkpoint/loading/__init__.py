@@ -1,9 +1,4 @@
-"""``load``, ``load_tensor`` and ``read_metadata``: every read of a checkpoint.
-
-- :mod:`.load`: match the state dict to the index, plan, read, restore objects.
-- :mod:`.reader`: :class:`~.reader.CheckpointReader`, the one validated reader, over
-  :mod:`.index_file` (finding and decoding the index, or saying what is there instead) and
-  :mod:`.data_files` (safe opens of data files, checked reads).
-- :mod:`.fill`: planned reads into destinations (straight, per row, or staged on the host).
-- :mod:`.read`: the one verified pass: each checksummed block read once, checked, used.
+"""Every read of a checkpoint: ``load``, ``load_tensor`` and ``read_metadata`` (:mod:`.load`)
+over :class:`~.reader.CheckpointReader`, the one validated reader (:mod:`.index_file`,
+:mod:`.data_files`), and its one verified pass (:mod:`.fill`, :mod:`.read`).
 """

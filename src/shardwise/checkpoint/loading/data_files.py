@@ -11,12 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from shardwise.checkpoint.index import Index, is_data_file_name
-from shardwise.checkpoint.storage import (
-    RangeRequest,
-    Reader,
-    Storage,
-    UnsafePathError,
-)
+from shardwise.checkpoint.storage import RangeRequest, Reader, Storage, UnsafePathError
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointStorageError
 
 __all__ = ["DataFiles"]
@@ -91,11 +86,6 @@ class DataFiles:
             self._handles[name] = handle
             return handle
 
-    def counted(self, count: int) -> None:
-        """Account ``count`` bytes read."""
-        with self.lock:
-            self.bytes_read += count
-
     def read_vector(
         self, file: str, offset: int, buffers: Sequence[memoryview], key: str | None
     ) -> None:
@@ -118,7 +108,8 @@ class DataFiles:
             raise self.error(f"cannot read data file: {err}", file, key) from err
         if count != length:
             raise self._truncated(file, offset, length, count, key)
-        self.counted(count)
+        with self.lock:
+            self.bytes_read += count
 
     def _truncated(
         self, file: str, offset: int, length: int, count: int, key: str | None
@@ -161,7 +152,8 @@ class DataFiles:
             raise self.error(
                 f"cannot read data file: {err}", self._name(requests[number]), keys[number]
             ) from err
-        self.counted(sum(counts))
+        with self.lock:
+            self.bytes_read += sum(counts)
 
     def _name(self, request: RangeRequest) -> str:
         """The data file name (``data/...``) of ``request``'s reader."""

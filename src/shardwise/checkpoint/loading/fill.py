@@ -68,7 +68,6 @@ def fill(
         ChecksumError: A block does not match its checksum (the destinations are then
             undefined: partly filled).
         CheckpointDataError: A read failed, or came back short (a truncated file).
-        CheckpointStorageError: The storage failed.
     """
     segments = list(also)
     staged: list[tuple[Job, torch.Tensor]] = []
@@ -82,18 +81,11 @@ def fill(
         else:
             staged.extend(_in_rows(job, destination, tuning.TUNING.read_batch_bytes))
     rounds = list(batches(staged, lambda pair: pair[0].read.nbytes, tuning.TUNING.read_batch_bytes))
-    # Direct segments go with the first round, so a block shared with a staged read is read
-    # once.
+    # Direct segments go with the first round: a block shared with a staged read is read once.
     for number, group in enumerate(rounds or [[]]):
         stages = [_Staged.prepare(job, destination) for job, destination in group]
-        wanted = [stage.segment for stage in stages]
-        read(
-            files,
-            segments + wanted if number == 0 else wanted,
-            verify=verify,
-            progress=progress,
-            note=note,
-        )
+        wanted = (segments if number == 0 else []) + [stage.segment for stage in stages]
+        read(files, wanted, verify=verify, progress=progress, note=note)
         for stage in stages:
             stage.finish()
 

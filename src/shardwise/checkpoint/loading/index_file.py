@@ -18,12 +18,7 @@ from shardwise.checkpoint.index import (
     is_data_file_name,
     is_temporary_name,
 )
-from shardwise.checkpoint.storage import (
-    FsspecStorage,
-    LocalStorage,
-    Storage,
-    UnsafePathError,
-)
+from shardwise.checkpoint.storage import FsspecStorage, LocalStorage, Storage, UnsafePathError
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointFormatError,

@@ -1,15 +1,9 @@
 """``load``, ``read_metadata`` and ``load_tensor``: read a checkpoint into any layout.
 
-Every rank reads only the bytes its state dict's boxes need (its shards, its DTensor chunk, or
-the whole plain tensor), in steps that all ranks agree on before the next starts:
-
-1. Rank 0 reads the index and broadcasts it; every rank decodes the same bytes (same
-   verdict), checks keys, sizes and dtypes against the state dict, opens the data files it
-   needs and decodes the objects kept in the index. A failure leaves the state dict untouched.
-2. One verified pass (:meth:`.CheckpointReader.fill`) fills the tensors and reads the stored
-   objects' bytes. A checksum mismatch raises on every rank; the tensors being filled are
-   then undefined (partly filled), and no Python value has been replaced.
-3. Only then are the objects replaced and Stateful objects given their state.
+Each step is agreed by all ranks before the next: the index (read by rank 0, broadcast, decoded
+by every rank) is checked against the state dict and the data files are opened; one verified
+pass fills the tensors and reads the objects' bytes; only then are objects replaced and Stateful
+objects given their state.
 """
 
 from __future__ import annotations
@@ -83,8 +77,7 @@ def read_metadata(
 
 
 def _outside(box: LocalBox, size: tuple[int, ...]) -> bool:
-    """Whether a shard does not fit a tensor of ``size`` (an empty one may sit past the end:
-    the ceil rule)."""
+    """Whether a shard does not fit a tensor of ``size`` (an empty one may: the ceil rule)."""
     if len(box.sizes) != len(size):
         return True
     return planner.numel(box.sizes) > 0 and any(
@@ -153,9 +146,8 @@ class LoadResult(NamedTuple):
     """What :func:`load` did, like ``nn.Module.load_state_dict``'s result.
 
     Attributes:
-        missing_keys: Keys of the state dict the checkpoint does not have (left as they
-            were; only with ``strict=False``).
-        unexpected_keys: Keys of the checkpoint the state dict does not have (not loaded).
+        missing_keys: Keys of the state dict the checkpoint lacks (only with ``strict=False``).
+        unexpected_keys: Keys of the checkpoint the state dict lacks (not loaded).
     """
 
     missing_keys: list[str]
@@ -167,9 +159,8 @@ def _match(
 ) -> tuple[dict[str, str], dict[str, list[str]], list[str], list[str]]:
     """Pair the state dict's keys with the checkpoint's: by key and int positions, else by
     the dotted key when that names one entry (a checkpoint converted from DCP records no ints).
-
-    An empty Mapping under which the checkpoint has entries (the ``state`` of an optimizer
-    that has not stepped yet) is grown: those entries are loaded into it.
+    An empty Mapping under which the checkpoint has entries (an unstepped optimizer's
+    ``state``) is grown: those entries are loaded into it.
 
     Returns:
         The pairs (state dict key to checkpoint key), the grown Mappings (state dict key to
@@ -222,8 +213,7 @@ def _grown_paths(grown: dict[str, list[str]], typed: bool) -> dict[str, list[tup
     Raises:
         CheckpointFormatError: One entry's parts are a prefix of another's.
         CheckpointMismatchError: The checkpoint does not record key types and a part is all
-            digits: an int (an optimizer's parameter number) and a string cannot be told
-            apart, and guessing wrong would leave the state unused without a word.
+            digits: guessing int or str wrong would leave the state unused without a word.
     """
     paths: dict[str, list[tuple[_Parts, str]]] = {}
     for key, saved_keys in grown.items():
@@ -305,18 +295,13 @@ def _allocate(record: TensorRecord, parameter: Any) -> torch.Tensor:
         and not parameter.is_meta  # no memory to be like
     ):
         kind = type(parameter)
-        dtensor = _loaded_dtensor()
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         if kind in (torch.Tensor, torch.nn.Parameter) or (
             dtensor is not None and isinstance(parameter, dtensor)
         ):
             with torch.no_grad():
                 return torch.empty_like(parameter, dtype=record.dtype, requires_grad=False)
     return torch.empty(record.size, dtype=record.dtype)
-
-
-def _loaded_dtensor() -> type | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
 
 
 @dataclass(slots=True)
@@ -404,7 +389,7 @@ def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:
     """The value of a stored object (``like``: the value it replaces, whose named tuple
-    classes a tagged JSON value takes; ``payload``: a blob's verified bytes)."""
+    classes tagged JSON takes; ``payload``: a blob's verified bytes)."""
     if item.text is not None:
         return decode_text(item, like)
     assert payload is not None
@@ -454,18 +439,16 @@ def load(
         path: Checkpoint directory or fsspec URL (``~`` is expanded).
         process_group: The ranks loading together (default: the default group, if any).
         strict: Raise when a key of ``state_dict`` is missing from the checkpoint; with
-            ``False``, missing keys are left as they are and a warning names them and the
-            checkpoint's keys that were not loaded.
-        verify: Check the checksum of every block read (``False`` skips this).
+            ``False``, a warning names the missing keys and those not loaded.
+        verify: Check the checksum of every block read.
         allow_pickle: Allow loading entries that were pickled.
         allow_dtype_cast: Cast a saved floating-point tensor to the target's floating-point
-            dtype (fp64, fp32, bf16, fp16, float8) when they differ; refused otherwise.
+            dtype; refused otherwise.
         storage_options: fsspec options for URLs.
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank loads.
 
     Returns:
-        ``LoadResult(missing_keys, unexpected_keys)``: the state dict's keys the checkpoint
-        lacks, and the checkpoint's keys the state dict lacks (not loaded).
+        :class:`LoadResult`.
 
     Raises:
         CheckpointError: (a subclass) missing or incomplete checkpoint, corrupt or malformed
@@ -602,8 +585,8 @@ def load_tensor(
     sizes: list[int] | tuple[int, ...] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Read one tensor, or the box ``offsets``/``sizes`` of it, into a new CPU tensor
-    (no process group; every byte verified).
+    """Read one tensor, or its box ``offsets``/``sizes``, into a new CPU tensor (no process
+    group; every byte verified).
 
     Raises:
         CheckpointKeyError: ``fqn`` is not a tensor of the checkpoint.

@@ -26,24 +26,14 @@ from shardwise.checkpoint.loading.read import Segment, audit, read
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import Reader, Storage, open_storage
-from shardwise.errors import (
-    CheckpointFormatError,
-    CheckpointKeyError,
-    ChecksumError,
-)
+from shardwise.errors import CheckpointFormatError, CheckpointKeyError, ChecksumError
 
 __all__ = ["CheckpointReader", "Job", "Segment", "decode", "read_index_bytes"]
 
 
 class CheckpointReader:
-    """A committed checkpoint, its index validated, opened for verified reads.
-
-    Args:
-        storage: Where the checkpoint lives.
-        index: Its validated index.
-        path: The path as the user gave it (for messages).
-        rank: The rank reading (named in errors), if any.
-    """
+    """A committed checkpoint, its index validated, opened for verified reads (``path``: as
+    the user gave it; ``rank``: the rank reading, named in errors)."""
 
     def __init__(self, storage: Storage, index: Index, path: str, rank: int | None = None) -> None:
         self.storage = storage
@@ -81,8 +71,6 @@ class CheckpointReader:
         """Bytes read from the storage so far."""
         return self.files.bytes_read
 
-    # -- files ------------------------------------------------------------------------------
-
     def file_path(self, name: str) -> str:
         """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
         return self.files.path(name)
@@ -97,13 +85,9 @@ class CheckpointReader:
             if chunk.nbytes:
                 self.files.handle(chunk.file, key)
 
-    # -- planning ---------------------------------------------------------------------------
-
     def tensor_record(self, fqn: str) -> TensorRecord:
-        """The tensor entry ``fqn``; :class:`CheckpointKeyError` if there is none.
-
-        ``fqn`` may also be the dotted key as ``inspect`` shows it (``optim.state.0.exp_avg``)
-        of exactly one entry whose path has int parts (``docs/format.md``, *Keys*)."""
+        """The tensor entry ``fqn``, or the one whose dotted key (as ``inspect`` shows it) is
+        ``fqn``; :class:`CheckpointKeyError` if there is none."""
         record = self.index.tensors.get(fqn)
         if record is None and display_key(fqn) == fqn:
             dotted = [key for key in self.index.tensors if key != fqn and display_key(key) == fqn]
@@ -153,8 +137,6 @@ class CheckpointReader:
             raise CheckpointFormatError(str(err), key=fqn) from err
         return [Job(target, fqn, chunks[read.chunk], read, dtype) for read in reads]
 
-    # -- reading ----------------------------------------------------------------------------
-
     def fill(
         self,
         jobs: Sequence[Job],
@@ -166,13 +148,7 @@ class CheckpointReader:
         also: Sequence[Segment] = (),
     ) -> None:
         """Perform ``jobs`` into ``targets`` and read the segments ``also`` in one verified
-        pass (see :func:`.fill.fill`).
-
-        Raises:
-            ChecksumError: A block does not match its checksum; the destinations are then
-                undefined (partly filled). ``note`` ends its message.
-            CheckpointDataError: A data file is missing, unsafe, or shorter than the index says.
-        """
+        pass (see :func:`.fill.fill`); ``note`` ends a checksum error's message."""
         fill(self.files, jobs, targets, verify=verify, progress=progress, note=note, also=also)
 
     def blob_segment(self, item: ObjectRecord) -> tuple[Segment, bytearray]:
@@ -191,8 +167,6 @@ class CheckpointReader:
     ) -> None:
         """Check every block of the data files ``names`` (see :func:`.read.audit`)."""
         audit(self.files, names, problems, progress, owners)
-
-    # -- whole values -----------------------------------------------------------------------
 
     def read_box(
         self,
@@ -215,14 +189,11 @@ class CheckpointReader:
             if sizes is not None
             else tuple(s - o for s, o in zip(size, box_offsets, strict=False))
         )
-        if (
-            len(box_offsets) != len(size)
-            or len(box_sizes) != len(size)
-            or any(
-                o < 0 or n < 0 or o + n > s
-                for o, n, s in zip(box_offsets, box_sizes, size, strict=True)
-            )
-        ):
+        fits = len(box_offsets) == len(box_sizes) == len(size) and all(
+            o >= 0 and n >= 0 and o + n <= s
+            for o, n, s in zip(box_offsets, box_sizes, size, strict=True)
+        )
+        if not fits:
             raise ValueError(
                 f"box offsets={list(box_offsets)} sizes={list(box_sizes)} does not fit {fqn!r} "
                 f"of size {list(size)}"
