@@ -1,15 +1,10 @@
-"""Checkpoint metadata: the classes of ``torch.distributed.checkpoint.metadata``, mirrored.
+"""Checkpoint metadata: the classes of ``torch.distributed.checkpoint.metadata``, mirrored
+(DCP's fields, defaults, equality and repr; :class:`TensorProperties` is shared with the
+sharded-tensor metadata). ``to_dcp`` and :func:`properties_to_dcp` give DCP's own classes.
 
-The classes have DCP's fields, defaults, equality and repr. :class:`TensorProperties` is the
-one class of :mod:`shardwise.metadata`, shared with the sharded-tensor metadata.
-:meth:`ChunkStorageMetadata.to_dcp` and :func:`properties_to_dcp` give DCP's own classes to
-code that hands metadata to ``torch.distributed.checkpoint`` (``LocalShardsWrapper``'s
-checkpoint protocol).
-
-JSON: every class has ``to_dict``/``from_dict``, its plain JSON-able body, built from and
-checked by the rules of :mod:`shardwise.checkpoint.metadata_json`. :class:`Metadata`'s body is
-a whole document, also as text (``to_json``/``from_json``); it is not a checkpoint index (see
-``docs/format.md``), and no checkpoint reader accepts it as one.
+Every class has a JSON-able body (``to_dict``/``from_dict``, the rules in
+:mod:`~shardwise.checkpoint.metadata_json`); :class:`Metadata`'s is a whole document, also as
+text (``to_json``/``from_json``), which no checkpoint reader accepts as an index.
 """
 
 from __future__ import annotations
@@ -74,10 +69,7 @@ def properties_to_dcp(properties: TensorProperties) -> dcp.TensorProperties:
 
 @dataclass(slots=True)
 class ChunkStorageMetadata:
-    """One saved chunk of a tensor: where it starts and how big it is, one entry per dim.
-
-    Both fields are stored as ``torch.Size`` (a list or tuple is converted).
-    """
+    """One saved chunk of a tensor: its offsets and sizes (``torch.Size``; converted)."""
 
     offsets: torch.Size
     sizes: torch.Size
@@ -115,11 +107,8 @@ class ChunkStorageMetadata:
 
 @dataclass(slots=True)
 class TensorStorageMetadata:
-    """A saved tensor: its properties, its global size and the chunks it was saved in.
-
-    ``size`` is stored as ``torch.Size``; ``chunks`` stays the list given (planners append to
-    it).
-    """
+    """A saved tensor: its properties, global size (``torch.Size``) and chunks (the list
+    given: planners append to it)."""
 
     properties: TensorProperties
     size: torch.Size
@@ -183,11 +172,8 @@ STORAGE_TYPES: TypeAlias = TensorStorageMetadata | BytesStorageMetadata
 
 @dataclass(slots=True)
 class StorageMeta:
-    """Facts about one save or load: checkpoint id, save and load ids, and module names.
-
-    The JSON form stores ``checkpoint_id`` as a string (a path-like value is converted with
-    ``os.fspath``).
-    """
+    """Facts about one save or load: checkpoint id (a string in JSON, through ``os.fspath``),
+    save and load ids, and module names."""
 
     checkpoint_id: str | os.PathLike[str] | None = None
     save_id: str | None = None
@@ -235,14 +221,13 @@ class StorageMeta:
 
 @dataclass(frozen=True, slots=True)
 class MetadataIndex:
-    """Names one entry of a state dict or of a checkpoint: a key, and for a tensor chunk the
-    chunk's offsets.
+    """Names one entry of a state dict or of a checkpoint.
 
     Args:
         fqn: Fully qualified name of the entry.
-        offset: Offsets of the chunk (converted to ``torch.Size``); None for a whole entry.
-        index: Hint: the position of the chunk in its entry's chunk list, probed before a
-            search. Ignored by equality and hashing.
+        offset: Offsets of a tensor chunk (converted to ``torch.Size``); None for a whole entry.
+        index: Hint: the chunk's position in its entry's chunk list, probed before a search.
+            Ignored by equality and hashing.
     """
 
     fqn: str
@@ -251,8 +236,7 @@ class MetadataIndex:
 
     def __post_init__(self) -> None:
         if self.offset is not None:
-            # Frozen: the converted value has to bypass the dataclass's __setattr__.
-            object.__setattr__(self, "offset", torch.Size(self.offset))
+            object.__setattr__(self, "offset", torch.Size(self.offset))  # frozen
 
     def to_dict(self) -> dict[str, Any]:
         """This index as a plain JSON-able dict (the hint included)."""
@@ -365,13 +349,13 @@ class Metadata:
     Args:
         state_dict_metadata: Per key, a :class:`TensorStorageMetadata` or a
             :class:`BytesStorageMetadata`.
-        planner_data: Data of the planner that wrote the checkpoint (a JSON value for the JSON
-            form).
+        planner_data: Data of the planner that wrote the checkpoint (JSON in the JSON form).
         storage_data: Data of the storage layer. For the JSON form: None, or a mapping from
             :class:`MetadataIndex` to storage info (a dict of JSON values, or an object with
-            ``to_dict()``); the info of a chunk or bytes entry is written inside that entry.
+            ``to_dict()``), written inside its chunk or bytes entry.
         storage_meta: Facts about the save (:class:`StorageMeta`).
         version: Version string of the writer's metadata conventions.
+
     """
 
     state_dict_metadata: dict[str, STORAGE_TYPES]

@@ -74,12 +74,10 @@ def in_entry(fqn: str) -> Iterator[None]:
 
 def size_of(values: list[int], what: str) -> torch.Size:
     """``values`` (ints read from JSON) as a ``torch.Size``, refused if any is negative."""
-    if any(v < 0 for v in values):
-        raise CheckpointFormatError(f"{what} must not be negative, got {values}")
-    return torch.Size(values)
+    return torch.Size(plain_ints(values, what))
 
 
-def plain_ints(values: torch.Size, what: str) -> list[int]:
+def plain_ints(values: Sequence[int], what: str) -> list[int]:
     """``values`` as a list of non-negative ints: what the JSON readers accept."""
     result = [int(v) for v in values]
     if any(v < 0 for v in result):

@@ -99,12 +99,12 @@ def storage_key(value: TensorValue) -> tuple[Any, ...] | None:
     return tuple(parts) if len(parts) > 3 else None
 
 
-def _loaded_type(module: str, name: str) -> type | None:
-    """The class ``module.name`` if its module is imported, else ``None`` (then no value of it
-    exists). Importing DTensor takes seconds, plain tensors need no sharded-tensor stack, and
-    ``shardwise.local_shards`` imports this package (a cycle)."""
-    found: type | None = getattr(sys.modules.get(module), name, None)
-    return found
+def _is_loaded(value: object, module: str, name: str) -> bool:
+    """Whether ``value`` is a ``module.name``, asked only if that module is imported (no
+    value of it exists before). Importing DTensor takes seconds, plain tensors need no
+    sharded-tensor stack, and ``shardwise.local_shards`` imports this package (a cycle)."""
+    kind = getattr(sys.modules.get(module), name, None)
+    return kind is not None and isinstance(value, kind)
 
 
 def is_tensor_value(value: object) -> bool:
@@ -128,11 +128,9 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
     """
     if type(value) in _PLAIN_TENSOR_TYPES:  # the common case, without the checks below
         return _describe_plain(fqn, value)
-    sharded_tensor = _loaded_type("shardwise.sharded_tensor.api", "ShardedTensor")
-    if sharded_tensor is not None and isinstance(value, sharded_tensor):
+    if _is_loaded(value, "shardwise.sharded_tensor.api", "ShardedTensor"):
         return _describe_sharded(value)
-    dtensor = _loaded_type("torch.distributed.tensor", "DTensor")
-    if dtensor is not None and isinstance(value, dtensor):
+    if _is_loaded(value, "torch.distributed.tensor", "DTensor"):
         return _describe_dtensor(fqn, value)
     if _is_local_shards(value):
         boxes = _wrapper_boxes(value)
@@ -195,11 +193,10 @@ _PROPERTIES: dict[tuple[torch.dtype, bool], TensorProperties] = {}
 
 
 def _properties(dtype: torch.dtype, requires_grad: bool) -> TensorProperties:
-    requires_grad = bool(requires_grad)
-    key = (dtype, requires_grad)
+    key = (dtype, bool(requires_grad))
     found = _PROPERTIES.get(key)
     if found is None:
-        found = _PROPERTIES[key] = TensorProperties(dtype=dtype, requires_grad=requires_grad)
+        found = _PROPERTIES[key] = TensorProperties(dtype=dtype, requires_grad=key[1])
     return found
 
 
@@ -213,15 +210,16 @@ def _describe_sharded(value: Any) -> TensorValue:
     properties = value.metadata().tensor_properties
     size = tuple(value.size())
     layout = _chunk_layout(value, len(size))
-    return TensorValue(size, properties.dtype, _plain(properties), boxes, layout)
+    # Pinning and memory format describe where the saver kept the data, not the data.
+    plain = _properties(properties.dtype, properties.requires_grad)
+    return TensorValue(size, properties.dtype, plain, boxes, layout)
 
 
 def _chunk_layout(value: Any, ndim: int) -> tuple[Any, ...] | None:
     """``("mesh", (shape, global ranks), ("S<dim>",))`` of a ``ChunkShardingSpec``
     ShardedTensor with one chunk per rank (a one-dim mesh), else ``None``."""
-    chunk_spec = _loaded_type("shardwise.sharding_spec.chunk", "ChunkShardingSpec")
     spec = value.sharding_spec()
-    if chunk_spec is None or not isinstance(spec, chunk_spec) or not ndim:
+    if not _is_loaded(spec, "shardwise.sharding_spec.chunk", "ChunkShardingSpec") or not ndim:
         return None
     dim: Any = getattr(spec, "dim", None)
     if not isinstance(dim, int) or not -ndim <= dim < ndim:
@@ -232,14 +230,8 @@ def _chunk_layout(value: Any, ndim: int) -> tuple[Any, ...] | None:
     return ("mesh", ((len(ranks),), ranks), (f"S{dim % ndim}",))
 
 
-def _plain(properties: TensorProperties) -> TensorProperties:
-    # Pinning and memory format describe where the saver kept the data, not the data.
-    return _properties(properties.dtype, properties.requires_grad)
-
-
 def _is_local_shards(value: object) -> bool:
-    wrapper = _loaded_type("shardwise.local_shards", "LocalShardsWrapper")
-    return wrapper is not None and isinstance(value, wrapper)
+    return _is_loaded(value, "shardwise.local_shards", "LocalShardsWrapper")
 
 
 def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
@@ -401,7 +393,6 @@ def _json_form(value: object) -> tuple[int, object, bool] | None:
 def _as_json(value: object) -> ObjectValue | None:
     """``value`` as the simplest JSON text that gives it back exactly (``json`` allows NaN and
     Infinity); None when none does, or when it would nest deeper than readers accept."""
-
     try:
         found = _json_form(value)
         if found is None or not found[2]:
