@@ -18,11 +18,7 @@ __all__ = ["DataFiles"]
 
 
 class DataFiles:
-    """The data files of a checkpoint whose index is ``index``, for reads by ``rank``.
-
-    Attributes:
-        bytes_read: Bytes read from the storage so far.
-    """
+    """The data files of a checkpoint whose index is ``index``, for reads by ``rank``."""
 
     def __init__(self, storage: Storage, index: Index, rank: int | None) -> None:
         self.storage = storage
@@ -89,12 +85,8 @@ class DataFiles:
     def read_vector(
         self, file: str, offset: int, buffers: Sequence[memoryview], key: str | None
     ) -> None:
-        """Fill ``buffers`` in turn with the bytes of ``file`` from ``offset`` (a scatter read:
-        locally one ``preadv``).
-
-        Raises:
-            CheckpointDataError: The read failed or came back short (a truncated file).
-        """
+        """Fill ``buffers`` in turn with the bytes of ``file`` from ``offset`` (locally one
+        ``preadv``); :class:`CheckpointDataError` if it fails or comes back short."""
         length = sum(len(buffer) for buffer in buffers)
         handle = self.handle(file, key)
         try:
@@ -126,14 +118,8 @@ class DataFiles:
         keys: Sequence[str | None],
         then: Callable[[int, memoryview], None],
     ) -> None:
-        """Perform ``requests`` as one batch (see
-        :meth:`~shardwise.checkpoint.storage.Storage.read_ranges`), calling
-        ``then(number, data)`` with each one's bytes; ``keys`` name their entries in errors.
-
-        Raises:
-            CheckpointDataError: A read failed, or came back short (a truncated file).
-            CheckpointStorageError: The storage failed.
-        """
+        """Perform ``requests`` as one batch (:meth:`.Storage.read_ranges`), calling
+        ``then(number, data)`` with each one's bytes; ``keys`` name their entries in errors."""
 
         def complete(number: int, data: memoryview) -> None:
             request = requests[number]
@@ -157,7 +143,4 @@ class DataFiles:
 
     def _name(self, request: RangeRequest) -> str:
         """The data file name (``data/...``) of ``request``'s reader."""
-        for name, handle in self._handles.items():
-            if handle is request.reader:
-                return name
-        return "data/"
+        return next((n for n, h in self._handles.items() if h is request.reader), "data/")

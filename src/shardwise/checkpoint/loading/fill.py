@@ -33,16 +33,9 @@ __all__ = ["Job", "fill"]
 
 @dataclass(slots=True)
 class Job:
-    """One read of saved bytes into a destination box (immutable by convention: frozen costs
-    a fifth of a microsecond per field, per job).
-
-    Attributes:
-        target: Index of the destination in the list given to :func:`fill`.
-        key: The state-dict key (for errors).
-        chunk: The saved chunk read from.
-        read: What to read and where it goes.
-        dtype: The saved dtype.
-    """
+    """One read from saved ``chunk`` into destination ``target`` (its number in :func:`fill`'s
+    ``targets``); ``key`` names it in errors, ``dtype`` is the saved one. Immutable by
+    convention: frozen costs a fifth of a microsecond per field, per job."""
 
     target: int
     key: str
@@ -61,14 +54,8 @@ def fill(
     note: str = "",
     also: Sequence[Segment] = (),
 ) -> None:
-    """Read ``jobs`` into the destinations ``targets``, and the segments ``also`` (e.g.
-    objects' blobs), verifying every block read (with ``verify``).
-
-    Raises:
-        ChecksumError: A block does not match its checksum (the destinations are then
-            undefined: partly filled).
-        CheckpointDataError: A read failed, or came back short (a truncated file).
-    """
+    """Read ``jobs`` into ``targets`` and the segments ``also`` (e.g. objects' blobs), checking
+    every block read (with ``verify``); see :func:`.read.read` for the errors."""
     segments = list(also)
     staged: list[tuple[Job, torch.Tensor]] = []
     for job in jobs:
@@ -110,8 +97,7 @@ def _plain(job: Job, destination: torch.Tensor) -> bool:
 
 
 def _direct_segments(job: Job, destination: torch.Tensor) -> list[Segment] | None:
-    """The segments that read ``job`` straight into ``destination``, or None when it must be
-    staged."""
+    """The segments that read ``job`` straight into ``destination`` (None: it is staged)."""
     if not _plain(job, destination):
         return None
     read, file, key = job.read, job.chunk.file, job.key
@@ -148,8 +134,7 @@ def _contiguous_dims(shape: Sequence[int], strides: Sequence[int], itemsize: int
 
 
 def _in_rows(job: Job, destination: torch.Tensor, limit: int) -> Iterator[tuple[Job, torch.Tensor]]:
-    """``job`` cut along its first dim into jobs of about ``limit`` bytes at most (whole
-    rows)."""
+    """``job`` cut into jobs of whole rows, about ``limit`` bytes at most each."""
     read = job.read
     sizes = read.overlap[1]
     if read.nbytes <= limit or not sizes or sizes[0] <= 1:
@@ -179,11 +164,6 @@ def _in_rows(job: Job, destination: torch.Tensor, limit: int) -> Iterator[tuple[
         yield replace(job, read=piece), destination[first : first + count]
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` viewed as bytes, with a last dim of its itemsize (any strides)."""
-    return tensor.unsqueeze(-1).view(torch.uint8)
-
-
 @dataclass(frozen=True, slots=True)
 class _Staged:
     """A job read into host ``staging``, then copied into ``destination``."""
@@ -205,7 +185,6 @@ class _Staged:
     def finish(self) -> None:
         """Copy the staged (verified) bytes into the destination."""
         overlap, strides = self.job.read.overlap, self.job.read.strides
-        # A strided read covers the overlap from its first to its last element.
         source = (
             self.staging.view(overlap[1])
             if strides is None
@@ -221,4 +200,5 @@ class _Staged:
                 return
             # As bytes: torch copies no elements of some dtypes (int1 to int7, uint1 to uint7)
             # and rewrites others (a bool byte 2 becomes 1), unlike a direct read.
-            _bytes_of(self.destination).copy_(_bytes_of(source))
+            destination = self.destination.unsqueeze(-1).view(torch.uint8)
+            destination.copy_(source.unsqueeze(-1).view(torch.uint8))

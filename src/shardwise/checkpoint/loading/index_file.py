@@ -34,8 +34,7 @@ def read_index_bytes(storage: Storage, path: str) -> bytes:
 
     Raises:
         CheckpointNotFoundError: No committed checkpoint there; the message says what is
-            there instead (nothing, a file, an empty directory, an interrupted save, a torch
-            DCP checkpoint, a Hugging Face model directory, or other files).
+            there instead.
         CheckpointFormatError: The index is not a regular file, or too large to be one.
     """
     name = storage.join(INDEX_NAME)

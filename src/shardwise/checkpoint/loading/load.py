@@ -34,13 +34,7 @@ from shardwise.checkpoint.entries.items import (
 )
 from shardwise.checkpoint.entries.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
-from shardwise.checkpoint.loading.reader import (
-    CheckpointReader,
-    Job,
-    Segment,
-    decode,
-    read_index_bytes,
-)
+from shardwise.checkpoint.loading.reader import CheckpointReader, Job, decode, read_index_bytes
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.planning import planner
@@ -497,18 +491,12 @@ def load(
     if comm.rank == 0:
         ranks = f" by {comm.world_size} ranks" if comm.world_size > 1 else ""
         log_done(logger, "loaded", path_text, nbytes, time.monotonic() - started, ranks)
-    if not strict and (result.missing_keys or result.unexpected_keys):
-        parts = [
-            _keys(what, keys)
-            for what, keys in (
-                ("missing from the checkpoint", result.missing_keys),
-                (
-                    "in the checkpoint but not in the state dict (not loaded)",
-                    result.unexpected_keys,
-                ),
-            )
-            if keys
-        ]
+    found = (
+        ("missing from the checkpoint", result.missing_keys),
+        ("in the checkpoint but not in the state dict (not loaded)", result.unexpected_keys),
+    )
+    parts = [_keys(what, keys) for what, keys in found if keys]
+    if not strict and parts:
         warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=2)
     return result
 
@@ -556,10 +544,11 @@ def _load(
     values: dict[str, Any] = dict(texts)
 
     def fill() -> None:
-        blobs: list[tuple[str, ObjectRecord, Segment, bytearray]] = []
-        for key, item in planned.objects:
-            if item.blob is not None:
-                blobs.append((key, item, *reader.blob_segment(item)))
+        blobs = [
+            (key, item, *reader.blob_segment(item))
+            for key, item in planned.objects
+            if item.blob is not None
+        ]
         reader.fill(
             planned.jobs,
             planned.targets,

@@ -44,8 +44,7 @@ _local = threading.local()
 
 
 def scratch() -> memoryview:
-    """This thread's reused buffer of ``TUNING.hot_buffer_bytes`` (no allocation and no page
-    faults per piece)."""
+    """This thread's reused buffer (no allocation and no page faults per piece)."""
     size = tuning.TUNING.hot_buffer_bytes
     buffer: memoryview | None = getattr(_local, "buffer", None)
     if buffer is None or len(buffer) != size:
@@ -159,8 +158,7 @@ def _run_bytes(files: DataFiles) -> int:
 def _plan(
     files: DataFiles, segments: list[Segment], verify: bool
 ) -> tuple[list[_Span], list[Segment]]:
-    """The spans that read the ``segments`` no earlier one overlaps, and the rest (for a later
-    round)."""
+    """The spans that read the ``segments`` no earlier one overlaps, and the rest."""
     segments.sort(key=lambda s: (s.file, s.begin))
     taken: list[Segment] = []
     later: list[Segment] = []
@@ -211,8 +209,7 @@ def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
 
 
 def _plain_spans(group: list[Segment]) -> list[_Span]:
-    """Spans of exactly the bytes ``group`` wants: close segments together, a large one cut
-    in runs (which the I/O threads share)."""
+    """Spans of the bytes ``group`` wants: close segments together, a large one in runs."""
     gap = min(tuning.TUNING.read_gap_bytes, tuning.TUNING.hot_buffer_bytes)
     run = tuning.TUNING.read_run_bytes
     spans: list[_Span] = []

@@ -103,16 +103,14 @@ class CheckpointReader:
         return record
 
     def plan(self, fqn: str, box: planner.Box, target: int) -> list[Job]:
-        """The reads that fill the global ``box`` of tensor ``fqn`` into destination
-        ``target``."""
+        """The reads that fill the global ``box`` of tensor ``fqn`` into ``target``."""
         record = self.tensor_record(fqn)
         dtype = record.dtype
         chunks = record.chunks
         lookup: planner.Candidates | None = None
         reads = None
         if type(chunks) is not tuple and isinstance(chunks, LayoutChunks):  # (an ABC: slow)
-            # A grid answers by arithmetic and builds only the chunks it finds (each file's
-            # packing is checked against its size when first built).
+            # A grid answers by arithmetic and builds only the chunks it finds.
             lookup = chunks
         elif (
             len(chunks) > 1
@@ -174,13 +172,8 @@ class CheckpointReader:
         offsets: Sequence[int] | None = None,
         sizes: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """The box ``offsets``/``sizes`` (default: all) of tensor ``fqn`` as a new CPU tensor,
-        every byte verified; allocated only after its files were checked.
-
-        Raises:
-            CheckpointKeyError: ``fqn`` is not a tensor of the checkpoint.
-            ValueError: The box does not fit the tensor.
-        """
+        """See :func:`~shardwise.checkpoint.load_tensor`; the tensor is allocated only after
+        its files were checked."""
         record = self.tensor_record(fqn)
         size = record.size
         box_offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * len(size)
