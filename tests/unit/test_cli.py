@@ -31,7 +31,8 @@ from safetensors.torch import load_file
 
 import shardwise.checkpoint as ckpt
 from shardwise import cli
-from shardwise.checkpoint import MetadataIndex, dcp_import
+from shardwise.checkpoint import MetadataIndex
+from shardwise.checkpoint.dcp_import import _unpickle
 from shardwise.checkpoint.index import data_file as data_format
 from shardwise.checkpoint.index.data_file import FileEntry, HeaderEntry
 from shardwise.cli import consolidate
@@ -1029,7 +1030,7 @@ def test_dcp_metadata_cannot_alter_the_allowed_stand_ins(
     code, _, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
     assert code == 2
     assert "__setstate__() missing 1 required positional argument" in err
-    assert dcp_import._DCPIndex.FIELDS == ("fqn", "offset", "index")
+    assert _unpickle.DCPIndex.FIELDS == ("fqn", "offset", "index")
     metadata.write_bytes(
         b"ctorch.serialization\n_get_layout\nN}S'__defaults__'\n(S'x'\nts\x86b"
         b"S'torch.strided'\n\x85R."
@@ -1037,7 +1038,7 @@ def test_dcp_metadata_cannot_alter_the_allowed_stand_ins(
     code, _, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
     assert code == 2
     assert err.endswith("TypeError: invalid partial state\n")  # a fresh partial refuses it
-    assert dcp_import._layout.__defaults__ is None
+    assert _unpickle.layout.__defaults__ is None
 
 
 def test_convert_dcp_refuses_pickled_objects_and_non_dcp_directories(

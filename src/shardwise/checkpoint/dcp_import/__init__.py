@@ -1,32 +1,28 @@
 """Reading a ``torch.distributed.checkpoint`` (DCP) directory without running pickled code.
 
-DCP writes ``.metadata``, a pickle of its ``Metadata``, and ``*.distcp`` data files holding
+DCP writes ``.metadata`` (a pickle of its ``Metadata``) and ``*.distcp`` data files holding
 ``torch.save`` payloads at the byte ranges the metadata records (``FileSystemWriter``'s layout).
-:class:`DCPReader` unpickles the metadata with an allow-list that resolves every class to an
-inert stand-in recording fields, and decodes each payload with ``torch.load(weights_only=True)``,
-so nothing from the files executes.
+The metadata is unpickled with an allow-list that resolves every class to an inert stand-in,
+and each payload is decoded with ``torch.load(weights_only=True)``: nothing from the files runs.
 
 The directory is untrusted input, and nothing in it is believed before it is checked:
 
-* Files are opened through the storage layer, so the directory may be a URL (``s3://...``).
-  Locally they are opened below the directory one path component at a time
-  (:meth:`~shardwise.checkpoint.storage.Storage.open_below`), never through a symbolic link,
-  and only regular files are read (a FIFO or a device is refused unread).
-* Every offset, length and size is a bounded non-negative ``int``. Each storage range lies
-  inside its file and no two ranges of one file overlap; each chunk's bytes fit in its range,
-  and the chunks of a tensor tile it exactly (no overlap, no gap). So the tensors hold at most
-  the bytes of the data files, and all of this is checked when the reader is created, before
-  any tensor is allocated.
+* Files are opened through the storage layer (the directory may be a URL); locally one path
+  component at a time (:meth:`~shardwise.checkpoint.storage.Storage.open_below`), never
+  through a symbolic link, and only regular files are read (a FIFO or a device unread).
+* Every offset, length and size is a bounded non-negative ``int``; each storage range lies
+  inside its file, no two ranges of one file overlap, each chunk's bytes fit in its range, and
+  the chunks of a tensor tile it exactly. So the tensors hold at most the bytes of the data
+  files, and all of this is checked when the reader is created, before any allocation.
 * A payload must be laid out as ``torch.save`` writes it (uncompressed records that fit in
   it), so ``torch.load`` cannot allocate more than the payload holds.
 * An object value is bounded in depth and may not expand past its payload.
 
 Every failure is a :class:`DCPImportError` naming the file, and the key where one is
-concerned. See ``docs/cli.md`` (``convert-dcp``) for what is accepted.
+concerned (``docs/cli.md``, ``convert-dcp``, says what is accepted).
 
-Modules: ``_unpickle`` (the allow-list and the inert stand-ins of DCP's classes), ``_plan``
-(the metadata's ranges and tilings, checked), ``_payloads`` (``torch.save`` payloads and
-object values), and this one (:class:`DCPReader`: the files, read through the storage layer).
+Modules: ``_unpickle`` (the allow-list and stand-ins), ``_plan`` (the metadata's ranges and
+tilings, checked), ``_payloads`` (``torch.save`` payloads and object values), and this one.
 """
 
 from __future__ import annotations
@@ -34,15 +30,18 @@ from __future__ import annotations
 import io
 import itertools
 import os
-import pickle
-import struct
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from shardwise._boxes import region
-from shardwise.checkpoint.dcp_import._payloads import decode_object, first_line, torch_load
+from shardwise.checkpoint.dcp_import._payloads import (
+    MALFORMED,
+    decode_object,
+    first_line,
+    torch_load,
+)
 from shardwise.checkpoint.dcp_import._plan import (
     DCPRange,
     DCPTensorPlan,
@@ -52,22 +51,15 @@ from shardwise.checkpoint.dcp_import._plan import (
 )
 from shardwise.checkpoint.dcp_import._unpickle import (
     DCPBytesEntry,
-    DCPIndex,
     DCPMetadata,
     DCPTensorEntry,
     DCPUnpickler,
     ForbiddenGlobalError,
-    layout,
 )
 from shardwise.checkpoint.storage import Reader, Storage, UnsafePathError, open_storage
 from shardwise.errors import CheckpointStorageError, DCPImportError
 
 __all__ = ["DCPImportError", "DCPReader"]
-
-# Two stand-ins under the names tests check that no pickle can alter them by (not the API).
-_DCPIndex = DCPIndex
-_layout = layout
-
 
 _DCP_METADATA = ".metadata"
 # DCP's metadata for a million chunks pickles to about 200 MB; a larger file is refused unread.
@@ -114,18 +106,7 @@ def _read_dcp_metadata(storage: Storage, directory: str) -> DCPMetadata:
         metadata = DCPUnpickler(io.BytesIO(data)).load()
     except ForbiddenGlobalError as err:
         raise DCPImportError(f"refusing to read {path}: {err}") from err
-    # Malformed pickles fail in many ways; each is "unreadable input" here.
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        TypeError,
-        ValueError,
-        LookupError,
-        AttributeError,
-        RecursionError,
-        OverflowError,
-        struct.error,
-    ) as err:
+    except (*MALFORMED, RecursionError) as err:
         raise DCPImportError(f"cannot read {path}: {type(err).__name__}: {err}") from err
     if not isinstance(metadata, DCPMetadata):
         raise DCPImportError(f"{path} does not hold DCP metadata (found {type(metadata).__name__})")
@@ -133,7 +114,6 @@ def _read_dcp_metadata(storage: Storage, directory: str) -> DCPMetadata:
 
 
 def _open_data_file(storage: Storage, relative: str, fqn: str) -> Reader:
-    """The data file ``relative`` of ``fqn``, opened for reading."""
     path = storage.url(storage.join(relative))
     try:
         return storage.open_below(relative)
@@ -151,12 +131,7 @@ def _open_data_file(storage: Storage, relative: str, fqn: str) -> Reader:
 
 def _check_storage_files(storage: Storage, ranges: Iterable[DCPRange]) -> None:
     """Check that every range lies inside its data file and that no two ranges of one file
-    overlap: then every range's bytes are its own, and all ranges together hold at most the
-    bytes of the files.
-
-    Files are told apart by the storage's identity of a file, so hard links to one file share
-    its bytes.
-    """
+    (hard links to it included) overlap."""
     by_path: dict[str, list[DCPRange]] = {}
     for where in ranges:
         by_path.setdefault(where.file, []).append(where)
@@ -252,9 +227,6 @@ def _dcp_tensor(
 
 class DCPReader:
     """A DCP checkpoint directory opened for reading; no pickled code from it ever runs.
-
-    Everything the metadata states is checked here, before any value is read: the storage
-    ranges against the data files, and each tensor's chunks against its size.
 
     Args:
         directory: The DCP checkpoint directory (``.metadata`` plus ``*.distcp`` files): a

@@ -1,5 +1,4 @@
-"""Decoding DCP's payloads (``torch.save`` archives) without running pickled code, and
-bounding the object values they hold."""
+"""DCP's payloads (``torch.save`` archives) decoded without pickled code; object values bounded."""
 
 from __future__ import annotations
 
@@ -16,7 +15,19 @@ import torch
 
 from shardwise.checkpoint.dcp_import._plan import error
 
-__all__ = ["decode_object", "first_line", "torch_load"]
+__all__ = ["MALFORMED", "decode_object", "first_line", "torch_load"]
+
+# A malformed pickle fails in an unpickler in many ways; each means "unreadable input".
+MALFORMED = (
+    pickle.UnpicklingError,
+    EOFError,
+    TypeError,
+    ValueError,
+    LookupError,
+    AttributeError,
+    OverflowError,
+    struct.error,
+)
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # Object values nest at most this deep (saving them as JSON recurses once per level).
@@ -27,8 +38,7 @@ _MAX_OBJECT_DEPTH = 100
 _MAX_OBJECT_EXPANSION = 16
 
 # The records that close a zip archive, as torch.save writes them (always with zip64 ones).
-_ZIP_END = struct.Struct("<4s4H2LH")  # signature, disks, entries, directory size and offset,
-# comment size
+_ZIP_END = struct.Struct("<4s4H2LH")  # signature, disks, entries, directory size, offset, comment
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end, disks
 _ZIP64_END = struct.Struct("<4sQ2H2L4Q")  # ..., directory size and offset last
 _ZIP_END_SIGNATURE = b"PK\x05\x06"
@@ -37,8 +47,7 @@ _ZIP64_END_SIGNATURE = b"PK\x06\x06"
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of ``err``'s message (its type's name if it has none): errors are one
-    line."""
+    """The first line of ``err``'s message, or its type's name if it has none."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
@@ -46,12 +55,11 @@ def first_line(err: BaseException) -> str:
 def _archive_problem(payload: bytes) -> str | None:
     """Why ``torch.load`` could allocate more than ``payload`` holds, or None.
 
-    torch's reader allocates each record's size as the archive's central directory states it,
-    before inflating the record, so a small compressed record could claim gigabytes. The
-    records are checked here with Python's ``zipfile``, which reads the same central directory
-    as torch's reader (miniz) only if the directory sits right before the end records, as
-    torch.save writes it; that layout is required first. Then every record must be stored
-    uncompressed, and all records together must fit in the payload.
+    torch's reader allocates each record's size as the central directory states it, before
+    inflating it, so a small compressed record could claim gigabytes. Python's ``zipfile``
+    reads the same central directory as torch's (miniz) only if it sits right before the end
+    records, as torch.save writes it; that layout is required, then uncompressed records that
+    together fit in the payload.
     """
     end = len(payload) - _ZIP_END.size
     if end < 0 or not payload.startswith(_ZIP_END_SIGNATURE, end):
@@ -106,18 +114,7 @@ def torch_load(payload: bytes, fqn: str, path: str, safe: Iterable[type] = ()) -
         with context, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
-    # A malformed payload fails in torch's reader or unpickler in many ways.
-    except (
-        pickle.UnpicklingError,
-        RuntimeError,
-        EOFError,
-        ValueError,
-        TypeError,
-        LookupError,
-        AttributeError,
-        OverflowError,
-        struct.error,
-    ) as err:
+    except (*MALFORMED, RuntimeError) as err:  # RuntimeError: torch's archive reader
         raise error(
             fqn,
             f"its DCP payload cannot be read without running pickled code ({first_line(err)})",
@@ -128,8 +125,8 @@ def torch_load(payload: bytes, fqn: str, path: str, safe: Iterable[type] = ()) -
 def _check_json_value(value: object, budget: int, fqn: str, path: str) -> None:
     """Check that ``value`` can be stored as a JSON value of bounded depth and size.
 
-    Walked without recursion, charging each item about the bytes it takes in JSON against
-    ``budget``, so the walk stops early on a value that expands past it.
+    Walked without recursion, each item charged about its JSON bytes against ``budget``, so the
+    walk stops early on a value that expands past it.
     """
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
@@ -172,8 +169,7 @@ def _check_json_value(value: object, budget: int, fqn: str, path: str) -> None:
 
 def decode_object(payload: bytes, fqn: str, path: str) -> Any:
     """The object value ``payload`` holds: raw bytes as they are, else a ``torch.save``
-    archive decoded without pickled code into ``bytes``, ``io.BytesIO`` or a bounded JSON
-    value."""
+    archive decoded into ``bytes``, ``io.BytesIO`` or a bounded JSON value."""
     if not payload.startswith(_ZIP_MAGIC):
         return payload  # raw bytes (a planner that does not torch.save its objects)
     # DCP's default planner stores every non-tensor value as torch.save(value).

@@ -1,5 +1,4 @@
-"""What DCP's metadata states, checked before anything is read: every storage range is a
-plain path and bounded integers, every tensor's chunks fit their ranges and tile the tensor."""
+"""What DCP's metadata states (storage ranges, tensor chunks), checked before anything is read."""
 
 from __future__ import annotations
 
@@ -25,22 +24,12 @@ from shardwise.sharding_spec._internals import (
     validate_non_overlapping_shards_metadata,
 )
 
-__all__ = [
-    "DCPChunkPlan",
-    "DCPRange",
-    "DCPTensorPlan",
-    "StorageKey",
-    "dcp_storage",
-    "error",
-    "plan_tensor",
-    "shown",
-]
+__all__ = ["DCPRange", "DCPTensorPlan", "dcp_storage", "error", "plan_tensor"]
 
-# Every offset, length and size in the metadata is below this; no file or tensor comes close,
-# and sums of a few of them stay far from any C integer limit.
+# Bound of every offset, length and size: no file or tensor comes close, and sums of a few of
+# them stay far from any C integer limit.
 _MAX_INT = 1 << 62
-# Tensors with more dims are refused (no real tensor comes close): the work on each chunk grows
-# with its dims, and the number of its elements with their product.
+# Bound of a tensor's dims (no real tensor comes close): a chunk's work grows with them.
 _MAX_DIMS = 1024
 
 _REPR = reprlib.Repr()
@@ -48,7 +37,7 @@ _REPR.maxstring = _REPR.maxother = 80
 
 
 def shown(value: object) -> str:
-    """A repr of a value from the metadata, short even if the value is huge or deeply nested."""
+    """A short repr of a value from the metadata, however large or deep."""
     return _REPR.repr(tuple(value) if isinstance(value, torch.Size) else value)
 
 
@@ -66,7 +55,7 @@ def _relative_path_problem(path: str) -> str | None:
 
 
 def error(fqn: str, message: str, file: str) -> DCPImportError:
-    """The error about the value of ``fqn``, in this module's form: ``'key': message``."""
+    """The error about the value of ``fqn``: ``'key': message``."""
     return DCPImportError(f"{fqn!r}: {message}", file=file)
 
 
@@ -83,13 +72,9 @@ def _bounded_int(value: object) -> bool:
     return type(value) is int and 0 <= value < _MAX_INT
 
 
-# -- storage ranges --------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class DCPRange:
-    """Where DCP stored one item: ``length`` bytes at ``offset`` of the data file ``file``
-    (a checked relative path)."""
+    """Where DCP stored one item: ``length`` bytes at ``offset`` of ``file`` (a checked path)."""
 
     fqn: str
     file: str
@@ -150,9 +135,6 @@ def dcp_storage(metadata: DCPMetadata, metadata_path: str) -> dict[StorageKey, D
             )
         ranges[(fqn, index)] = DCPRange(fqn, file, start, length)
     return ranges
-
-
-# -- tensors ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +208,8 @@ def plan_tensor(
 def _check_tiling(
     fqn: str, size: tuple[int, ...], chunks: list[DCPChunkPlan], metadata_path: str
 ) -> None:
-    """Check that the non-empty chunks tile a tensor of ``size``: inside it, no two sharing an
-    element, together covering it. Counting covered elements is not enough: overlapping
-    chunks would leave a gap of uninitialized memory."""
+    """Check that the non-empty chunks tile a tensor of ``size``: inside it, covering it, no two
+    sharing an element (counting elements is not enough: an overlap leaves a gap uninitialized)."""
     if not chunks:
         if math.prod(size) == 0:
             return

@@ -1,10 +1,8 @@
-"""The local backend of the storage layer: a directory on a local (or mounted shared) file
-system, never followed through a symbolic link below its root.
+"""The local backend: a directory, never followed through a symbolic link below its root.
 
 Every directory between the root and a file must be a real directory, files are opened with
-``O_NOFOLLOW`` (and ``O_NONBLOCK``, so a FIFO cannot block an open), and a file opened for
-reading must be a regular file. Anything else raises :class:`UnsafePathError`. The root
-itself may be a link: the caller chose that path.
+``O_NOFOLLOW``, and a file opened for reading must be a regular file; anything else raises
+:class:`UnsafePathError`. The root itself may be a link: the caller chose that path.
 """
 
 from __future__ import annotations
@@ -187,12 +185,10 @@ def _open_in(parent: int, name: str, path: str, *, directory: bool) -> int:
     return fd
 
 
-def _real_directory(path: str) -> bool:
-    """Whether ``path`` is a directory and not a link (False when it does not exist)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
+def _check_real_directory(path: str) -> None:
+    """Raise :class:`UnsafePathError` if ``path`` exists but is not a real directory."""
+    if os.path.lexists(path) and not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", path)
 
 
 class LocalStorage:
@@ -212,7 +208,7 @@ class LocalStorage:
         return path
 
     def _check_parents(self, path: str) -> None:
-        """Every directory between the root and ``path`` is real (no link is followed)."""
+        """Check that every directory between the root and ``path`` is real."""
         relative = os.path.relpath(path, self.root)
         parts = relative.split(os.sep)
         if relative == os.curdir:
@@ -222,13 +218,12 @@ class LocalStorage:
         current = self.root
         for part in parts[:-1]:
             current = os.path.join(current, part)
-            if os.path.lexists(current) and not _real_directory(current):
-                raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", current)
+            _check_real_directory(current)
 
     def check_directory(self, path: str) -> None:
+        """Raise :class:`UnsafePathError` if ``path`` exists but is not a real directory."""
         self._check_parents(path)
-        if os.path.lexists(path) and not _real_directory(path):
-            raise UnsafePathError(errno.ENOTDIR, "not a real directory (a link?)", path)
+        _check_real_directory(path)
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

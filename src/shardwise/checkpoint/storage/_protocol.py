@@ -69,9 +69,8 @@ class RangeRequest:
     """One positioned read: ``length`` bytes of ``reader``'s file from ``offset``.
 
     Attributes:
-        buffer: Where the bytes go (``length`` bytes); None: into a new buffer, made by the
-            thread that reads (a worker thread's allocator reuses its memory read after read,
-            where the main thread's maps new pages for every large buffer).
+        buffer: Where the bytes go; None: a new buffer made by the thread that reads (a worker
+            thread's allocator reuses its memory, the main thread's maps new pages each time).
     """
 
     reader: Reader
@@ -86,9 +85,8 @@ class Storage(Protocol):
     root: str
     #: Whether only this process sees the files (``memory://``): no use to a group.
     process_local: bool
-    #: Whether :meth:`rename` atomically replaces its target (a local file system). Where it
-    #: does not (object stores: a copy, then a delete), writers put each file under its final
-    #: name, where it appears complete when it is closed.
+    #: Whether :meth:`rename` atomically replaces its target; where not (object stores), writers
+    #: put each file under its final name, where it appears complete when it is closed.
     atomic_rename: bool
     #: Whether a read is a request to a remote service (latency, cost per request).
     remote: bool
@@ -117,11 +115,9 @@ class Storage(Protocol):
         """Perform every read of ``requests``, concurrently where the backend can; returns the
         count read for each (short only at the end of a file).
 
-        Args:
-            requests: The reads.
-            then: Called as ``then(number, data)`` once request ``number`` is complete, with
-                the bytes read, on the thread that read them (work on bytes while they are in
-                the cache). What it raises propagates.
+        ``then(number, data)`` is called with the bytes of request ``number`` once it is
+        complete, on the thread that read them (while they are in the cache); what it raises
+        propagates.
 
         Raises:
             OSError: A read failed (its ``filename`` names the file, where known).
