@@ -355,7 +355,6 @@ class Metadata:
             ``to_dict()``), written inside its chunk or bytes entry.
         storage_meta: Facts about the save (:class:`StorageMeta`).
         version: Version string of the writer's metadata conventions.
-
     """
 
     state_dict_metadata: dict[str, STORAGE_TYPES]

@@ -1,10 +1,9 @@
 """The options of ``save``/``async_save`` and of ``load``: one dataclass each, one field per
 keyword, documented here once, carried through the machinery as one value.
 
-``save`` and ``async_save`` keep their keywords in their signatures (SPEC.md fixes them, and
-so Python's own argument errors, ``help`` and type checkers see them); each turns them into
-a :class:`SaveOptions` with :meth:`SaveOptions.of_call`. A test checks that both signatures
-list exactly these fields with these defaults.
+``save`` and ``async_save`` keep their keywords in their signatures (SPEC.md fixes them) and
+turn them into a :class:`SaveOptions` with :meth:`SaveOptions.of_call`; a test checks that
+both signatures list exactly these fields with these defaults.
 """
 
 from __future__ import annotations

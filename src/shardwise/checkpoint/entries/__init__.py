@@ -1,11 +1,5 @@
-"""The state dict as entries: what ``save`` stores and ``load`` fills.
-
-- :mod:`.state_dict`: a state dict taken apart into keyed leaves (Mappings, lists, tuples,
-  Stateful objects entered) and put back together (``flatten``, ``restore``).
-- :mod:`.items`: what a leaf is to a checkpoint: a tensor's local boxes (a DTensor's in closed
-  form through :mod:`.dtensor`), an object's stored form.
-- :mod:`.pyjson`: Python values as JSON text, tagged (``pyjson``, ``pyjson2``) so that they
-  come back exactly, and decoded strictly.
-
-Pure: no I/O, no collectives.
+"""The state dict as entries, pure (no I/O, no collectives): :mod:`.state_dict` takes it apart
+into keyed leaves and puts it back, :mod:`.items` says what a leaf is to a checkpoint (a
+tensor's local boxes, a DTensor's through :mod:`.dtensor`; an object's stored form), and
+:mod:`.pyjson` holds Python values as tagged JSON, decoded strictly.
 """

@@ -81,8 +81,8 @@ def form_and_depth(value: object) -> tuple[int, int] | None:
     kind = type(value)
     if kind in _SCALARS:
         return 0, 0
-    if kind is list or kind is tuple:
-        form, depth = (0 if kind is list else 1), 0
+    if kind is list or kind is tuple or _is_named(kind):
+        form, depth = (0 if kind is list else 1 if kind is tuple else 2), 0
         for item in value:  # type: ignore[attr-defined]
             if type(item) in _SCALARS:  # most items: no call
                 continue
@@ -104,14 +104,6 @@ def form_and_depth(value: object) -> tuple[int, int] | None:
             form = max(form, inner[0], key_inner[0])
             depth = max(depth, inner[1], key_inner[1])
         return form, depth + 1
-    if _is_named(kind):
-        depth = 0
-        for item in value:  # type: ignore[attr-defined]
-            inner = form_and_depth(item)
-            if inner is None:
-                return None
-            depth = max(depth, inner[1])
-        return 2, depth + 1
     if kind is np.ndarray or isinstance(value, np.generic):
         return (2, 0) if value.dtype.name in _NUMPY_DTYPES else None  # type: ignore[attr-defined]
     if kind.__module__ == "torch" and kind.__name__ == "Size":
@@ -305,9 +297,7 @@ def _untag_items(items: list[Any], extended: bool, like: object) -> list[Any]:
 
 def _part(like: object, index: int) -> object:
     """What stands at ``index`` of ``like`` (a list or tuple), else None."""
-    if isinstance(like, (list, tuple)) and index < len(like):
-        return like[index]
-    return None
+    return like[index] if isinstance(like, (list, tuple)) and index < len(like) else None
 
 
 def _entry(like: object, key: object) -> object:
@@ -364,13 +354,9 @@ def _untag_numpy(inner: object, extended: bool, like: object) -> Any:
         raise _malformed(
             _NUMPY, f"the payload must be [dtype, value], dtype one of {sorted(_NUMPY_DTYPES)}"
         )
-    return _numpy_scalar(np.dtype(inner[0]), inner[1])
-
-
-def _numpy_scalar(dtype: np.dtype[Any], item: object) -> Any:
-    """The NumPy scalar of ``dtype`` that ``tagged`` writes as ``item``: a bool, an int in the
-    dtype's range, a float (never an int) that is exactly a value of the dtype, or a
-    ``[real, imag]`` pair of such floats."""
+    # A bool, an int in the dtype's range, a float (never an int) that is exactly a value of
+    # the dtype, or a [real, imag] pair of such floats: what tagged writes.
+    dtype, item = np.dtype(inner[0]), inner[1]
     kind = dtype.kind
     if kind == "b":
         if type(item) is not bool:
