@@ -42,16 +42,9 @@ def numel(sizes: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class TensorPlan:
-    """Everything the ranks said about one tensor (what :func:`agree_aliases` compares).
-
-    Attributes:
-        fqn: The state-dict key.
-        dtype: dtype name (see :func:`shardwise.metadata.dtype_name`).
-        size: Global size.
-        properties: The TensorProperties dict.
-        itemsize: Bytes per element.
-        holders: For every distinct box, the group ranks that hold it.
-    """
+    """Everything the ranks said about one tensor (what :func:`agree_aliases` compares): its
+    global facts (``dtype`` by :func:`shardwise.metadata.dtype_name`, ``properties`` as a
+    dict) and ``holders``, for every distinct box, the group ranks that hold it."""
 
     fqn: str
     dtype: str
@@ -108,17 +101,10 @@ class WriteAssignment:
 
 @dataclass(slots=True)
 class SavedChunk:
-    """Stored bytes as the index records them: a tensor chunk (its box) or an object blob
-    (an empty box). Its checksums are those of the file's blocks its bytes touch
-    (``Index.blocks_of``).
-
-    Attributes:
-        offsets: The chunk's offsets in the tensor (``()`` for a blob or a 0-d tensor).
-        sizes: The chunk's sizes.
-        file: The data file, relative to the checkpoint (``data/rank-...``).
-        begin: First byte in the file.
-        end: One past the last byte.
-    """
+    """Stored bytes as the index records them: a tensor chunk (its box; ``()`` for a 0-d
+    tensor) or an object blob (an empty box), bytes ``[begin, end)`` of ``file`` (relative
+    to the checkpoint: ``data/rank-...``). Its checksums are those of the file's blocks its
+    bytes touch (``Index.blocks_of``)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -133,18 +119,11 @@ class SavedChunk:
 
 @dataclass(slots=True, unsafe_hash=True)
 class ChunkRead:
-    """One read from a saved chunk into a target box (hashed by value).
-
-    Attributes:
-        chunk: Index of the saved chunk.
-        file_offset: Absolute byte offset of the read in the chunk's file.
-        nbytes: Bytes to read.
-        overlap: The global box the read serves, ``(offsets, sizes)``.
-        whole_chunk: The read is the entire chunk (its checksum can be verified).
-        strides: ``None`` when the bytes are exactly the overlap in C order; otherwise the
-            bytes run from the overlap's first element to its last in the chunk, and the
-            overlap is the view of them with these element strides (the chunk's).
-    """
+    """One read of ``nbytes`` at absolute ``file_offset`` in the file of saved chunk number
+    ``chunk``, serving the global box ``overlap``; ``whole_chunk`` when it reads the entire
+    chunk (so its checksum can be verified). ``strides`` is ``None`` when the bytes are
+    exactly the overlap in C order; otherwise they run from the overlap's first element to
+    its last in the chunk, and the overlap is their view with these element strides."""
 
     chunk: int
     file_offset: int
@@ -155,8 +134,7 @@ class ChunkRead:
 
 
 def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
-    """Elements from the first to the last element of a box of ``sizes`` inside a C-ordered
-    chunk of element ``strides``."""
+    """Elements from the first to the last of a box of ``sizes`` in a chunk of ``strides``."""
     return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
 
 
@@ -183,17 +161,13 @@ class Candidates(Protocol):
 
 
 class ChunkLookup:
-    """The chunks of one tensor that overlap a box, found without comparing the box with
-    every chunk.
-
-    Chunks are sorted by their offset along the dim where they have the most distinct
-    offsets; a query bisects that order (bounded by the longest chunk): O(log n + k) for
-    ``k`` candidates instead of O(n), so that a rank of a 1,024-rank job plans its share
-    without scanning every chunk of every tensor.
+    """The chunks of one tensor that may overlap a box, in O(log n + k) for ``k`` candidates
+    instead of O(n) (a rank of a 1,024-rank job plans its share without scanning every
+    chunk): sorted by offset along the dim with the most distinct offsets, then bisected.
 
     Args:
-        chunks: The boxes of the saved chunks (any order; chunks without elements are never
-            returned, they hold nothing to read).
+        chunks: The boxes of the saved chunks (any order; chunks without elements, which hold
+            nothing to read, are never returned).
     """
 
     __slots__ = ("_dim", "_ends", "_longest", "_order", "_starts")
@@ -219,8 +193,7 @@ class ChunkLookup:
         )
 
     def candidates(self, target: Box) -> list[int]:
-        """Indices (into the ``chunks`` given) of the chunks that may overlap ``target``, in
-        ascending order; a superset of the overlapping ones."""
+        """Indices of the chunks that may overlap ``target``, ascending (a superset)."""
         if self._dim < 0 or not target[0]:
             return sorted(self._order)
         start = target[0][self._dim]

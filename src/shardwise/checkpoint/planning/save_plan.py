@@ -1,7 +1,5 @@
-"""Pure planning of a save from per-rank tables of layouts (``docs/design/scale.md`` §2).
-
-Instead of every rank's boxes, each rank describes each tensor by a **layout** that is the
-same on every rank that holds it:
+"""Who writes what in a save, planned from each tensor's **layout**, the same on every rank
+that holds it:
 
 - ``["mesh", mesh_number, placements]``: a DTensor (or a ``ChunkShardingSpec`` tensor) whose
   placements are ``"R"`` or ``"S<dim>"`` per mesh axis, each dim sharded by at most one axis;
@@ -57,19 +55,15 @@ def mesh_grid(
     replica: int = 0,
     rules: dict[Any, Any] | None = None,
 ) -> Grid | None:
-    """The grid of a tensor of ``size`` laid out on ``mesh`` by ``placements``, with file
-    number = group rank, or ``None`` when it is not one.
+    """The grid of a tensor of ``size`` laid out on ``mesh`` by ``placements`` (file number =
+    group rank; dims cut by the ceil rule, as DTensor's ``Shard`` does), or ``None`` when it
+    is not one: a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or the ranks of
+    the cells are not affine in the cell coordinates (a mesh over a permuted rank list).
 
-    Dim ``d`` sharded by axis ``a`` is cut by the ceil rule into ``shape[a]`` pieces (as
-    DTensor's ``Shard`` does). Of the replicas (the ranks along ``Replicate`` axes) the one
-    numbered ``replica`` modulo their count writes: a caller spreads replicated tensors by
-    passing each key's number. ``None`` when a placement is not ``"R"``/``"S<d>"``, a dim is
-    sharded twice, or the ranks of the cells are not affine in the cell coordinates (a mesh
-    over a permuted rank list): such a tensor is saved by its boxes.
-
-    ``rules`` (one dict per mesh, kept by the caller) memoizes the rule of each grid shape
-    (the affine check is O(mesh ranks)) and the grid of each ``(size, placements, replica)``:
-    a model repeats a few shapes, so most calls are one lookup (grids are immutable).
+    Of the replicas (the ranks along ``Replicate`` axes), the one numbered ``replica`` modulo
+    their count writes. ``rules`` (one dict per mesh, kept by the caller) memoizes the rule
+    of each grid shape (the affine check is O(mesh ranks)) and each grid: a model repeats a
+    few shapes, so most calls are one lookup.
     """
     shape, ranks = mesh
     placements = tuple(placements)
@@ -155,9 +149,9 @@ def _rule(
 
 @dataclass(slots=True)
 class TableRow:
-    """One key of a rank's table: its global facts and layout (the same on every rank that
-    holds it; a rank's own boxes for a ``local`` layout travel apart). Treated as immutable;
-    not frozen, which costs a fifth of a microsecond per field per key."""
+    """One key of a rank's table: its global facts and layout (a rank's own boxes for a
+    ``local`` layout travel apart). Treated as immutable; not frozen, which costs a fifth of
+    a microsecond per field per key."""
 
     key: str
     dtype: str
@@ -186,15 +180,10 @@ class TableRow:
 
 @dataclass(slots=True)
 class SavePlan:
-    """The coordinator's decisions for one save.
-
-    Attributes:
-        rows: One row per key, in the order first seen (the first table's order first).
-        grids: Keys saved as grids (file number = group rank).
-        whole: Keys saved as one whole chunk -> the rank that writes it.
-        chunks: Keys saved by their boxes -> ``[(box, writer rank), ...]``.
-        loads: Bytes assigned per rank outside grids (with the preassigned blob bytes).
-    """
+    """The coordinator's decisions for one save: ``rows``, one per key in the order first
+    seen; keys saved as ``grids`` (file number = group rank), as one ``whole`` chunk (-> its
+    writer) or by their boxes (``chunks``: ``[(box, writer), ...]``); and ``loads``, the
+    bytes assigned per rank outside grids (the preassigned blob bytes included)."""
 
     rows: dict[str, TableRow]
     grids: dict[str, Grid] = field(default_factory=dict)
@@ -203,9 +192,8 @@ class SavePlan:
     loads: list[int] = field(default_factory=list)
 
     def assignments(self) -> list[dict[str, Any]]:
-        """What each rank is told to write besides its grid cells (which it derives from
-        the agreed rows): ``{"whole": [keys], "chunks": [[key, offsets], ...]}``, one
-        JSON-able value per rank, for ``scatter_json``."""
+        """Per rank, what it writes besides its grid cells (which it derives itself):
+        ``{"whole": [keys], "chunks": [[key, offsets], ...]}``."""
         per_rank: list[dict[str, Any]] = [{"whole": [], "chunks": []} for _ in self.loads]
         for key, rank in self.whole.items():
             per_rank[rank]["whole"].append(key)
@@ -233,8 +221,8 @@ def plan_save(
         local: Per rank, its own boxes of each key with a ``local`` layout.
         world_size: Ranks in the group.
         preassigned: Bytes already given to a rank (object blobs).
-        skip: Keys checked like the others but written by no rank (tied tensors: another
-            key's data); they keep their number, so the others' numbers do not move.
+        skip: Keys checked like the others but written by no rank (tied tensors); they keep
+            their number, so the others' numbers do not move.
 
     Raises:
         ValueError: Tables disagree on a key's facts, a layout names a mesh or rank that

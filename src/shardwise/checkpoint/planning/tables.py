@@ -40,23 +40,17 @@ __all__ = [
     "rank_table",
 ]
 
-# A ``local`` layout whose size only the union of every rank's boxes tells (a standalone
-# LocalShardsWrapper): the coordinator fills in the bounding size.
+# The layout of a standalone LocalShardsWrapper: the coordinator fills in the bounding size.
 _UNSIZED = ("local", "bounds")
 _LOCAL = ("local",)
 
 
 @dataclass(slots=True)
 class RankTable:
-    """One rank's description of what it holds.
-
-    Attributes:
-        rows: One row per tensor key, in state-dict order.
-        meshes: The meshes the ``mesh`` rows name, as group ranks.
-        local: This rank's boxes of each ``local`` key, ``[[offsets, sizes], ...]``.
-        cells: For each ``mesh`` key, this rank's grid cell (``None``: it holds no element).
-        digest: xxh3-128 of ``rows`` and ``meshes``.
-    """
+    """One rank's description of what it holds: a row per tensor key in state-dict order,
+    the meshes the ``mesh`` rows name (as group ranks), its boxes of each ``local`` key
+    (``[[offsets, sizes], ...]``), its grid cell of each ``mesh`` key (``None``: no element),
+    and the xxh3-128 ``digest`` of rows and meshes."""
 
     rows: list[TableRow]
     meshes: list[Mesh]
@@ -117,8 +111,8 @@ class _Meshes:
         self.positions: list[int] = []
 
     def number(self, device_mesh: Any, rank: int) -> int | None:
-        """The number of ``device_mesh`` (a DeviceMesh, or ``(shape, global ranks)``;
-        ``None``: a rank outside the save's group)."""
+        """The number of ``device_mesh`` (a DeviceMesh or ``(shape, global ranks)``), ``None``
+        when it has a rank outside the save's group."""
         known = self._by_object.get(id(device_mesh))
         if known is not None and known[0] is device_mesh:
             return known[1]
@@ -196,7 +190,7 @@ def _mesh_row(
     key: str, value: TensorValue, layout: tuple[Any, ...], rank: int, meshes: _Meshes
 ) -> tuple[TableRow, tuple[int, ...] | None] | None:
     """The ``mesh`` row of a DTensor and this rank's cell, or ``None`` when its boxes are not
-    what the rule gives this rank (then it is described as ``local``)."""
+    what the rule gives this rank."""
     assert value.size is not None
     _, device_mesh, placements = layout
     number = meshes.number(device_mesh, rank)
@@ -265,14 +259,9 @@ def own_file_writes(
 
 @dataclass(slots=True)
 class CoordinatorPlan:
-    """The coordinator's plan of a save.
-
-    Attributes:
-        plan: Who writes what (:func:`~.save_plan.plan_save`).
-        aliases: Tied keys -> the key they are tied to (not written).
-        assignments: What to tell each rank (``scatter_json``).
-        total: Bytes every rank writes together (tensor data; blobs apart).
-    """
+    """The coordinator's plan of a save: who writes what (``plan``), tied keys -> the key
+    they are tied to (``aliases``, not written), what to tell each rank (``assignments``),
+    and the bytes of tensor data all ranks write together (``total``, blobs apart)."""
 
     plan: SavePlan
     aliases: dict[str, str]
@@ -293,8 +282,7 @@ def plan_from_tables(
         ValueError: Ranks disagree about a key's facts, or its chunks do not tile it (the
             message names the key).
     """
-    # The distinct tables, the coordinator's first (so that a rank with its digest numbers
-    # keys by their position in its own table), their meshes in one list.
+    # The distinct tables, the coordinator's first, their meshes in one list.
     meshes: list[Mesh] = []
     mesh_numbers: dict[Mesh, int] = {}
 
@@ -339,16 +327,13 @@ def plan_from_tables(
     _fill_sizes(tables, local)
     aliases = _agree_aliases(tables, holders, meshes, local, envelopes)
     plan = plan_save(tables, holders, meshes, local, world_size, blob_bytes, skip=aliases)
+    # A rank with the coordinator's table numbers keys by their position in it.
     numbers = {key: number for number, key in enumerate(plan.rows)}
-    per_table_numbers: list[list[int] | None] = [
-        None if number == 0 else [numbers[row.key] for row in table]
-        for number, table in enumerate(tables)
-    ]
+    per_table = [[numbers[row.key] for row in table] for table in tables[1:]]
     assignments = plan.assignments()
     for rank, assignment in enumerate(assignments):
-        table_numbers = per_table_numbers[rank_tables[rank]]
-        if table_numbers is not None:
-            assignment["numbers"] = table_numbers
+        if rank_tables[rank]:
+            assignment["numbers"] = per_table[rank_tables[rank] - 1]
         if rank in demoted:
             assignment["demoted"] = sorted(demoted[rank])
         if aliases:
@@ -443,8 +428,8 @@ def _agree_aliases(
     local: Mapping[int, Mapping[str, Sequence[Box]]],
     envelopes: Sequence[Mapping[str, Any]],
 ) -> dict[str, str]:
-    """:func:`planner.agree_aliases` on the keys some rank sees tied, with their holders
-    derived from the layouts (O(ranks) per such key; tied keys are few)."""
+    """:func:`planner.agree_aliases` on the keys some rank sees tied, their holders derived
+    from the layouts (O(ranks) per such key; tied keys are few)."""
     per_rank = [envelope.get("aliases") or {} for envelope in envelopes]
     involved = {key for aliases in per_rank for pair in aliases.items() for key in pair}
     if not involved:
