@@ -1,17 +1,7 @@
-"""The checkpoint index: typed records, the encoder, and the strict decoder (see
-``docs/format.md``).
+"""The checkpoint index, one format (see ``docs/format.md``): pure, bytes in, records out.
 
-Pure: bytes in, records out, no I/O. The modules of this package, by concept:
-
-- :mod:`.names`: the format's constants and version, file names, block checksums, the GC
-  pause.
-- :mod:`.records`: :class:`Index` and its records (what the decoder returns).
-- :mod:`.view`: an index as DCP-style ``Metadata``, built lazily.
-- :mod:`.layouts`: the tensor layouts (``grid``/``whole``/``chunks``): grids by their rule,
-  the file order of grid cells, a grid's chunks built on demand.
-- :mod:`.encode`: the sealed index a save writes (:func:`encode_index`).
-- :mod:`.checks`, :mod:`.fields`, :mod:`.decode`: the strict decoder (:func:`decode_index`):
-  shared checks, fields, layouts.
+The encoder (:func:`encode_index`), the strict decoder (:func:`decode_index`) and the
+records it returns, and the data-file layout (its modules: ``docs/architecture.md``).
 """
 
 from shardwise.checkpoint.index.checks import decode_text, load_json_value

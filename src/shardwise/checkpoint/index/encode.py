@@ -1,10 +1,9 @@
-"""The writer's side of the index: the sealed bytes of an index (:func:`encode_index`) from
-the records a save builds (:class:`FileFacts`, :class:`LayoutRecord`, objects)."""
+"""The writer's side of the index: the sealed bytes (:func:`encode_index`) of a save's records."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 import xxhash
@@ -29,13 +28,8 @@ __all__ = ["FileFacts", "LayoutRecord", "PropertyTable", "encode_index", "seal"]
 
 @dataclass(frozen=True, slots=True)
 class FileFacts:
-    """A data file as the index records it.
-
-    Attributes:
-        size: Its size in bytes.
-        data_start: The first byte of its data section (after the safetensors header).
-        checksums: The block checksums of ``[data_start, size)``, concatenated.
-    """
+    """A data file as the index records it: its size, the first byte of its data section
+    (after the safetensors header), and the block checksums of ``[data_start, size)``."""
 
     size: int
     data_start: int
@@ -44,10 +38,9 @@ class FileFacts:
 
 @dataclass(slots=True)
 class LayoutRecord:
-    """A tensor as a writer describes it: a :class:`Grid` (file numbers are positions in the
-    index's ``files``), or its chunks with their byte ranges (one chunk that is the whole
-    tensor is written as a ``whole`` layout; checksums are not used). Treated as immutable;
-    not frozen, which costs a fifth of a microsecond per field on construction, per tensor."""
+    """A tensor as a writer describes it: a :class:`Grid` (of file numbers in ``files``), or
+    its chunks (one whole-tensor chunk is a ``whole`` layout; checksums are not used). Treated
+    as immutable; not frozen, which costs a fifth of a microsecond per field, per tensor."""
 
     fqn: str
     properties: TensorProperties
@@ -63,11 +56,9 @@ def encode_index(
     block_size: int = BLOCK_SIZE,
     aliases: Mapping[str, str] | None = None,
 ) -> bytes:
-    """The sealed index (see ``docs/format.md``): ``files`` in the order their numbers refer
-    to (``None``: a rank that wrote no file, ``null`` in the index); grid cells packed in
-    each file as :class:`~.layouts.FileOrder` says, the other entries at the begins they
-    carry; ``aliases`` (alias key -> the tensor key it is tied to) are not among
-    ``tensors``."""
+    """The sealed index (see ``docs/format.md``): ``files`` by number (``None``: a rank that
+    wrote no file); grid cells packed in each file as :class:`~.layouts.FileOrder` says, the
+    other entries at their begins; ``aliases`` (alias -> tied tensor key) not in ``tensors``."""
     with paused_gc():
         numbers = {entry[0]: number for number, entry in enumerate(files) if entry is not None}
         properties = PropertyTable()
@@ -77,28 +68,13 @@ def encode_index(
             if tensor.properties is not last[0]:
                 last = (tensor.properties, properties.number(tensor.properties))
             rows.append([tensor.fqn, last[1], list(tensor.size), _layout_row(tensor, numbers)])
-        file_rows: list[list[Any] | None] = []
-        for entry in files:
-            if entry is None:
-                file_rows.append(None)
-            else:
-                name, facts = entry
-                file_rows.append([name, facts.size, facts.data_start, facts.checksums])
+        file_rows = [None if entry is None else [entry[0], *astuple(entry[1])] for entry in files]
+        checksum = {"algorithm": CHECKSUM_ALGORITHM, "block_size": block_size, "scope": "file"}
         document: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "save": {
-                "writer": save.writer,
-                "torch": save.torch,
-                "world_size": save.world_size,
-                "save_id": save.save_id,
-                "checkpoint_id": save.checkpoint_id,
-            },
-            "checksum": {
-                "algorithm": CHECKSUM_ALGORITHM,
-                "block_size": block_size,
-                "scope": "file",
-            },
+            "save": asdict(save),
+            "checksum": checksum,
             "files": file_rows,
             "properties": properties.table(),
             "tensors": rows,
@@ -163,8 +139,8 @@ class PropertyTable:
 
 
 def seal(document: Mapping[str, Any]) -> bytes:
-    """``document`` (an index without its last key) as compact JSON ending with its
-    seal, ``"index_checksum":"<xxh3_64 of every byte before it>"}``."""
+    """``document`` (an index without its last key) as compact JSON ending with its seal,
+    ``"index_checksum":"<xxh3_64 of every byte before it>"}``."""
     # Raw UTF-8: the reader then refuses every \uD8xx escape outright.
     text = compact(document)
     prefix = text[:-1] + b","

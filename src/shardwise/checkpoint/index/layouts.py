@@ -23,21 +23,16 @@ __all__ = ["FileOrder", "Grid", "LayoutChunks", "ceil_grid_steps", "file_cells"]
 
 
 def ceil_grid_steps(size: Sequence[int], parts: Sequence[int]) -> tuple[int, ...]:
-    """The steps of a grid that cuts dim ``d`` of ``size`` into ``parts[d]`` chunks by the
-    ceil rule (``ceil(size / parts)`` each; 1 for an empty dim, which then has one cell)."""
+    """The steps of a grid that cuts each dim of ``size`` into ``parts`` chunks by the ceil
+    rule (1 for an empty dim, which then has one cell)."""
     return tuple(max(1, -(-n // k)) for n, k in zip(size, parts, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
 class Grid:
-    """A tensor cut into cells ``[k * step, min((k + 1) * step, size))`` along each dim.
-
-    Attributes:
-        size: The tensor's size.
-        steps: The cell length along each dim (>= 1): ``size[d]`` or more for an unsplit dim.
-        first: The file (number in the index's ``files``) of cell ``(0, ..., 0)``.
-        strides: Cell ``(k_0, ...)`` is in file ``first + sum(k_d * strides[d])``.
-    """
+    """A tensor cut into cells ``[k * step, min((k + 1) * step, size))`` along each dim
+    (``steps`` >= 1: ``size[d]`` or more for an unsplit dim). Cell ``(k_0, ...)`` is in file
+    ``first + sum(k_d * strides[d])`` (a number in the index's ``files``)."""
 
     size: tuple[int, ...]
     steps: tuple[int, ...]
@@ -45,7 +40,6 @@ class Grid:
     strides: tuple[int, ...]
     #: Cells along each dim (none past the end; one along an empty dim).
     counts: tuple[int, ...] = field(init=False, compare=False, repr=False)
-    #: The highest file number a cell is in.
     last_file: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -36,13 +36,8 @@ V = TypeVar("V")
 
 
 class LazyMapping(MutableMapping[K, V]):
-    """A mapping of known keys whose values are built on first lookup, then kept.
-
-    Args:
-        keys: Every key, in order (called on each walk until the mapping is built whole).
-        count: The number of keys.
-        build: The value of a key, or ``KeyError`` when it is not one.
-    """
+    """A mapping of ``count`` known keys whose values are built on first lookup, then kept.
+    ``keys`` walks every key in order; ``build`` gives a key's value or raises ``KeyError``."""
 
     __slots__ = ("_build", "_built", "_count", "_keys", "_whole")
 
@@ -71,10 +66,8 @@ class LazyMapping(MutableMapping[K, V]):
         return len(self._built) if self._whole else self._count
 
     def __contains__(self, key: object) -> bool:
-        if key in self._built:
-            return True
-        if self._whole:
-            return False
+        if self._whole or key in self._built:
+            return key in self._built
         try:
             self[key]  # type: ignore[index]
         except (KeyError, TypeError):
