@@ -19,6 +19,7 @@ import torch
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint import tuning as tuning_module
 from shardwise.checkpoint.saving.lock import LOCK_NAME
+from shardwise.checkpoint.storage import LocalStorage
 
 
 def _lock(path: Path, pid: int, host: str | None = None, age: float = 0.0) -> None:
@@ -54,7 +55,7 @@ def test_a_running_save_keeps_a_second_one_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["dead-process", "no-heartbeat", "garbage", "future-heartbeat", "bad-pid"]
+    "kind", ["dead-process", "no-heartbeat", "garbage", "future-heartbeat", "bad-pid", "deep"]
 )
 def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "c"
@@ -66,6 +67,9 @@ def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> Non
         _lock(path, 1, host="another-host", age=-(10**9))
     elif kind == "bad-pid":
         _lock(path, -1)
+    elif kind == "deep":  # nested past the JSON parser's recursion limit
+        path.mkdir()
+        (path / LOCK_NAME).write_bytes(b"[" * 4000)
     else:
         path.mkdir()
         (path / LOCK_NAME).write_bytes(b"\x00 not json")
@@ -151,3 +155,22 @@ def test_racing_saves_never_lose_the_checkpoint(tmp_path: Path) -> None:
     left = os.listdir(Path(path, "data"))
     save_id = ckpt.read_metadata(path).storage_meta.save_id
     assert left and all(f".{save_id}." in name for name in left), left
+
+
+def test_a_directory_sync_that_fails_after_the_commit_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sync_dir = LocalStorage.sync_dir
+
+    def failing(self: LocalStorage, path: str) -> None:
+        if path == self.root:  # the index's directory, once the index is renamed into place
+            raise OSError(5, "Input/output error")
+        sync_dir(self, path)
+
+    monkeypatch.setattr(LocalStorage, "sync_dir", failing)
+    path = tmp_path / "c"
+    with pytest.raises(ckpt.CheckpointDataError, match="the save committed but may not survive"):
+        ckpt.save({"w": torch.ones(3)}, path)
+    target = {"w": torch.empty(3)}
+    ckpt.load(target, path)  # the index is in place: what was saved loads
+    assert torch.equal(target["w"], torch.ones(3))

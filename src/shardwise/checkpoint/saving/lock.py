@@ -68,7 +68,7 @@ class SaveLock:
             return {}
         try:
             holder = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             return {}
         return holder if isinstance(holder, dict) else {}
 

@@ -91,7 +91,14 @@ def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> N
             f"writing the index failed: {err}; the save did not commit", file=name
         ) from err
     if sync_files:
-        storage.sync_dir(storage.root)
+        try:
+            storage.sync_dir(storage.root)
+        except OSError as err:  # committed, but not known to be durable: every rank says so
+            raise CheckpointDataError(
+                f"the index was written, but syncing its directory failed: {err}; the save "
+                "committed but may not survive a crash of the host",
+                file=name,
+            ) from err
 
 
 def _remove_leftovers(storage: Storage, index: Index) -> None:
