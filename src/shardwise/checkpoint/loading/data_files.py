@@ -1,8 +1,6 @@
-"""The data files of one checkpoint, opened safely and read: :class:`DataFiles`.
-
-Each file is opened once, only as a regular file inside ``<ckpt>/data`` (no link followed) of
-the size the index declares; every read comes back whole or raises a
-:class:`~shardwise.errors.CheckpointDataError` naming the file, the entry and the rank.
+"""The data files of one checkpoint, opened safely and read: :class:`DataFiles`. Every read
+comes back whole or raises a :class:`~shardwise.errors.CheckpointDataError` naming the file,
+the entry and the rank.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Reads of saved bytes into destination tensors: :class:`Job` (one planned read) and
 :func:`fill`, which turns jobs into segments of the read pass (:mod:`.read`) and runs it.
 
-- Bytes the destination takes as they are (same dtype, contiguous CPU memory: nearly every
-  read of a load) are one segment straight into its memory.
-- A strided read (e.g. a column block of row-wise chunks) into such a destination is one
-  segment per contiguous run, when runs are at least ``TUNING.scatter_run_bytes``.
-- Anything else (a cast, a GPU or non-contiguous destination, short runs) is read into a host
-  staging buffer and copied only once every block of it matched: no unverified byte reaches
-  device memory. Staging is made round by round, at most ``TUNING.read_batch_bytes`` a round
-  (a large job in pieces of rows), pinned for a GPU destination.
+A destination that takes the saved bytes as they are (same dtype, contiguous CPU memory) gets
+one segment, or one per run of a strided read with runs of ``TUNING.scatter_run_bytes``.
+Anything else (a cast, a GPU destination, short runs) is read into host staging, round by
+round, and copied only once every block of it matched: no unverified byte reaches the device.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from shardwise.checkpoint.entries.items import LocalBox
 from shardwise.checkpoint.loading.data_files import DataFiles
 from shardwise.checkpoint.loading.read import Segment, read
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import batches
 
 __all__ = ["Job", "fill"]
@@ -39,7 +34,7 @@ class Job:
 
     target: int
     key: str
-    chunk: SavedChunk
+    chunk: planner.SavedChunk
     read: planner.ChunkRead
     dtype: torch.dtype
 
@@ -85,20 +80,15 @@ def _destination(job: Job, target: LocalBox) -> torch.Tensor:
     return narrow_to(target.tensor, target.offsets, overlap[0], overlap[1])
 
 
-def _plain(job: Job, destination: torch.Tensor) -> bool:
-    """Whether ``destination``'s memory takes the saved bytes as they are."""
-    return (
+def _direct_segments(job: Job, destination: torch.Tensor) -> list[Segment] | None:
+    """The segments that read ``job`` straight into ``destination`` (None: it is staged)."""
+    if not (
         destination.dtype == job.dtype
         and destination.is_cpu
         and destination.is_contiguous()
         and not destination.is_conj()
         and not destination.is_neg()
-    )
-
-
-def _direct_segments(job: Job, destination: torch.Tensor) -> list[Segment] | None:
-    """The segments that read ``job`` straight into ``destination`` (None: it is staged)."""
-    if not _plain(job, destination):
+    ):
         return None
     read, file, key = job.read, job.chunk.file, job.key
     # From its address (the caller's targets keep it alive): a third of the cost of a NumPy

@@ -157,8 +157,7 @@ def _match(
     ``state``) is grown: those entries are loaded into it.
 
     Returns:
-        The pairs (state dict key to checkpoint key), the grown Mappings (state dict key to
-        the checkpoint keys under it), and the missing and unexpected keys.
+        The pairs, the grown Mappings (key to checkpoint keys), the missing and unexpected keys.
     """
     saved = [*index.tensors, *index.objects]
     by_display: dict[str, list[str]] = {}
@@ -288,9 +287,8 @@ def _allocate(record: TensorRecord, parameter: Any) -> torch.Tensor:
         and tuple(parameter.shape) == record.size
         and not parameter.is_meta  # no memory to be like
     ):
-        kind = type(parameter)
         dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if kind in (torch.Tensor, torch.nn.Parameter) or (
+        if type(parameter) in (torch.Tensor, torch.nn.Parameter) or (
             dtensor is not None and isinstance(parameter, dtensor)
         ):
             with torch.no_grad():
@@ -422,11 +420,9 @@ def load(
     """Fill ``state_dict`` in place from the checkpoint at ``path`` (collective).
 
     Tensors (plain, ShardedTensor, DTensor, LocalShardsWrapper; any layout, any world size)
-    are filled in place; other values are replaced in their containers (a tuple is rebuilt);
-    every Stateful object gets its filled ``state_dict()`` through ``load_state_dict``. A
-    failed check of the index, keys, sizes or dtypes leaves the state dict unchanged; no load
-    returns while a byte it copied is unverified. After a checksum mismatch the tensors being
-    filled are undefined (partly filled) and no Python value was replaced.
+    are filled in place, other values replaced in their containers, Stateful objects given
+    their filled ``state_dict()``. A failed check leaves the state dict unchanged; after a
+    checksum mismatch the tensors being filled are undefined and no value was replaced.
 
     Args:
         state_dict: The target, with tensors of the right size and dtype.

@@ -1,20 +1,13 @@
 """The one read pass: each checksummed block a read touches is read once, checked, and its
 bytes used (:func:`read`); and the audit of whole data files (:func:`audit`).
 
-A read is a list of :class:`Segment` (file bytes → memory). Per file, the blocks the segments
-touch are grouped into *spans* of adjacent blocks (at most ``TUNING.read_run_bytes``):
-
-- **Locally**, a span is read in pieces, each one scatter read (``preadv``) of at most
-  ``TUNING.hot_buffer_bytes``: wanted bytes go straight into their memory, the rest into the
-  thread's scratch buffer; the piece's blocks are hashed right after, while in the cache (the
-  cost over an unverified read: xxh3, a few ms per GiB).
-- **On an object store**, a span is one ranged request (concurrent, in batches of
-  ``TUNING.read_batch_bytes``), into its segment when it is exactly one's bytes, else into a
-  buffer copied to the segments once its blocks matched. No byte goes to a local file.
-
-Without ``verify``, spans are the segments (gaps under ``TUNING.read_gap_bytes`` read through).
-A mismatch is known only after its span is read: a failed read leaves its destinations
-undefined.
+A read is a list of :class:`Segment` (file bytes → memory); per file, the blocks they touch
+are grouped into *spans* of adjacent blocks. Locally a span is read in scatter reads
+(``preadv``): wanted bytes straight into their memory, the rest into the thread's scratch
+buffer, hashed right after while in the cache (xxh3: a few ms per GiB over an unverified
+read). On an object store a span is one ranged request, copied to its segments once its
+blocks matched. Without ``verify``, spans are the segments. A mismatch is known only after
+its span is read: a failed read leaves its destinations undefined.
 """
 
 from __future__ import annotations
@@ -426,11 +419,9 @@ def _compare(
     assert index.block_size is not None
     begin = index.data_starts[name] + number * index.block_size
     end = min(begin + index.block_size, index.files[name] or 0)
-    what = (
-        "the data"
-        if not key
-        else ("a stored object" if key in index.objects else "a chunk of this tensor")
-    )
+    what = "a stored object" if key in index.objects else "a chunk of this tensor"
+    if not key:
+        what = "the data"
     what += f" in block {number} of the file (bytes {begin}-{end})"
     if key and _shared_block(files, key, name, begin, end):
         # A checksum cannot tell which entry's bytes changed.

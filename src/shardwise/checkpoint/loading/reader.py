@@ -1,9 +1,5 @@
 """The one reader of checkpoints: every path that reads one (``load``, ``load_tensor``,
 ``read_metadata``, the CLI) goes through :class:`CheckpointReader`.
-
-The index is found and validated by :mod:`.index_file`, data files opened safely by
-:mod:`.data_files`, and read in one verified pass (:mod:`.read`): no read returns while a byte
-it copied is unverified; after a mismatch, its destinations are undefined (partly filled).
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ from shardwise.checkpoint.loading.fill import Job, fill
 from shardwise.checkpoint.loading.index_file import decode, read_index_bytes
 from shardwise.checkpoint.loading.read import Segment, audit, read
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import Reader, Storage, open_storage
 from shardwise.errors import CheckpointFormatError, CheckpointKeyError, ChecksumError
 
@@ -79,7 +74,7 @@ class CheckpointReader:
         """Data file ``name`` opened for reads (see :meth:`.DataFiles.handle`)."""
         return self.files.handle(name, key)
 
-    def check_files(self, items: Iterable[tuple[str, SavedChunk]]) -> None:
+    def check_files(self, items: Iterable[tuple[str, planner.SavedChunk]]) -> None:
         """Open (and so check) the data file of every ``(key, chunk)``."""
         for key, chunk in items:
             if chunk.nbytes:
@@ -105,7 +100,6 @@ class CheckpointReader:
     def plan(self, fqn: str, box: planner.Box, target: int) -> list[Job]:
         """The reads that fill the global ``box`` of tensor ``fqn`` into ``target``."""
         record = self.tensor_record(fqn)
-        dtype = record.dtype
         chunks = record.chunks
         lookup: planner.Candidates | None = None
         reads = None
@@ -121,19 +115,18 @@ class CheckpointReader:
         ):  # the whole tensor (a key the state dict lacks, a consolidation): every chunk
             reads = planner.whole_reads(chunks)
         elif len(chunks) > tuning.TUNING.lookup_chunks:
-            lookup = self._lookups.get(fqn)
-            if lookup is None:
-                lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])
-                self._lookups[fqn] = lookup
+            if fqn not in self._lookups:
+                self._lookups[fqn] = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])
+            lookup = self._lookups[fqn]
         try:
             if reads is None:
-                reads = planner.plan_reads(box, chunks, dtype.itemsize, lookup=lookup)
+                reads = planner.plan_reads(box, chunks, record.dtype.itemsize, lookup=lookup)
         except CheckpointFormatError as err:  # grid cells that do not fill their file
             index_url = self.storage.url(self.storage.join(INDEX_NAME))
             raise CheckpointFormatError(err.bare_message, key=fqn, file=index_url) from err
         except ValueError as err:  # the chunks tile the tensor: only a box outside it fails
             raise CheckpointFormatError(str(err), key=fqn) from err
-        return [Job(target, fqn, chunks[read.chunk], read, dtype) for read in reads]
+        return [Job(target, fqn, chunks[read.chunk], read, record.dtype) for read in reads]
 
     def fill(
         self,
