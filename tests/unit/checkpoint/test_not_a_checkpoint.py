@@ -23,7 +23,8 @@ from torch.distributed.checkpoint import state_dict_saver as dcp
 
 import shardwise.checkpoint as ckpt
 from shardwise import cli
-from shardwise.checkpoint.storage import LocalStorage, _LocalReader, open_storage
+from shardwise.checkpoint.storage import LocalStorage, open_storage
+from shardwise.checkpoint.storage._local import _LocalReader
 
 INDEX = "shardwise.json"
 INTERRUPTED = (

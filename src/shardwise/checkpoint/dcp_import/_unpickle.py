@@ -1,5 +1,5 @@
-"""DCP's ``.metadata`` unpickled into inert stand-ins: an allow-list of DCP's metadata classes,
-each resolved to a record of its fields, so no code from the file runs."""
+"""DCP's ``.metadata`` unpickled into inert stand-ins: an allow-list of its classes, each a record
+of its fields."""
 
 from __future__ import annotations
 
@@ -176,19 +176,16 @@ def _refuse_bytearray(unpickler: object) -> NoReturn:
 
 
 class DCPUnpickler(pickle._Unpickler):
-    """Reads DCP's ``.metadata`` into stand-in records. Only the names of
-    ``_ALLOWED_GLOBALS`` and torch's dtype, layout and memory-format constants resolve; each
-    resolves to a shardwise stand-in or an inert torch value, so nothing from the file runs.
+    """Reads DCP's ``.metadata`` into stand-ins: only ``_ALLOWED_GLOBALS`` and torch's dtype,
+    layout and memory-format constants resolve, so nothing from the file runs.
 
-    A pickle can also set attributes on what it loads (BUILD). torch's values are immutable,
-    BUILD on a stand-in class fails (they define ``__setstate__``), and functions are handed
-    out as a fresh ``functools.partial`` per reference, so no pickle can alter what a later
-    one gets.
+    No pickle can alter what a later one gets by BUILD: torch's values are immutable, BUILD on
+    a stand-in class fails (they define ``__setstate__``), and each reference to a function
+    gets a fresh ``functools.partial``.
 
-    It is Python's pure-Python unpickler: the C one allocates what an opcode claims before
-    reading it (LONG_BINPUT 0x0fffffff makes it zero 4 GiB for a 10-byte pickle), this one
-    keeps its memo in a dict and reads byte strings without allocating their claimed size,
-    except BYTEARRAY8, which is refused (DCP's metadata holds no bytearray)."""
+    It is the pure-Python unpickler: the C one allocates what an opcode claims before reading
+    it (LONG_BINPUT 0x0fffffff zeroes 4 GiB for a 10-byte pickle); this one keeps its memo in a
+    dict and never allocates a byte string's claimed size, except BYTEARRAY8, refused here."""
 
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = {
         **pickle._Unpickler.dispatch,

@@ -24,9 +24,6 @@ from typing import Any
 from shardwise.checkpoint.storage._errors import describe_storage_error
 from shardwise.checkpoint.storage._fsspec import FsspecStorage
 from shardwise.checkpoint.storage._local import LocalStorage
-
-# The local reader class, for tests that count the reads of a load (not part of the API).
-from shardwise.checkpoint.storage._local import _LocalReader as _LocalReader
 from shardwise.checkpoint.storage._protocol import (
     Finish,
     RangeRequest,

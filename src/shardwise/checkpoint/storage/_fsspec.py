@@ -61,17 +61,14 @@ class _FsspecWriter:
 
         try:
             if isinstance(self._file, AbstractBufferedFile):
-                # Closing would upload what was written: discard it instead (an object
-                # store's multipart upload is aborted), and mark the file closed so that it
-                # is not uploaded when it is collected either. Nothing became visible.
+                # Closing would upload what was written: discard it (a multipart upload is
+                # aborted), and mark it closed so that collecting it does not upload it either.
                 self._file.discard()
                 self._file.closed = True
                 return
             self._file.close()
             self._storage.remove(self._path)
-        # Any failure of the storage library: the write failed already, and whatever is left
-        # is removed by the next save's cleanup.
-        except Exception as err:
+        except Exception as err:  # any storage failure: what is left, the next save removes
             logger.warning("could not discard %s after a failed write: %s", self._path, err)
 
 
@@ -132,8 +129,7 @@ class FsspecStorage:
 
     Args:
         url: The checkpoint's URL.
-        storage_options: Passed to the fsspec file system (credentials, ``endpoint_url``,
-            ...).
+        storage_options: For the fsspec file system (credentials, ``endpoint_url``, ...).
 
     Attributes:
         bucket: The bucket (or container) of an object store, None for other file systems.
@@ -176,8 +172,8 @@ class FsspecStorage:
             if isinstance(err, FileNotFoundError) and no_such_bucket(err):
                 raise self.failure(err, doing, path) from err
             raise
-        # The storage library's exceptions share no base class (botocore, aiohttp,
-        # google-auth, ...): at this boundary any other one means the storage failed.
+        # Storage libraries' exceptions share no base class (botocore, aiohttp, ...): at this
+        # boundary any other one means the storage failed.
         except Exception as err:
             raise self.failure(err, doing, path) from err
 
@@ -200,9 +196,7 @@ class FsspecStorage:
 
     def makedirs(self, path: str) -> None:
         if self.bucket is not None:
-            # An object store has no directories, only key prefixes; and a missing bucket is
-            # an error to report, not something a save creates.
-            return
+            return  # no directories, only key prefixes; and a save never creates a bucket
         with self.errors("create", path):
             self.fs.makedirs(path, exist_ok=True)
 
@@ -292,9 +286,8 @@ class FsspecStorage:
 
     def listdir(self, path: str) -> list[str]:
         with self.errors("list", path):
-            # Listings are cached by some file systems (s3fs), and a cached listing answers
-            # later lookups of the files below it: other processes write there, so a listing
-            # is taken fresh and not kept.
+            # s3fs caches listings and answers later lookups below them from the cache; other
+            # processes write there, so a listing is taken fresh and not kept.
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=False)
