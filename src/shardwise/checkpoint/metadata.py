@@ -244,13 +244,8 @@ class MetadataIndex:
             raise TypeError(f"MetadataIndex.fqn must be a string, got {self.fqn!r}")
         if self.index is not None and (type(self.index) is not int or self.index < 0):
             raise TypeError(f"MetadataIndex.index must be an int >= 0 or None, got {self.index!r}")
-        return {
-            "fqn": self.fqn,
-            "offset": None
-            if self.offset is None
-            else plain_ints(self.offset, "MetadataIndex offset"),
-            "index": self.index,
-        }
+        offset = None if self.offset is None else plain_ints(self.offset, "MetadataIndex offset")
+        return {"fqn": self.fqn, "offset": offset, "index": self.index}
 
     @classmethod
     def from_dict(cls, data: object) -> MetadataIndex:

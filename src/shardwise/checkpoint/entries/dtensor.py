@@ -53,6 +53,5 @@ def local_shape_and_offset(
         size = max(0, min(length, start + step) - start)
         # Once empty, a dimension stays so.
         offsets[dim] = global_shape[dim] if size == 0 else offsets[dim] + start
-
         shape[dim] = size
     return tuple(shape), tuple(offsets)
