@@ -5,8 +5,6 @@ that holds it:
   placements are ``"R"`` or ``"S<dim>"`` per mesh axis, each dim sharded by at most one axis;
   ``meshes[mesh_number]`` is ``[shape, group ranks in row-major order]``.
 - ``["whole"]``: a plain tensor, replicated on every rank that has the key.
-- ``["boxes", [[offsets, sizes, rank], ...]]``: a tensor whose global layout every rank knows
-  (an ``EnumerableShardingSpec``).
 - ``["local"]``: anything else; the rank sends its own boxes.
 
 :func:`plan_save` decides who writes what in O(tensors + ranks + irregular chunks x log)
@@ -268,13 +266,6 @@ def plan_save(
         elif kind == "whole":
             if written:
                 whole.append((number, row.key))
-        elif kind == "boxes":
-            boxes = [((tuple(o), tuple(s)), r) for o, s, r in row.layout[1]]
-            _check_boxes(row, [box for box, _ in boxes], [r for _, r in boxes], world_size)
-            if written:
-                plan.chunks[row.key] = boxes
-                for box, rank in boxes:
-                    plan.loads[rank] += math.prod(box[1]) * row.itemsize
         elif kind == "local":
             loads = plan.loads if written else list(plan.loads)
             assigned = _assign_local(row, holding(row.key), local, loads)
@@ -318,11 +309,7 @@ def _grid(
     return grid
 
 
-def _check_boxes(
-    row: TableRow, boxes: Sequence[Box], ranks: Sequence[int], world_size: int
-) -> None:
-    if not all(0 <= rank < world_size for rank in ranks):
-        raise ValueError(f"cannot save {row.key!r}: a box names a rank outside the group")
+def _check_tiling(row: TableRow, boxes: Sequence[Box]) -> None:
     try:
         check_tiling(row.size, boxes)
     except ValueError as err:
@@ -340,7 +327,7 @@ def _assign_local(
     for rank in sorted(ranks):
         for offsets, sizes in local.get(rank, {}).get(row.key, ()):
             box_holders.setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
-    _check_boxes(row, list(box_holders), [], len(loads))
+    _check_tiling(row, list(box_holders))
     assigned = []
     for box in sorted(box_holders, key=lambda b: (-math.prod(b[1]), b[0])):
         writer = min(box_holders[box], key=lambda rank: (loads[rank], rank))

@@ -32,13 +32,7 @@ from shardwise.checkpoint.planning.planner import TensorPlan, WriteAssignment
 from shardwise.checkpoint.planning.save_plan import Mesh, SavePlan, TableRow, mesh_grid, plan_save
 from shardwise.metadata import dtype_name
 
-__all__ = [
-    "CoordinatorPlan",
-    "RankTable",
-    "own_file_writes",
-    "plan_from_tables",
-    "rank_table",
-]
+__all__ = ["CoordinatorPlan", "RankTable", "own_file_writes", "plan_from_tables", "rank_table"]
 
 # The layout of a standalone LocalShardsWrapper: the coordinator fills in the bounding size.
 _UNSIZED = ("local", "bounds")
@@ -50,7 +44,7 @@ class RankTable:
     """One rank's description of what it holds: a row per tensor key in state-dict order,
     the meshes the ``mesh`` rows name (as group ranks), its boxes of each ``local`` key
     (``[[offsets, sizes], ...]``), its grid cell of each ``mesh`` key (``None``: no element),
-    and the xxh3-128 ``digest`` of rows and meshes."""
+    and the xxh3-128 ``digest`` of its JSON."""
 
     rows: list[TableRow]
     meshes: list[Mesh]
@@ -64,14 +58,6 @@ class RankTable:
             "rows": [row.to_json() for row in self.rows],
             "meshes": [[list(shape), list(ranks)] for shape, ranks in self.meshes],
         }
-
-
-def _digest(rows: Sequence[TableRow], meshes: Sequence[Mesh]) -> str:
-    text = compact(
-        [[row.to_json() for row in rows], [[list(s), list(r)] for s, r in meshes]],
-        sort_keys=True,
-    )
-    return str(xxhash.xxh3_128_hexdigest(text))
 
 
 def own_cell(
@@ -182,7 +168,7 @@ def rank_table(
         )
         table.local[key] = [[list(box.offsets), list(box.sizes)] for box in value.boxes]
     table.meshes = meshes.meshes
-    table.digest = _digest(table.rows, table.meshes)
+    table.digest = str(xxhash.xxh3_128_hexdigest(compact(table.to_json(), sort_keys=True)))
     return table
 
 
@@ -201,9 +187,8 @@ def _mesh_row(
     if grid is None:
         return None
     cell = own_cell(grid, mesh, placements, rank, meshes.positions[number])
-    filled = [box for box in value.boxes if math.prod(box.sizes)]
     if cell is None:
-        if filled or len(value.boxes) > 1:
+        if len(value.boxes) > 1 or any(math.prod(box.sizes) for box in value.boxes):
             return None
     elif len(value.boxes) != 1 or value.boxes[0].box != grid.box(cell):
         return None
@@ -211,10 +196,7 @@ def _mesh_row(
 
 
 def own_file_writes(
-    table: RankTable,
-    tensors: Mapping[str, TensorValue],
-    assignment: Mapping[str, Any],
-    rank: int,
+    table: RankTable, tensors: Mapping[str, TensorValue], assignment: Mapping[str, Any], rank: int
 ) -> tuple[list[WriteAssignment], int]:
     """What this rank writes, in the order of its data file (``docs/format.md``, *Writing the
     index*), and how many grid cells lead it: its grid cells (derived from its own rows; the
@@ -465,6 +447,4 @@ def _boxes_of(
         grid = mesh_grid(row.size, meshes[number], placements)
         cell = None if grid is None else own_cell(grid, meshes[number], placements, rank)
         return [] if grid is None or cell is None else [grid.box(cell)]
-    if kind == "boxes":
-        return [(tuple(o), tuple(s)) for o, s, r in row.layout[1] if r == rank]
     return [(tuple(o), tuple(s)) for o, s in local.get(rank, {}).get(row.key, ())]

@@ -76,11 +76,7 @@ def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
         if dim < 0:  # the split dim: where the first box with elements is not whole
             if not math.prod(sizes):
                 continue
-            dim = 0
-            for d in range(ndim):
-                if offsets[d] or sizes[d] != size[d]:
-                    dim = d
-                    break
+            dim = next((d for d in range(ndim) if offsets[d] or sizes[d] != size[d]), 0)
             after = dim + 1
             head, tail = tuple(size[:dim]), tuple(size[after:])
             zeros_head, zeros_tail = (0,) * dim, (0,) * (ndim - after)
