@@ -10,6 +10,7 @@ read, not O(chunks) per reader).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +18,12 @@ from typing import Any
 import xxhash
 
 from shardwise._boxes import origin
+from shardwise._codec import DTYPES, LAYOUTS, MEMORY_FORMATS
 from shardwise.checkpoint.index.checks import (
     HEX_DIGITS,
     Ranges,
     check_chunks_tile,
+    check_int_suffix,
     dims_of,
     fail,
     has_surrogate_escape,
@@ -29,34 +32,38 @@ from shardwise.checkpoint.index.checks import (
     row_of,
     text_of,
 )
-from shardwise.checkpoint.index.fields import (
-    decode_aliases,
-    decode_checksum,
-    decode_file_name,
-    decode_objects,
-    decode_properties,
-    decode_save_facts,
-    decode_tensor_head,
-    expected_keys,
-    file_of,
-)
 from shardwise.checkpoint.index.layouts import FileOrder, Grid, LayoutChunks, file_cells
 from shardwise.checkpoint.index.names import (
+    CHECKSUM_ALGORITHM,
+    DATA_DIR,
+    ENCODINGS,
     FIRST_DATA_BYTE,
     FORMAT,
     FORMAT_VERSION,
     HEX,
+    MAX_BLOCK,
+    MAX_DIMS,
     MAX_INDEX_BYTES,
     MAX_INT,
+    MIN_BLOCK,
+    QUANTIZED,
     SEAL_KEY,
     SEAL_LENGTH,
+    TEXT_ENCODINGS,
+    is_data_file_name,
     num_blocks,
     paused_gc,
 )
-from shardwise.checkpoint.index.records import Index, TensorRecord
+from shardwise.checkpoint.index.records import Index, ObjectRecord, SaveFacts, TensorRecord
 from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.metadata import TensorProperties
 
 __all__ = ["FileOrders", "decode_index"]
+
+_SAVE_KEYS = ("writer", "torch", "world_size", "save_id", "checkpoint_id")
+_SAVE_ID = re.compile(r"[0-9a-f]{16}")
+_CHECKSUM_KEYS = ("algorithm", "block_size", "scope")
+_KEYS = ("format", "format_version", "save", "checksum", "files", "properties", "tensors")
 
 
 def decode_index(data: bytes) -> Index:
@@ -133,14 +140,15 @@ class FileOrders:
 
 def _decode(document: dict[str, Any]) -> Index:
     """A parsed, sealed index of this version, every field checked (but grid cell packing)."""
-    expected = expected_keys(with_aliases="aliases" in document)
+    ties = ("aliases",) if "aliases" in document else ()  # an index with ties, before the seal
+    expected = (*_KEYS, "objects", *ties, "index_checksum")
     if tuple(document) != expected:
         fail(f"the checkpoint index must have exactly the keys {list(expected)} in order")
-    facts = decode_save_facts(document["save"])
-    block_size = decode_checksum(document["checksum"])
+    facts = _save_facts(document["save"])
+    block_size = _block_size(document["checksum"])
 
     files, names, starts, sums = _files(document["files"], block_size)
-    properties = decode_properties(document["properties"])
+    properties = _properties(document["properties"])
     ranges = Ranges(files, starts)
     tensors: dict[str, TensorRecord] = {}
     grids: list[tuple[str, Grid, int]] = []
@@ -152,7 +160,7 @@ def _decode(document: dict[str, Any]) -> Index:
     grid_bytes = 0
     known_grids: dict[tuple[Any, ...], Grid] = {}  # a model repeats a few shapes
     for row in rows:
-        fqn, props, size, layout = decode_tensor_head(row, properties, tensors)
+        fqn, props, size, layout = _tensor_head(row, properties, tensors)
         itemsize = props.dtype.itemsize
         kind = layout[0] if type(layout) is list and layout else None
         chunks: Sequence[SavedChunk]
@@ -175,7 +183,7 @@ def _decode(document: dict[str, Any]) -> Index:
             fail("a layout must be a list starting with 'grid', 'whole' or 'chunks'", fqn)
         tensors[fqn] = TensorRecord(fqn, props, size, chunks)
 
-    objects = decode_objects(document["objects"], tensors, names, ranges)
+    objects = _objects(document["objects"], tensors, names, ranges)
     ranges.check()
     data_bytes = sum(files.values()) - sum(starts.values())
     if grid_bytes + ranges.total() > data_bytes:
@@ -186,9 +194,7 @@ def _decode(document: dict[str, Any]) -> Index:
     for name, nbytes in files.items():
         first = ranges.first_begin(name)
         ends[name] = nbytes if first is None else first
-    aliases = {}
-    if "aliases" in document:
-        aliases = decode_aliases(document["aliases"], tensors, objects)
+    aliases = _aliases(document["aliases"], tensors, objects) if "aliases" in document else {}
     return Index(FORMAT_VERSION, block_size, files, tensors, objects, facts, aliases, starts, sums)
 
 
@@ -209,7 +215,7 @@ def _files(
             names.append(None)
             continue
         name, size, start, checksums = row_of(row, 4, "a files entry")
-        name = decode_file_name(name, files)
+        name = _file_name(name, files)
         size = int_of(size, f"the size of {name}")
         start = int_of(start, f"the data start of {name}")
         if not FIRST_DATA_BYTE <= start <= size:
@@ -284,7 +290,7 @@ def _chunk(
     names: Sequence[str | None],
     fqn: str,
 ) -> SavedChunk:
-    name = file_of(file, names, fqn)
+    name = _file_of(file, names, fqn)
     begin = int_of(begin, "begin", fqn)
     end = begin + math.prod(sizes) * itemsize
     if end >= MAX_INT:
@@ -322,3 +328,191 @@ def _chunk_row(row: object, itemsize: int, names: Sequence[str | None], fqn: str
     offsets = dims_of(offsets, "chunk offsets", fqn)
     sizes = dims_of(sizes, "chunk sizes", fqn)
     return _chunk(offsets, sizes, file, begin, itemsize, names, fqn)
+
+
+def _save_facts(save: object) -> SaveFacts:
+    """The ``save`` object: writer, torch, world size, save id, checkpoint id."""
+    if type(save) is not dict or tuple(save) != _SAVE_KEYS:
+        fail(f"the checkpoint index's save facts must have the keys {list(_SAVE_KEYS)}")
+    save_id = text_of(save["save_id"], "save_id")
+    if _SAVE_ID.fullmatch(save_id) is None:
+        fail(f"save_id must be 16 hex digits, got {save_id!r}")
+    checkpoint_id = save["checkpoint_id"]
+    if checkpoint_id is not None:
+        text_of(checkpoint_id, "checkpoint_id")
+    world_size = int_of(save["world_size"], "world_size")
+    if world_size < 1:
+        fail("world_size must be at least 1")
+    return SaveFacts(
+        text_of(save["writer"], "writer"),
+        text_of(save["torch"], "torch"),
+        world_size,
+        save_id,
+        checkpoint_id,
+    )
+
+
+def _block_size(checksum: object) -> int:
+    """The ``checksum`` object's block size, bounded; its keys, algorithm and scope checked."""
+    keys = _CHECKSUM_KEYS
+    if type(checksum) is not dict or tuple(checksum) != keys:
+        fail(f"the checkpoint index's checksum must have the keys {', '.join(keys)}")
+    if checksum["algorithm"] != CHECKSUM_ALGORITHM:
+        fail(
+            f"unsupported checksum algorithm {checksum['algorithm']!r}; this shardwise uses "
+            f"{CHECKSUM_ALGORITHM}"
+        )
+    block_size = int_of(checksum["block_size"], "block_size")
+    if not MIN_BLOCK <= block_size <= MAX_BLOCK:
+        fail(f"block_size {block_size} is outside [{MIN_BLOCK}, {MAX_BLOCK}]")
+    if checksum["scope"] != "file":
+        fail(f"unsupported checksum scope {checksum['scope']!r}; this version has 'file'")
+    return block_size
+
+
+def _file_name(name: object, files: Mapping[str, int]) -> str:
+    """A data file's name: the writer's pattern, not listed before."""
+    name = text_of(name, "a data file name")
+    if not name.startswith(f"{DATA_DIR}/") or not is_data_file_name(name[5:]):
+        fail(f"{name!r} is not a data file name of this format (data/rank-*.safetensors)")
+    if name in files:
+        fail(f"the data file {name!r} is listed twice")
+    return name
+
+
+def _properties(rows: object) -> list[TensorProperties]:
+    """The ``properties`` table: rows of known dtype, layout and memory-format names, and two
+    booleans."""
+    if type(rows) is not list:
+        fail("properties must be a list")
+    table = []
+    for row in rows:
+        dtype, layout, requires_grad, memory_format, pin_memory = row_of(
+            row, 5, "a properties entry"
+        )
+        if (
+            not isinstance(dtype, str)
+            or dtype not in DTYPES
+            or not isinstance(layout, str)
+            or layout not in LAYOUTS
+            or not isinstance(memory_format, str)
+            or memory_format not in MEMORY_FORMATS
+            or type(requires_grad) is not bool
+            or type(pin_memory) is not bool
+        ):
+            fail(f"malformed or unknown tensor properties {row!r}")
+        table.append(
+            TensorProperties(
+                dtype=DTYPES[dtype],
+                layout=LAYOUTS[layout],
+                requires_grad=requires_grad,
+                memory_format=MEMORY_FORMATS[memory_format],
+                pin_memory=pin_memory,
+            )
+        )
+    return table
+
+
+def _tensor_head(
+    row: object, properties: list[TensorProperties], seen: Mapping[str, object]
+) -> tuple[str, TensorProperties, tuple[int, ...], Any]:
+    """A ``tensors`` row's key, properties and size, checked (the key new to ``seen``), and
+    its last field (chunks or layout), unchecked. The hot path of a reader: checks written
+    out."""
+    if type(row) is list and len(row) == 4:
+        fqn, number, size_row, last = row
+    else:
+        fqn, number, size_row, last = row_of(row, 4, "a tensors entry")  # raises
+    if type(fqn) is not str:
+        fail(f"a key must be a string, got {type(fqn).__name__}")
+    if "\x00" in fqn:
+        check_int_suffix(fqn)
+    if fqn in seen:
+        fail("the key appears twice", fqn)
+    if type(number) is not int or not 0 <= number < len(properties):
+        fail(f"property index {number!r} does not exist", fqn)
+    props = properties[number]
+    if props.dtype in QUANTIZED:
+        fail(
+            f"{props.dtype} is a quantized dtype, which a checkpoint cannot hold (its "
+            "scale and zero point are not stored)",
+            fqn,
+        )
+    if type(size_row) is not list or len(size_row) > MAX_DIMS:
+        dims_of(size_row, "size", fqn)  # raises, naming the fault
+    for dim in size_row:  # dims_of written out
+        if type(dim) is not int or not 0 <= dim < MAX_INT:
+            dims_of(size_row, "size", fqn)
+    if math.prod(size_row) * props.dtype.itemsize >= MAX_INT:
+        fail(f"the size {size_row} is too large", fqn)
+    return fqn, props, tuple(size_row), last
+
+
+def _file_of(number: object, names: Sequence[str | None], key: str) -> str:
+    """The name of file ``number`` of the index, which must exist and hold something."""
+    if type(number) is not int or not 0 <= number < len(names):
+        fail(f"file index {number!r} does not exist", key)
+    name = names[number]
+    if name is None:
+        fail(f"file index {number} names a rank that wrote no data file (null)", key)
+    return name
+
+
+def _objects(
+    rows: object,
+    tensors: dict[str, TensorRecord],
+    names: Sequence[str | None],
+    ranges: Ranges,
+) -> dict[str, ObjectRecord]:
+    """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]`` (its checksums
+    are its file's)."""
+    objects: dict[str, ObjectRecord] = {}
+    if type(rows) is not list:
+        fail("objects must be a list")
+    for row in rows:
+        fqn, encoding, payload = row_of(row, 3, "an objects entry")
+        fqn = text_of(fqn, "a key")
+        if "\x00" in fqn:
+            check_int_suffix(fqn)
+        if fqn in tensors or fqn in objects:
+            fail("the key appears twice", fqn)
+        if encoding not in ENCODINGS:
+            fail(f"unknown object encoding {encoding!r}", fqn)
+        if encoding in TEXT_ENCODINGS:
+            objects[fqn] = ObjectRecord(fqn, encoding, text=text_of(payload, "a JSON value", fqn))
+            continue
+        file, begin, nbytes = row_of(payload, 3, "a stored object", fqn)
+        name = _file_of(file, names, fqn)
+        begin, nbytes = int_of(begin, "begin", fqn), int_of(nbytes, "nbytes", fqn)
+        if begin + nbytes >= MAX_INT:
+            fail("malformed stored object", fqn)
+        blob = SavedChunk((), (), name, begin, begin + nbytes)
+        ranges.add(blob, fqn)
+        objects[fqn] = ObjectRecord(fqn, encoding, blob=blob)
+    return objects
+
+
+def _aliases(
+    rows: object, tensors: dict[str, TensorRecord], objects: dict[str, ObjectRecord]
+) -> dict[str, str]:
+    """The validated ``aliases`` table: each alias a new key, each target a saved tensor.
+    Each alias is added to ``tensors`` with its target's record (call after the byte ranges
+    are checked: they share the bytes)."""
+    if type(rows) is not list or not rows:
+        fail("aliases must be a non-empty list (an index without ties has no aliases key)")
+    aliases: dict[str, str] = {}
+    for row in rows:
+        alias, target = row_of(row, 2, "an aliases entry")
+        alias = text_of(alias, "a key")
+        target = text_of(target, "a key", alias)
+        if "\x00" in alias:
+            check_int_suffix(alias)
+        if alias in tensors or alias in objects or alias in aliases:
+            fail("the key appears twice", alias)
+        if target not in tensors:
+            fail(f"it is tied to {target!r}, which is not a saved tensor", alias)
+        aliases[alias] = target
+    for alias, target in aliases.items():
+        record = tensors[target]
+        tensors[alias] = TensorRecord(alias, record.properties, record.size, record.chunks)
+    return aliases
