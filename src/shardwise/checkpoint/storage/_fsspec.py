@@ -98,8 +98,6 @@ class _FsspecReader:
             part = data[position : min(count, position + len(view))]
             view[: len(part)] = part
             position += len(view)
-            if position >= count:
-                break
         return count
 
     def close(self) -> None:

@@ -247,7 +247,7 @@ class LocalStorage:
         def read(number: int) -> int:
             request = requests[number]
             buffer = request.buffer
-            if buffer is None:
+            if buffer is None:  # made on the reading thread (see RangeRequest)
                 buffer = memoryview(bytearray(request.length))
             try:
                 count = request.reader.read_into(request.offset, buffer)
