@@ -1,7 +1,3 @@
-"""Planning, pure (no I/O, no collectives), exhaustively unit-tested.
-
-- :mod:`.planner`: saved chunks, tied tensors, and the reads that fill a box.
-- :mod:`.tiling`: whether boxes tile a tensor.
-- :mod:`.save_plan`: per-tensor layouts (mesh grids) and which rank writes which bytes.
-- :mod:`.tables`: a rank's table of layouts and the coordinator's plan from every table.
-"""
+"""Planning, pure (no I/O, no collectives), exhaustively unit-tested: :mod:`.planner` (reads,
+tied tensors), :mod:`.tiling`, :mod:`.save_plan` (who writes what, from per-tensor layouts)
+and :mod:`.tables` (the save protocol's per-rank tables and the coordinator's plan)."""

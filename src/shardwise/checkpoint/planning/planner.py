@@ -176,21 +176,17 @@ class ChunkLookup:
         filled = [i for i, (_, sizes) in enumerate(chunks) if numel(sizes)]
         ndim = len(chunks[0][0]) if chunks else 0
         self._dim = -1
+        self._order = filled
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._longest = 0
         if ndim and len(filled) > 1:
-            self._dim = max(range(ndim), key=lambda dim: len({chunks[i][0][dim] for i in filled}))
-        if self._dim < 0:
-            self._order = filled
-            self._starts: list[int] = []
-            self._ends: list[int] = []
-            self._longest = 0
-            return
-        dim = self._dim
-        self._order = sorted(filled, key=lambda i: chunks[i][0][dim])
-        self._starts = [chunks[i][0][dim] for i in self._order]
-        self._ends = [chunks[i][0][dim] + chunks[i][1][dim] for i in self._order]
-        self._longest = max(
-            end - start for start, end in zip(self._starts, self._ends, strict=True)
-        )
+            dim = max(range(ndim), key=lambda d: len({chunks[i][0][d] for i in filled}))
+            self._dim = dim
+            self._order = sorted(filled, key=lambda i: chunks[i][0][dim])
+            self._starts = [chunks[i][0][dim] for i in self._order]
+            self._ends = [chunks[i][0][dim] + chunks[i][1][dim] for i in self._order]
+            self._longest = max(map(operator.sub, self._ends, self._starts))
 
     def candidates(self, target: Box) -> list[int]:
         """Indices of the chunks that may overlap ``target``, ascending (a superset)."""

@@ -160,14 +160,8 @@ class TableRow:
 
     def to_json(self) -> list[Any]:
         """This row as JSON (what a rank sends; :meth:`from_json` reads it back)."""
-        return [
-            self.key,
-            self.dtype,
-            self.itemsize,
-            list(self.size),
-            self.properties,
-            list(self.layout),
-        ]
+        size, layout = list(self.size), list(self.layout)
+        return [self.key, self.dtype, self.itemsize, size, self.properties, layout]
 
     @classmethod
     def from_json(cls, row: list[Any]) -> TableRow:

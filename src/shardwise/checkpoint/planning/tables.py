@@ -264,18 +264,14 @@ def plan_from_tables(
         ValueError: Ranks disagree about a key's facts, or its chunks do not tile it (the
             message names the key).
     """
-    # The distinct tables, the coordinator's first, their meshes in one list.
-    meshes: list[Mesh] = []
+    # The distinct tables, the coordinator's first, their meshes numbered in one list.
     mesh_numbers: dict[Mesh, int] = {}
 
     def renumber(rows: list[TableRow], own: Sequence[Mesh]) -> list[TableRow]:
         mapping = []
         for shape, ranks in own:
             mesh = (tuple(int(n) for n in shape), tuple(int(r) for r in ranks))
-            if mesh not in mesh_numbers:
-                mesh_numbers[mesh] = len(meshes)
-                meshes.append(mesh)
-            mapping.append(mesh_numbers[mesh])
+            mapping.append(mesh_numbers.setdefault(mesh, len(mesh_numbers)))
         if all(number == position for position, number in enumerate(mapping)):
             return list(rows)
         return [
@@ -305,6 +301,7 @@ def plan_from_tables(
                 key: [(tuple(o), tuple(s)) for o, s in boxes]
                 for key, boxes in envelope["local"].items()
             }
+    meshes = list(mesh_numbers)
     demoted = _reconcile(tables, holders, meshes, local)
     _fill_sizes(tables, local)
     aliases = _agree_aliases(tables, holders, meshes, local, envelopes)
@@ -321,11 +318,7 @@ def plan_from_tables(
         if aliases:
             assignment["aliases"] = sorted(aliases)
     total = sum(plan.loads) - sum(blob_bytes.values())
-    total += sum(
-        math.prod(plan.rows[key].size) * plan.rows[key].itemsize
-        for key in plan.grids
-        if key not in aliases
-    )
+    total += sum(math.prod(plan.rows[key].size) * plan.rows[key].itemsize for key in plan.grids)
     return CoordinatorPlan(plan, aliases, assignments, total)
 
 
@@ -350,15 +343,13 @@ def _reconcile(
             if known is not row and known != row:
                 conflicts.add(row.key)
     for key in conflicts:
-        found = sorted(
-            (
-                (holders[n][0], n, i, row)
-                for n, table in enumerate(tables)
-                for i, row in enumerate(table)
-                if row.key == key
-            ),
-            key=lambda item: item[0],
-        )
+        found = [
+            (holders[n][0], n, i, row)
+            for n, table in enumerate(tables)
+            for i, row in enumerate(table)
+            if row.key == key
+        ]
+        found.sort(key=lambda item: item[0])
         first_rank, _, _, first_row = found[0]
         for rank, _, _, row in found[1:]:
             if (row.dtype, row.size) != (first_row.dtype, first_row.size):
