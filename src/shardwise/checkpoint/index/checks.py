@@ -48,9 +48,8 @@ def parse_json(data: bytes | str, what: str, constants: bool = False) -> Any:
         # Decoded here, strictly: json.loads would take UTF-16 or UTF-32, a byte order mark,
         # and surrogates encoded in UTF-8.
         text = data.decode() if isinstance(data, bytes) else data
-        if constants:
-            return json.loads(text, object_pairs_hook=_unique_keys)
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+        constant = None if constants else _reject_constant
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=constant)
     except RecursionError:
         fail(f"{what} is nested too deeply")
     # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.

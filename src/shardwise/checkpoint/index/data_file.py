@@ -269,14 +269,13 @@ def parse_header(data: bytes | bytearray | memoryview, file_size: int) -> Header
         _invalid("the header does not start with '{'")
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"the header is not UTF-8 text: {err}") from err
-    try:
         document = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
     except RecursionError:
         _invalid("the header is nested too deeply")
     except _RepeatedKeyError:
         raise
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the header is not UTF-8 text: {err}") from err
     # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.
     except ValueError as err:
         raise ValueError(f"the header is not valid JSON: {err}") from err

@@ -459,10 +459,7 @@ def _file_of(number: object, names: Sequence[str | None], key: str) -> str:
 
 
 def _objects(
-    rows: object,
-    tensors: dict[str, TensorRecord],
-    names: Sequence[str | None],
-    ranges: Ranges,
+    rows: object, tensors: dict[str, TensorRecord], names: Sequence[str | None], ranges: Ranges
 ) -> dict[str, ObjectRecord]:
     """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]`` (its checksums
     are its file's)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
 import xxhash
@@ -91,10 +91,7 @@ def _layout_row(tensor: LayoutRecord, numbers: Mapping[str, int]) -> list[Any]:
         return ["grid", list(layout.steps), [layout.first, *layout.strides]]
     if len(layout) == 1 and layout[0].sizes == tensor.size and not any(layout[0].offsets):
         return ["whole", numbers[layout[0].file], layout[0].begin]
-    return [
-        "chunks",
-        [[list(c.offsets), list(c.sizes), numbers[c.file], c.begin] for c in layout],
-    ]
+    return ["chunks", [[list(c.offsets), list(c.sizes), numbers[c.file], c.begin] for c in layout]]
 
 
 def _object_rows(objects: Iterable[ObjectRecord], numbers: Mapping[str, int]) -> list[list[Any]]:
@@ -109,14 +106,12 @@ def _object_rows(objects: Iterable[ObjectRecord], numbers: Mapping[str, int]) ->
     return rows
 
 
+@dataclass(slots=True)
 class PropertyTable:
     """The ``properties`` table being built: one row per distinct tensor properties."""
 
-    __slots__ = ("_by_properties", "rows")
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[Any, ...], int] = {}
-        self._by_properties: dict[tuple[Any, ...], int] = {}
+    rows: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    _by_properties: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
     def number(self, p: TensorProperties) -> int:
         """The row number of ``p`` (added when new)."""

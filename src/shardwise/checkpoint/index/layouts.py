@@ -154,11 +154,7 @@ class FileOrder:
     __slots__ = ("_begins",)
 
     def __init__(
-        self,
-        grids: Sequence[tuple[str, Grid, int]],
-        file: int,
-        data_start: int,
-        end: int,
+        self, grids: Sequence[tuple[str, Grid, int]], file: int, data_start: int, end: int
     ) -> None:
         self._begins: dict[tuple[str, int], int] = {}
         position = data_start

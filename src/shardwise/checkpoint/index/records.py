@@ -58,19 +58,15 @@ class Index:
     """A validated checkpoint index (see ``docs/format.md``).
 
     Attributes:
-        format_version: The format's version (:data:`~.names.FORMAT_VERSION`).
+        format_version: :data:`~.names.FORMAT_VERSION`.
         block_size: Bytes per checksummed block of a data section.
-        files: Every data file that holds something, with its size (not the ``null`` of a
-            rank that wrote nothing).
-        tensors: The tensor entries by key, in index order.
-        objects: The other entries by key, in index order.
+        files: The size of each data file (a rank that wrote nothing has none).
+        tensors, objects: The tensor and the other entries by key, in index order.
         save: Facts of the save.
-        aliases: Tied tensors: alias key -> the key first in the saved state dict.
-            ``tensors`` holds each alias too, with its target's chunks, so that readers need
-            not know about ties.
+        aliases: Tied tensors: alias key -> the key first in the saved state dict;
+            ``tensors`` holds each alias too, with its target's chunks.
         data_starts: Per file, the first byte of its data section (where blocks count from).
-        file_checksums: Per file, its data section's block checksums, concatenated (16 hex
-            digits each; see :meth:`blocks_of`).
+        file_checksums: Per file, its data section's block checksums, concatenated.
     """
 
     format_version: int
