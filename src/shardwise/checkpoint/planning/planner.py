@@ -189,7 +189,6 @@ class ChunkLookup:
             self._longest = max(map(operator.sub, self._ends, self._starts))
 
     def candidates(self, target: Box) -> list[int]:
-        """Indices of the chunks that may overlap ``target``, ascending (a superset)."""
         if self._dim < 0 or not target[0]:
             return sorted(self._order)
         start = target[0][self._dim]
@@ -210,13 +209,12 @@ def plan_reads(
 ) -> list[ChunkRead]:
     """The reads that fill ``target`` from ``chunks``, ordered by file and offset.
 
-    A contiguous overlap is one read of exactly its bytes. A non-contiguous one (e.g. a column
-    block of row-wise chunks) is read in pieces split along its leading dims, each from its
-    first to its last element, split so that a gap is read through exactly when it is
-    smaller than ``read_cost`` (default ``TUNING.read_cost_bytes``: measured on local files, a
-    positioned read costs about as much as copying 64 KiB; ``0``: only needed bytes).
-    ``lookup`` (a :class:`ChunkLookup` of ``chunks``, or a grid's ``LayoutChunks``) finds the
-    overlapping chunks without comparing ``target`` with each.
+    A non-contiguous overlap (e.g. a column block of row-wise chunks) is read in pieces split
+    along its leading dims, each from its first to its last element, so that a gap is read
+    through exactly when it is smaller than ``read_cost`` (default ``TUNING.read_cost_bytes``:
+    on local files a positioned read costs about as much as copying 64 KiB). ``lookup`` (a
+    :class:`ChunkLookup` of ``chunks``, or a grid's ``LayoutChunks``) finds the overlapping
+    chunks without comparing ``target`` with each.
 
     Raises:
         ValueError: The chunks do not cover ``target``.

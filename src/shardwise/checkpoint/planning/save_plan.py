@@ -8,8 +8,7 @@ that holds it:
 - ``["local"]``: anything else; the rank sends its own boxes.
 
 :func:`plan_save` decides who writes what in O(tensors + ranks + irregular chunks x log)
-instead of O(ranks x tensors). Data file numbers are group ranks: the index lists one file
-per rank, in rank order (``null`` for a rank that wrote nothing).
+instead of O(ranks x tensors). Data file numbers are group ranks.
 """
 
 from __future__ import annotations
@@ -58,10 +57,9 @@ def mesh_grid(
     is not one: a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or the ranks of
     the cells are not affine in the cell coordinates (a mesh over a permuted rank list).
 
-    Of the replicas (the ranks along ``Replicate`` axes), the one numbered ``replica`` modulo
-    their count writes. ``rules`` (one dict per mesh, kept by the caller) memoizes the rule
-    of each grid shape (the affine check is O(mesh ranks)) and each grid: a model repeats a
-    few shapes, so most calls are one lookup.
+    Of the replicas (ranks along ``Replicate`` axes), number ``replica`` modulo their count
+    writes. ``rules`` (one dict per mesh, kept by the caller) memoizes the O(mesh ranks)
+    affine check and each grid: a model repeats a few shapes.
     """
     shape, ranks = mesh
     placements = tuple(placements)
@@ -238,7 +236,6 @@ def plan_save(
     held = [everyone if set(ranks) == everyone else frozenset(ranks) for ranks in holders]
 
     def holding(key: str) -> frozenset[int]:
-        """The ranks that hold ``key`` (every rank of every table that has it)."""
         numbers = key_tables[key]
         if len(numbers) == 1:
             return held[numbers[0]]

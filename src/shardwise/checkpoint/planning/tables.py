@@ -1,13 +1,10 @@
-"""The save protocol's two halves (``docs/architecture.md``, *Save*).
-
-**A rank** describes each key by a :class:`~.save_plan.TableRow` whose layout is the same on
-every rank that holds it, checked against its own boxes before anything is exchanged
-(:func:`rank_table`), and turns the coordinator's assignment into the chunks it writes
-(:func:`own_file_writes`), in O(its own entries).
-
-**The coordinator** merges the distinct tables (ranks with equal tables send only a digest),
-reconciles keys that ranks describe differently, agrees on tied tensors and plans with
-:func:`~.save_plan.plan_save` (:func:`plan_from_tables`).
+"""The save protocol's two halves (``docs/architecture.md``, *Save*). A rank describes each
+key by a :class:`~.save_plan.TableRow` whose layout is the same on every rank that holds it,
+checked against its own boxes before anything is exchanged (:func:`rank_table`), and turns
+the coordinator's assignment into the chunks it writes (:func:`own_file_writes`), in O(its
+own entries). The coordinator merges the distinct tables (ranks with equal tables send only
+a digest), reconciles keys that ranks describe differently, agrees on tied tensors and plans
+(:func:`plan_from_tables`).
 """
 
 from __future__ import annotations
@@ -71,21 +68,18 @@ def own_cell(
         position = ranks.index(rank) if rank in ranks else -1
     if position < 0:
         return None
-    coordinate = [0] * len(shape)
-    for axis in range(len(shape) - 1, -1, -1):
-        position, coordinate[axis] = divmod(position, shape[axis])
     cell = [0] * len(grid.size)
-    for axis, placement in enumerate(placements):
-        if placement != "R":
-            cell[int(placement[1:])] = coordinate[axis]
+    for axis in range(len(shape) - 1, -1, -1):
+        position, coordinate = divmod(position, shape[axis])
+        if placements[axis] != "R":
+            cell[int(placements[axis][1:])] = coordinate
     if any(k >= count for k, count in zip(cell, grid.counts, strict=True)):
         return None
     return tuple(cell)
 
 
 class _Meshes:
-    """The meshes of one rank's table, numbered in order of first use, with a grid rule
-    cache per mesh."""
+    """The meshes of one rank's table, numbered in order of first use, with rules per mesh."""
 
     def __init__(self, group_rank_of: Callable[[int], int]) -> None:
         self._group_rank_of = group_rank_of
@@ -234,9 +228,6 @@ def own_file_writes(
         others.append(WriteAssignment(key, box.offsets, box.sizes, nbytes))
     order = operator.attrgetter("fqn", "offsets")
     return sorted(cells, key=order) + sorted(others, key=order), len(cells)
-
-
-# -- the coordinator ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -411,8 +402,7 @@ def _agree_aliases(
     for n, table in enumerate(tables):
         for row in table:
             if row.key in involved:
-                entry = found.setdefault(row.key, (row, []))
-                entry[1].extend(holders[n])
+                found.setdefault(row.key, (row, []))[1].extend(holders[n])
     merged = {}
     for key, (row, ranks) in found.items():
         boxes: dict[Box, list[int]] = {}

@@ -60,12 +60,8 @@ def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
 def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
     """Whether ``boxes`` (each of ``len(size)`` dims, tuples: a box of lists never matches)
     tile a tensor of ``size`` as a split along one dim, what FSDP, row- and column-wise
-    sharding save: every box with elements spans the whole tensor in every other dim, and
-    their extents along that dim, sorted, follow each other from 0 to the dim's end. Checked
-    by arithmetic at a quarter of the general sweep's cost for 4 chunks.
-
-    ``True`` proves the tiling; ``False`` proves nothing: the general check decides, and
-    words its error.
+    sharding save, at a quarter of the general sweep's cost for 4 chunks. ``True`` proves the
+    tiling; ``False`` proves nothing (the general check decides, and words its error).
     """
     ndim = len(size)
     if not ndim or min(size) <= 0:
@@ -101,12 +97,8 @@ def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
 
 
 def check_tiling_generally(size: Sequence[int], boxes: Sequence[Box]) -> None:
-    """:func:`check_tiling` of boxes that have the tensor's dims, by an O(n log n) overlap
-    sweep and coverage by volume.
-
-    Raises:
-        ValueError: The boxes do not tile the tensor (the message says how).
-    """
+    """:func:`check_tiling` (and its ``ValueError``) of boxes that have the tensor's dims, by
+    an O(n log n) overlap sweep and coverage by volume."""
     filled = [_Chunk(tuple(offsets), tuple(sizes)) for offsets, sizes in boxes if math.prod(sizes)]
     if not filled:
         if math.prod(size):
