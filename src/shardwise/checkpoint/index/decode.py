@@ -381,8 +381,7 @@ def _file_name(name: object, files: Mapping[str, int]) -> str:
 
 
 def _properties(rows: object) -> list[TensorProperties]:
-    """The ``properties`` table: rows of known dtype, layout and memory-format names, and two
-    booleans."""
+    """The ``properties`` table: known dtype, layout and memory-format names, two booleans."""
     if type(rows) is not list:
         fail("properties must be a list")
     table = []
@@ -416,9 +415,8 @@ def _properties(rows: object) -> list[TensorProperties]:
 def _tensor_head(
     row: object, properties: list[TensorProperties], seen: Mapping[str, object]
 ) -> tuple[str, TensorProperties, tuple[int, ...], Any]:
-    """A ``tensors`` row's key, properties and size, checked (the key new to ``seen``), and
-    its last field (chunks or layout), unchecked. The hot path of a reader: checks written
-    out."""
+    """A ``tensors`` row's key (new to ``seen``), properties and size, checked, and its layout
+    unchecked. The hot path of a reader: checks written out."""
     if type(row) is list and len(row) == 4:
         fqn, number, size_row, last = row
     else:
@@ -461,8 +459,7 @@ def _file_of(number: object, names: Sequence[str | None], key: str) -> str:
 def _objects(
     rows: object, tensors: dict[str, TensorRecord], names: Sequence[str | None], ranges: Ranges
 ) -> dict[str, ObjectRecord]:
-    """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]`` (its checksums
-    are its file's)."""
+    """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]``."""
     objects: dict[str, ObjectRecord] = {}
     if type(rows) is not list:
         fail("objects must be a list")

@@ -2,11 +2,10 @@
 
 A ``grid`` cuts each dim by the ceil rule (``torch.chunk``'s, as FSDP, tensor parallelism
 and ``ChunkShardingSpec`` do) and maps each cell to a data file by an affine rule: a tensor
-sharded over 1,024 ranks is one row of the index, not 1,024. Byte ranges are not stored: a
-file holds its grid cells packed from its data section's start, in index order then
-row-major cell order, so a reader derives each begin by a prefix sum (:class:`FileOrder`) and
-checks that the cells end where the file's other entries begin. Everything here is pure and
-O(dims) per query, or O(cells of one file).
+sharded over 1,024 ranks is one row of the index, not 1,024. A file holds its grid cells
+packed from its data section's start, in index order then row-major order, so a reader
+derives each begin by a prefix sum (:class:`FileOrder`) and checks that the cells end where
+the file's other entries begin. Pure; O(dims) per query, or O(cells of one file).
 """
 
 from __future__ import annotations
