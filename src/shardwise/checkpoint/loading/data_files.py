@@ -1,7 +1,5 @@
-"""The data files of one checkpoint, opened safely and read: :class:`DataFiles`. Every read
-comes back whole or raises a :class:`~shardwise.errors.CheckpointDataError` naming the file,
-the entry and the rank.
-"""
+"""The data files of one checkpoint, opened safely and read: :class:`DataFiles` (a read comes
+back whole or raises a ``CheckpointDataError`` naming the file, the entry and the rank)."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ class DataFiles:
         return CheckpointDataError(message, key=key, file=self.shown(file), rank=self.rank)
 
     def handle(self, name: str, key: str | None = None) -> Reader:
-        """Data file ``name`` opened for reads, after checking it is a regular file inside
-        ``<ckpt>/data`` of the size the index declares (opened once)."""
+        """Data file ``name``, opened once: a regular file inside ``data/`` of its indexed size."""
         with self.lock:
             handle = self._handles.get(name)
             if handle is not None:

@@ -28,9 +28,8 @@ __all__ = ["Job", "fill"]
 
 @dataclass(slots=True)
 class Job:
-    """One read from saved ``chunk`` into destination ``target`` (its number in :func:`fill`'s
-    ``targets``); ``key`` names it in errors, ``dtype`` is the saved one. Immutable by
-    convention: frozen costs a fifth of a microsecond per field, per job."""
+    """One read from saved ``chunk`` (of ``dtype``) into ``targets[target]``, ``key`` for errors.
+    Immutable by convention: frozen costs a fifth of a microsecond per field, per job."""
 
     target: int
     key: str
@@ -49,14 +48,17 @@ def fill(
     note: str = "",
     also: Sequence[Segment] = (),
 ) -> None:
-    """Read ``jobs`` into ``targets`` and the segments ``also`` (e.g. objects' blobs), checking
-    every block read (with ``verify``); see :func:`.read.read` for the errors."""
+    """Read ``jobs`` into ``targets`` and the segments ``also`` in one pass (:func:`.read.read`)."""
     segments = list(also)
     staged: list[tuple[Job, torch.Tensor]] = []
     for job in jobs:
         if not job.read.nbytes:
             continue
-        destination = _destination(job, targets[job.target])
+        target = targets[job.target]
+        overlap = job.read.overlap
+        destination = target.tensor
+        if overlap[0] != target.offsets or overlap[1] != target.sizes:
+            destination = narrow_to(target.tensor, target.offsets, overlap[0], overlap[1])
         direct = _direct_segments(job, destination)
         if direct is not None:
             segments.extend(direct)
@@ -70,14 +72,6 @@ def fill(
         read(files, wanted, verify=verify, progress=progress, note=note)
         for stage in stages:
             stage.finish()
-
-
-def _destination(job: Job, target: LocalBox) -> torch.Tensor:
-    """The part of the target that ``job`` fills."""
-    overlap = job.read.overlap
-    if overlap[0] == target.offsets and overlap[1] == target.sizes:
-        return target.tensor
-    return narrow_to(target.tensor, target.offsets, overlap[0], overlap[1])
 
 
 def _direct_segments(job: Job, destination: torch.Tensor) -> list[Segment] | None:

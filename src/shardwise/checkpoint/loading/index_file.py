@@ -1,7 +1,4 @@
-"""Finding a checkpoint: its index read (no link followed, at most
-:data:`~.index.MAX_INDEX_BYTES`) and decoded, or, where there is none, what is there instead,
-told by names alone.
-"""
+"""Finding a checkpoint: its index read safely and decoded, or, if none, what is there instead."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ def read_index_bytes(storage: Storage, path: str) -> bytes:
     """The raw index of the checkpoint at ``path``.
 
     Raises:
-        CheckpointNotFoundError: No committed checkpoint there; the message says what is
-            there instead.
+        CheckpointNotFoundError: No committed checkpoint there (the message says what is).
         CheckpointFormatError: The index is not a regular file, or too large to be one.
     """
     name = storage.join(INDEX_NAME)
@@ -105,9 +101,8 @@ _SHOWN = 5
 
 
 def _what_is_there(storage: Storage, path: str) -> str:
-    """Why there is no checkpoint at ``path`` (whose index is missing), for the error: names
-    only, from at most one listing of ``path`` and one of its ``data/``; no file is read and no
-    link below ``path`` followed."""
+    """Why there is no checkpoint at ``path``, told from at most two listings (``path``, its
+    ``data/``): no file is read and no link below ``path`` followed."""
     storage = _resolve_root(storage)
     try:
         if not storage.exists(storage.root):
@@ -159,8 +154,7 @@ def _missing_bucket(storage: Storage) -> str:
 
 
 def _resolve_root(storage: Storage) -> Storage:
-    """``storage``, its root resolved if it is a local link: the user chose that path, but
-    local listings refuse links."""
+    """``storage``, its root resolved if a local link (the user chose it; listings refuse it)."""
     if isinstance(storage, LocalStorage) and os.path.islink(storage.root):
         return LocalStorage(os.path.realpath(storage.root))
     return storage

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from shardwise import collectives
-from shardwise._progress import JobProgress
 from shardwise.checkpoint.entries.items import (
     LocalBox,
     TensorValue,
@@ -154,11 +153,8 @@ def _match(
     """Pair the state dict's keys with the checkpoint's: by key and int positions, else by
     the dotted key when that names one entry (a checkpoint converted from DCP records no ints).
     An empty Mapping under which the checkpoint has entries (an unstepped optimizer's
-    ``state``) is grown: those entries are loaded into it.
-
-    Returns:
-        The pairs, the grown Mappings (key to checkpoint keys), the missing and unexpected keys.
-    """
+    ``state``) is grown: those entries are loaded into it. Returns the pairs, the grown
+    Mappings (key to checkpoint keys), the missing and unexpected keys."""
     saved = [*index.tensors, *index.objects]
     by_display: dict[str, list[str]] = {}
     for key in saved:
@@ -259,8 +255,7 @@ def _grow(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]], values: dict[s
 
 
 def _parameters_of(flat: Flat, paths: dict[str, list[tuple[_Parts, str]]]) -> dict[str, Any]:
-    """The parameter each grown entry ``state.<n>.<name>`` of a Stateful optimizer's state
-    belongs to, by checkpoint key: its ``n``-th across its param groups, in order."""
+    """By checkpoint key, the parameter of each grown ``state.<n>.<name>`` of an optimizer."""
     optimizers = {
         id(state["state"]): stateful
         for stateful, state in flat.statefuls
@@ -380,8 +375,7 @@ def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:
-    """The value of a stored object (``like``: the value it replaces, whose named tuple
-    classes tagged JSON takes; ``payload``: a blob's verified bytes)."""
+    """A stored object's value (``like``: the value it replaces; ``payload``: a blob's bytes)."""
     if item.text is not None:
         return decode_text(item, like)
     assert payload is not None
@@ -512,7 +506,7 @@ def _load(
 ) -> tuple[LoadResult, int]:
     """Plan, verify and fill; returns the result and the bytes every rank read."""
     flat = Flat()
-    texts: dict[str, Any] = {}
+    values: dict[str, Any] = {}
 
     def plan() -> _Plan:
         nonlocal flat
@@ -524,7 +518,7 @@ def _load(
         # A malformed value kept in the index fails before anything is read.
         for key, item in planned.objects:
             if item.text is not None:
-                texts[key] = _decode(reader, item, flat.leaves.get(key), None)
+                values[key] = _decode(reader, item, flat.leaves.get(key), None)
         return planned
 
     def offer(planned: _Plan) -> list[Any]:
@@ -534,10 +528,8 @@ def _load(
     token = secrets.token_hex(8)
     planned, wishes = comm.exchange_or_raise(plan, offer)
     total = sum(wish[2] for wish in wishes)
-    bar: JobProgress | None = None
-    if wishes[0][0]:
-        bar = job_bar(comm, total, f"loading {reader.path}", f"load/{wishes[0][1]}")
-    values: dict[str, Any] = dict(texts)
+    description, count = f"loading {reader.path}", f"load/{wishes[0][1]}"
+    bar = job_bar(comm, total, description, count) if wishes[0][0] else None
 
     def fill() -> None:
         blobs = [

@@ -47,8 +47,7 @@ def scratch() -> memoryview:
 
 @dataclass(slots=True)
 class Segment:
-    """Bytes ``[begin, begin + len(memory))`` of data file ``file``, read into ``memory``;
-    ``key`` names the entry in errors."""
+    """Bytes ``[begin, end)`` of data file ``file``, read into ``memory``; ``key`` for errors."""
 
     file: str
     begin: int
@@ -94,9 +93,8 @@ def read(
     progress: Callable[[int], object] | None = None,
     note: str = "",
 ) -> None:
-    """Read every segment, verifying every block it touches (with ``verify``); a segment
-    overlapping one already taken is read in a later round. ``progress`` is called with the
-    bytes read, batch after batch; ``note`` ends a checksum error's message.
+    """Read every segment (one overlapping another in a later round), checking every block it
+    touches (with ``verify``); ``note`` ends a checksum error's message.
 
     Raises:
         ChecksumError: A block does not match its checksum.
@@ -115,9 +113,8 @@ def audit(
     progress: Callable[[int], object] | None = None,
     owners: Mapping[str, Sequence[tuple[int, int, str]]] | None = None,
 ) -> None:
-    """Check every block of the data sections of the files ``names``, collecting mismatches in
-    ``problems``. ``owners`` (per file, the ``(begin, end, key)`` of its entries, in file
-    order) name a block's first entry in its error."""
+    """Check every block of the files ``names`` into ``problems``; ``owners`` (per file, its
+    entries' ``(begin, end, key)`` in file order) name a block's first entry in its error."""
     spans = []
     run = _run_bytes(files)
     for name in names:
@@ -172,8 +169,7 @@ def _plan(
 
 
 def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
-    """Spans of whole blocks that ``group`` (disjoint segments of one file, in order) touches:
-    adjacent blocks together, at most a run each."""
+    """Runs of the whole blocks that ``group`` (disjoint segments of one file, in order) touches."""
     if not group:
         return []
     index = files.index
@@ -232,24 +228,20 @@ def _perform(
     limit = tuning.TUNING.read_batch_bytes if remote or progress is not None else sys.maxsize
     for batch in batches(spans, _length, limit):
         if remote:
-            _read_remote(files, batch, problems, note)
+            found = _read_remote(files, batch, note)
         else:
             found = run_concurrently(batch, _length, lambda span: _read_local(files, span, note))
-            for mismatches in found:
-                _found(mismatches, problems)
+        for mismatches in found:
+            if mismatches and problems is None:
+                raise mismatches[0]
+            if problems is not None:
+                problems.extend(mismatches)
         if progress is not None:
             progress(sum(span.wanted for span in batch))
 
 
 def _length(span: _Span) -> int:
     return span.length
-
-
-def _found(mismatches: list[ChecksumError], problems: list[ChecksumError] | None) -> None:
-    if mismatches and problems is None:
-        raise mismatches[0]
-    if problems is not None:
-        problems.extend(mismatches)
 
 
 def _parts(span: _Span) -> Iterator[tuple[int, memoryview | None]]:
@@ -266,8 +258,7 @@ def _parts(span: _Span) -> Iterator[tuple[int, memoryview | None]]:
 
 
 def _pieces(span: _Span, limit: int, buffer: memoryview) -> Iterator[list[memoryview]]:
-    """The buffers of each scatter read of ``span``; unwanted bytes go into ``buffer``, at
-    distinct places only when the span is hashed."""
+    """The buffers of each scatter read of ``span``, unwanted bytes in ``buffer``."""
     piece: list[memoryview] = []
     length = used = 0
     for size, memory in _parts(span):
@@ -306,10 +297,8 @@ def _read_local(files: DataFiles, span: _Span, note: str) -> list[ChecksumError]
     return checker.mismatches if checker is not None else []
 
 
-def _read_remote(
-    files: DataFiles, spans: list[_Span], problems: list[ChecksumError] | None, note: str
-) -> None:
-    """Read ``spans`` as one batch of concurrent requests (see the module's docstring)."""
+def _read_remote(files: DataFiles, spans: list[_Span], note: str) -> list[list[ChecksumError]]:
+    """Read ``spans`` as one batch of concurrent requests; the mismatches of each."""
     found: list[list[ChecksumError]] = [[] for _ in spans]
 
     def finish(number: int, data: memoryview) -> None:
@@ -331,8 +320,7 @@ def _read_remote(
         for span in spans
     ]
     files.read_ranges(requests, [span.key for span in spans], finish)
-    for mismatches in found:
-        _found(mismatches, problems)
+    return found
 
 
 def _direct(span: _Span) -> memoryview | None:

@@ -81,8 +81,7 @@ class CheckpointReader:
                 self.files.handle(chunk.file, key)
 
     def tensor_record(self, fqn: str) -> TensorRecord:
-        """The tensor entry ``fqn``, or the one whose dotted key (as ``inspect`` shows it) is
-        ``fqn``; :class:`CheckpointKeyError` if there is none."""
+        """The tensor entry ``fqn``, or the one whose dotted key (as ``inspect`` shows) it is."""
         record = self.index.tensors.get(fqn)
         if record is None and display_key(fqn) == fqn:
             dotted = [key for key in self.index.tensors if key != fqn and display_key(key) == fqn]
@@ -138,8 +137,7 @@ class CheckpointReader:
         note: str = "",
         also: Sequence[Segment] = (),
     ) -> None:
-        """Perform ``jobs`` into ``targets`` and read the segments ``also`` in one verified
-        pass (see :func:`.fill.fill`); ``note`` ends a checksum error's message."""
+        """Perform ``jobs`` into ``targets`` and read ``also`` in one pass (:func:`.fill.fill`)."""
         fill(self.files, jobs, targets, verify=verify, progress=progress, note=note, also=also)
 
     def blob_segment(self, item: ObjectRecord) -> tuple[Segment, bytearray]:
@@ -165,8 +163,7 @@ class CheckpointReader:
         offsets: Sequence[int] | None = None,
         sizes: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """See :func:`~shardwise.checkpoint.load_tensor`; the tensor is allocated only after
-        its files were checked."""
+        """See :func:`~shardwise.checkpoint.load_tensor` (allocated once its files are checked)."""
         record = self.tensor_record(fqn)
         size = record.size
         box_offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * len(size)
