@@ -1,7 +1,6 @@
 """The records save and load share (a chunk as stored, a chunk a rank writes, a tensor's
 holders), the agreement on tied tensors, and which bytes each rank reads for each target box.
 Every rank runs the same functions on the same exchanged metadata and reaches the same plan.
-
 The records are slotted, not frozen, and treated as immutable: a save or load builds one per
 chunk, and frozen construction costs four to five times as much.
 """
@@ -238,17 +237,14 @@ def plan_reads(
     covered = 0
     for index in indices:
         chunk = chunks[index]
-        if not target_offsets:
-            overlap: Box | None = ((), ())
-        else:
+        overlap: Box | None = ((), ())
+        if target_offsets:
             overlap = intersect(target_offsets, target_sizes, chunk.offsets, chunk.sizes)
         if overlap is None:
             continue
         covered += numel(overlap[1])
         if overlap == (chunk.offsets, chunk.sizes):
-            reads.append(
-                ChunkRead(index, chunk.begin, chunk.end - chunk.begin, overlap, True, None)
-            )
+            reads.append(ChunkRead(index, chunk.begin, chunk.nbytes, overlap, True, None))
         else:
             reads.extend(_overlap_reads(index, chunk, overlap, itemsize, read_cost))
     if covered != numel(target[1]):
@@ -297,7 +293,4 @@ def _overlap_reads(
 
 
 def _strides(sizes: Sequence[int]) -> list[int]:
-    strides = [1] * len(sizes)
-    for dim in range(len(sizes) - 2, -1, -1):
-        strides[dim] = strides[dim + 1] * sizes[dim + 1]
-    return strides
+    return [math.prod(sizes[dim + 1 :]) for dim in range(len(sizes))]

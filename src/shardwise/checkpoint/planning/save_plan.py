@@ -26,7 +26,6 @@ from shardwise.checkpoint.planning.planner import check_tiling
 
 __all__ = ["Mesh", "SavePlan", "TableRow", "mesh_grid", "plan_save"]
 
-# (shape, group ranks in row-major order)
 Mesh = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -72,11 +71,10 @@ def mesh_grid(
     count = rules.get(kinds)
     if count is None:
         dims = _sharded_dims(placements, len(size))
-        count = rules[kinds] = (
-            1
-            if dims is None or len(dims) != len(shape)
-            else math.prod(shape[axis] for axis, dim in enumerate(dims) if dim < 0)
-        )
+        count = 1
+        if dims is not None and len(dims) == len(shape):
+            count = math.prod(shape[axis] for axis, dim in enumerate(dims) if dim < 0)
+        rules[kinds] = count
     choice = replica % count
     memo = ("grid", size, placements, choice)
     found = rules.get(memo, rules)  # the dict itself: not there
@@ -300,13 +298,6 @@ def _grid(
     return grid
 
 
-def _check_tiling(row: TableRow, boxes: Sequence[Box]) -> None:
-    try:
-        check_tiling(row.size, boxes)
-    except ValueError as err:
-        raise ValueError(f"cannot save {row.key!r}: its chunks do not tile it: {err}") from err
-
-
 def _assign_local(
     row: TableRow,
     ranks: Collection[int],
@@ -318,7 +309,10 @@ def _assign_local(
     for rank in sorted(ranks):
         for offsets, sizes in local.get(rank, {}).get(row.key, ()):
             box_holders.setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
-    _check_tiling(row, list(box_holders))
+    try:
+        check_tiling(row.size, list(box_holders))
+    except ValueError as err:
+        raise ValueError(f"cannot save {row.key!r}: its chunks do not tile it: {err}") from err
     assigned = []
     for box in sorted(box_holders, key=lambda b: (-math.prod(b[1]), b[0])):
         writer = min(box_holders[box], key=lambda rank: (loads[rank], rank))

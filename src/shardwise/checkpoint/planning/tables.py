@@ -60,9 +60,8 @@ class RankTable:
 def own_cell(
     grid: Grid, mesh: Mesh, placements: Sequence[str], rank: int, position: int | None = None
 ) -> tuple[int, ...] | None:
-    """The grid cell group rank ``rank`` holds on ``mesh`` (``None``: none, or an empty
-    shard past the end of a dim). ``position``: the rank's place in the mesh's ranks, if
-    known (-1: not there)."""
+    """The grid cell group rank ``rank`` (at ``position`` in the mesh's ranks, if known; -1:
+    not there) holds on ``mesh``; ``None``: none, or an empty shard past the end of a dim."""
     shape, ranks = mesh
     if position is None:
         position = ranks.index(rank) if rank in ranks else -1
@@ -156,10 +155,8 @@ def rank_table(
                 table.rows.append(row)
                 table.cells[key] = cell
                 continue
-        size = value.size
-        table.rows.append(
-            _row(key, value, () if size is None else size, _UNSIZED if size is None else _LOCAL)
-        )
+        local_layout = _UNSIZED if value.size is None else _LOCAL
+        table.rows.append(_row(key, value, value.size or (), local_layout))
         table.local[key] = [[list(box.offsets), list(box.sizes)] for box in value.boxes]
     table.meshes = meshes.meshes
     table.digest = str(xxhash.xxh3_128_hexdigest(compact(table.to_json(), sort_keys=True)))
@@ -192,10 +189,9 @@ def _mesh_row(
 def own_file_writes(
     table: RankTable, tensors: Mapping[str, TensorValue], assignment: Mapping[str, Any], rank: int
 ) -> tuple[list[WriteAssignment], int]:
-    """What this rank writes, in the order of its data file (``docs/format.md``, *Writing the
-    index*), and how many grid cells lead it: its grid cells (derived from its own rows; the
-    key's number in the plan chooses the replica) sorted by key, then the ``whole`` keys and
-    ``local`` boxes the coordinator gave it, sorted by key and offsets."""
+    """What this rank writes in the order of its data file (``docs/format.md``), and how many
+    grid cells lead it: its grid cells (the key's number in the plan chooses the replica) by
+    key, then the ``whole`` keys and ``local`` boxes it was given, by key and offsets."""
     skip = set(assignment.get("demoted", ())) | set(assignment.get("aliases", ()))
     numbers = assignment.get("numbers")
     rules: list[dict[Any, Any]] = [{} for _ in table.meshes]

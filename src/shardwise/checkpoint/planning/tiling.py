@@ -31,8 +31,7 @@ class _Chunk:
 def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
     """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, no two
     share an element, together they cover every element, and a box with elements lies inside
-    the tensor (empty ones may lie anywhere: the ceil rule puts trailing empty chunks past
-    the end).
+    the tensor (empty ones may lie anywhere: the ceil rule puts them past the end).
 
     Raises:
         ValueError: The boxes do not tile the tensor (the message says how).
