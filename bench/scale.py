@@ -2,7 +2,7 @@
 
 The state is a GPT-like training state (``_scale/model.py``): every tensor sharded along dim 0
 over all ranks, plus one replicated ``step`` per parameter. Every rank's table of layouts is
-the same (FSDP); the coordinator plans from it (``layout_plan.plan_save``), the index is
+the same (FSDP); the coordinator plans from it (``planning.save_plan.plan_save``), the index is
 encoded, decoded with every check and viewed as ``Metadata``, and one rank of the loading job
 plans its reads from the layouts, through shardwise's own code (``_scale/layouts.py``).
 

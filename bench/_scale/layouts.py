@@ -1,5 +1,5 @@
 """The metadata path, measured on the state of ``model.py`` through shardwise's own code: the
-coordinator's planning from tables of layouts (``checkpoint.layout_plan.plan_save``), the
+coordinator's planning from tables of layouts (``checkpoint.planning.save_plan.plan_save``), the
 index (``index.encode_index``, ``index.decode_index``), one rank's load planning from the
 layouts (``planner.plan_reads`` with a grid's ``LayoutChunks`` as its lookup), and the lazily
 built ``Index.to_metadata``.

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.storage import _LocalReader
+from shardwise.checkpoint.storage._local import _LocalReader
 from tests.harness import distributed
 
 # The module, not the function the package exports under the same name.

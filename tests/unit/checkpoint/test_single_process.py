@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.storage import _LocalReader
+from shardwise.checkpoint.storage._local import _LocalReader
 from shardwise.local_shards import LocalShardsWrapper
 
 # The module that writes a rank's data file.

@@ -25,6 +25,7 @@ from shardwise.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,
     RangeRequest,
+    UnsafePathError,
     describe_storage_error,
     open_storage,
 )
@@ -335,3 +336,16 @@ def test_fsspec_vector_writes(memory_url: str) -> None:
     writer.write_vector([b"ab", memoryview(b""), bytearray(b"cde")])
     writer.close(sync=False)
     assert storage.read_small(storage.join("f"), 100) == b"abcde"
+
+
+def test_looking_at_a_file_follows_no_link_below_the_root(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"12345")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "data").symlink_to(outside)
+    storage = open_storage(root)
+    for look in (storage.exists, storage.size, storage.sync_dir):
+        with pytest.raises(UnsafePathError):
+            look(storage.join("data", "secret"))

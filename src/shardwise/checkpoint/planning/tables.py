@@ -329,7 +329,7 @@ def _reconcile(
             known = first.setdefault(row.key, row)
             if known is not row and known != row:
                 conflicts.add(row.key)
-    for key in conflicts:
+    for key in sorted(conflicts):  # the same key named in every run
         found = [
             (holders[n][0], n, i, row)
             for n, table in enumerate(tables)

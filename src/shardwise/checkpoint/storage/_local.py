@@ -226,9 +226,11 @@ class LocalStorage:
         _check_real_directory(path)
 
     def exists(self, path: str) -> bool:
+        self._check_parents(path)  # no link below the root is followed, even to look
         return os.path.lexists(path)
 
     def size(self, path: str) -> int:
+        self._check_parents(path)
         return os.lstat(path).st_size
 
     def makedirs(self, path: str) -> None:
@@ -355,7 +357,8 @@ class LocalStorage:
             reader.close()
 
     def sync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        self._check_parents(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             os.fsync(fd)
         finally:
