@@ -23,7 +23,7 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Reader, Storage, open_storage
 from shardwise.errors import CheckpointFormatError, CheckpointKeyError, ChecksumError
 
-__all__ = ["CheckpointReader", "Job", "Segment", "decode", "read_index_bytes"]
+__all__ = ["CheckpointReader", "Job", "decode", "read_index_bytes"]
 
 
 class CheckpointReader:
