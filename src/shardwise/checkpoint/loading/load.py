@@ -41,7 +41,6 @@ from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_d
 from shardwise.checkpoint.storage import open_shared_storage
 from shardwise.errors import (
     CheckpointDataError,
-    CheckpointError,
     CheckpointFormatError,
     CheckpointKeyError,
     CheckpointMismatchError,
@@ -226,10 +225,9 @@ def _grown_paths(grown: dict[str, list[str]], typed: bool) -> dict[str, list[tup
             raise CheckpointMismatchError(
                 f"the state dict's {prefix!r} is empty and the checkpoint's entries under it "
                 f"(e.g. {display_key(ambiguous[0])!r}) have number-like keys whose type the "
-                "checkpoint does not record (it was converted from DCP, or is of format "
-                "version 1): fill the Mapping first (step a fresh optimizer once, or build the "
-                "target with torch.distributed.checkpoint.state_dict.get_state_dict), so its "
-                "keys are known",
+                "checkpoint does not record (it was converted from DCP): fill the Mapping "
+                "first (step a fresh optimizer once, or build the target with "
+                "torch.distributed.checkpoint.state_dict.get_state_dict), so its keys are known",
                 key=prefix,
             )
         leaves = {parts for parts, _ in entries}
@@ -455,7 +453,7 @@ def load(
         try:
             raw = read_index_bytes(storage, path_text)
             envelope = {"text": raw.decode("utf-8", "surrogateescape")}
-        except CheckpointError as err:
+        except Exception as err:  # any failure reaches every rank, none waits for the index
             error = err
             envelope = {"error": collectives.describe_error(err)}
     if comm.group is not None:
