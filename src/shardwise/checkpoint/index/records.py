@@ -1,19 +1,37 @@
 """The records of a validated index: what :func:`~shardwise.checkpoint.index.decode_index`
-returns and what the writer builds (see ``docs/format.md``)."""
+returns and what the writer builds (see ``docs/format.md``), and the index seen lazily as
+DCP-style :class:`~shardwise.checkpoint.metadata.Metadata` (:meth:`Index.to_metadata`).
+
+``save`` and ``read_metadata`` return that view. An eager build costs one
+``ChunkStorageMetadata`` and one storage dict per chunk (measured: 44 s and 6.1 GiB per rank at
+1,024 ranks x 10,000 tensors); here a value is built on first lookup and kept. Both mappings
+stay mutable (a change first builds every value), equal to an eager build's dicts, and pickle
+as dicts.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import torch
 
-from shardwise.checkpoint.index.view import metadata_view
-from shardwise.checkpoint.metadata import Metadata
+from shardwise.checkpoint.entries.state_dict import display_key
+from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM
+from shardwise.checkpoint.metadata import (
+    STORAGE_TYPES,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
-__all__ = ["Index", "ObjectRecord", "SaveFacts", "TensorRecord"]
+__all__ = ["Index", "LazyMapping", "ObjectRecord", "SaveFacts", "TensorRecord", "metadata_view"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,5 +114,162 @@ class Index:
         ]
 
     def to_metadata(self) -> Metadata:
-        """The index as DCP-style :class:`Metadata`, built lazily (see :mod:`.view`)."""
+        """The index as DCP-style :class:`Metadata`, built lazily (see :func:`metadata_view`)."""
         return metadata_view(self)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LazyMapping(MutableMapping[K, V]):
+    """A mapping of ``count`` known keys whose values are built on first lookup, then kept.
+    ``keys`` walks every key in order; ``build`` gives a key's value or raises ``KeyError``."""
+
+    __slots__ = ("_build", "_built", "_count", "_keys", "_whole")
+
+    def __init__(
+        self, keys: Callable[[], Iterator[K]], count: int, build: Callable[[K], V]
+    ) -> None:
+        self._keys = keys
+        self._count = count
+        self._build = build
+        self._built: dict[K, V] = {}
+        self._whole = False
+
+    def __getitem__(self, key: K) -> V:
+        try:
+            return self._built[key]
+        except KeyError:
+            if self._whole:
+                raise
+        value = self._built[key] = self._build(key)
+        return value
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._built) if self._whole else self._keys()
+
+    def __len__(self) -> int:
+        return len(self._built) if self._whole else self._count
+
+    def __contains__(self, key: object) -> bool:
+        if self._whole or key in self._built:
+            return key in self._built
+        try:
+            self[key]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def _build_whole(self) -> None:
+        """Build every value, in key order: from now on this is a plain dict."""
+        if not self._whole:
+            self._built = {key: self[key] for key in self._keys()}
+            self._whole = True
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self._build_whole()
+        self._built[key] = value
+
+    def __delitem__(self, key: K) -> None:
+        self._build_whole()
+        del self._built[key]
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+    def __reduce__(self) -> tuple[type[dict[K, V]], tuple[dict[K, V]]]:
+        return dict, (dict(self.items()),)
+
+
+def metadata_view(index: Index) -> Metadata:
+    """``index`` as :class:`Metadata` with :class:`LazyMapping` entries and storage data."""
+    names = _metadata_names([*index.tensors, *index.objects])
+    keys = {name: key for key, name in names.items()}
+
+    def entry(name: str) -> STORAGE_TYPES:
+        key = keys[name]
+        tensor = index.tensors.get(key)
+        if tensor is None:
+            return BytesStorageMetadata()
+        return TensorStorageMetadata(
+            properties=tensor.properties,
+            size=torch.Size(tensor.size),
+            chunks=[
+                ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                for c in tensor.chunks
+            ],
+        )
+
+    def storage_keys() -> Iterator[MetadataIndex]:
+        for key, tensor in index.tensors.items():
+            name = names[key]
+            for position, chunk in enumerate(tensor.chunks):
+                yield MetadataIndex(name, torch.Size(chunk.offsets), position)
+        for key in index.objects:
+            yield MetadataIndex(names[key])
+
+    def storage_info(where: MetadataIndex) -> dict[str, Any]:
+        key = keys[where.fqn]
+        if where.offset is None:
+            item = index.objects[key]
+            if item.blob is None:
+                return {"encoding": item.encoding, "text": item.text}
+            return {"encoding": item.encoding, **_stored_info(index, item.blob)}
+        return _stored_info(index, _find_chunk(index.tensors[key], where))
+
+    num_chunks = sum(len(tensor.chunks) for tensor in index.tensors.values())
+    return Metadata(
+        state_dict_metadata=cast(
+            "dict[str, STORAGE_TYPES]", LazyMapping(lambda: iter(keys), len(keys), entry)
+        ),
+        planner_data={
+            "writer": index.save.writer,
+            "torch": index.save.torch,
+            "world_size": index.save.world_size,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "block_size": index.block_size,
+        },
+        storage_data=LazyMapping(storage_keys, num_chunks + len(index.objects), storage_info),
+        storage_meta=StorageMeta(
+            checkpoint_id=index.save.checkpoint_id, save_id=index.save.save_id
+        ),
+        version=str(index.format_version),
+    )
+
+
+def _find_chunk(tensor: TensorRecord, where: MetadataIndex) -> SavedChunk:
+    """The chunk of ``tensor`` at ``where.offset`` (its ``index`` hint probed first)."""
+    offsets = tuple(where.offset or ())
+    chunks = tensor.chunks
+    hint = where.index
+    if hint is not None and 0 <= hint < len(chunks) and chunks[hint].offsets == offsets:
+        return chunks[hint]
+    for chunk in chunks:
+        if chunk.offsets == offsets:
+            return chunk
+    raise KeyError(where)
+
+
+def _metadata_names(keys: list[str]) -> dict[str, str]:
+    """Each entry's :class:`Metadata` key: its dotted key (as DCP names it), or its internal
+    key for a second entry of the same dotted key (``{0: x, "0": y}``)."""
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for key in keys:
+        name = display_key(key)
+        names[key] = key if name in taken else name
+        taken.add(names[key])
+    return names
+
+
+def _stored_info(index: Index, chunk: SavedChunk) -> dict[str, Any]:
+    first_byte, sums = index.file_blocks(chunk)
+    return {
+        "file": chunk.file,
+        "begin": chunk.begin,
+        "end": chunk.end,
+        "checksums": sums,
+        "block_scope": "file",
+        "blocks_begin": first_byte,
+    }
