@@ -13,7 +13,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shardwise.checkpoint.storage._protocol import (
     Finish,
@@ -29,7 +29,7 @@ __all__ = ["LocalStorage"]
 logger = logging.getLogger(__name__)
 
 # How often a small file written aside is written again when another save's cleanup removed
-# it before it was linked or renamed into place (see LocalStorage.create_exclusive).
+# it before it was linked or renamed into place (see LocalStorage._place_aside).
 _ASIDE_ATTEMPTS = 5
 # O_NONBLOCK keeps the open of a FIFO from waiting for a writer (it is refused right after,
 # unread); O_NOCTTY keeps a terminal from becoming this process's.
@@ -58,9 +58,7 @@ class _LocalWriter:
         self._fd = os.open(path, _WRITE_FLAGS, 0o644)
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(self._fd, view) :]
+        self.write_vector([data])
 
     def write_vector(self, parts: Sequence[memoryview | bytes | bytearray]) -> None:
         views = [memoryview(part).cast("B") for part in parts if len(part)]
@@ -306,45 +304,38 @@ class LocalStorage:
         except FileNotFoundError:
             return []
 
-    def _written_aside(self, path: str, data: bytes) -> str:
-        """A new file beside ``path`` (a name unique to this thread) holding ``data``."""
+    def _place_aside(self, path: str, data: bytes, place: Callable[[str], None]) -> None:
+        """Write ``data`` beside ``path`` (a name unique to this thread), then ``place`` it; written
+        again if the save holding the lock removed it first as a leftover (FileNotFoundError)."""
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        self.remove(temporary)
-        writer = self.open_write(temporary)
-        try:
-            writer.write(data)
-        finally:
-            writer.close(sync=False)
-        return temporary
-
-    def create_exclusive(self, path: str, data: bytes) -> bool:
-        # Written in full under a unique name, then linked into place: link() fails if the
-        # name exists, so no reader ever sees the file without its content.
         for attempt in range(_ASIDE_ATTEMPTS):
-            temporary = self._written_aside(path, data)
+            self.remove(temporary)
+            writer = self.open_write(temporary)
             try:
-                os.link(temporary, path, follow_symlinks=False)
-            except FileExistsError:
-                return False
+                writer.write(data)
+            finally:
+                writer.close(sync=False)
+            try:
+                place(temporary)
+                return
             except FileNotFoundError:
-                # The save holding the lock removed this temporary as a leftover: write again.
                 if attempt + 1 == _ASIDE_ATTEMPTS:
                     raise
-                continue
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temporary)
-            return True
-        raise AssertionError("unreachable")
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        # Linked into place complete: link() fails if the name exists, so no reader ever sees
+        # the file without its content.
+        try:
+            self._place_aside(path, data, lambda aside: os.link(aside, path, follow_symlinks=False))
+        except FileExistsError:
+            return False
+        return True
 
     def replace_small(self, path: str, data: bytes) -> None:
-        for attempt in range(_ASIDE_ATTEMPTS):
-            try:
-                self.rename(self._written_aside(path, data), path)
-                return
-            except FileNotFoundError:  # as in create_exclusive: removed as a leftover
-                if attempt + 1 == _ASIDE_ATTEMPTS:
-                    raise
+        self._place_aside(path, data, lambda aside: self.rename(aside, path))
 
     def read_small(self, path: str, limit: int) -> bytes:
         reader = self.open_reader(path)
