@@ -113,7 +113,7 @@ class _Counted:
         close = self._originals["close"]
 
         def counting(reader: CheckpointReader) -> None:
-            self.read += reader.bytes_read
+            self.read += reader.files.bytes_read
             close(reader)
 
         def timed(name: str) -> Callable[..., None]:
@@ -144,7 +144,7 @@ def _raw(path: str, state: dict[str, Any]) -> Callable[[], None]:
         plan = []
         for key, tensor in state.items():
             (chunk,) = reader.index.tensors[key].chunks
-            plan.append((reader.file_path(chunk.file), chunk.begin, tensor))
+            plan.append((reader.files.path(chunk.file), chunk.begin, tensor))
     files = {name: os.open(name, os.O_RDONLY) for name, _, _ in plan}
 
     def read() -> None:

@@ -505,7 +505,7 @@ class _ReadBytes:
         close = self._close
 
         def counting_close(reader: CheckpointReader) -> None:
-            self.total += reader.bytes_read
+            self.total += reader.files.bytes_read
             close(reader)
 
         CheckpointReader.close = counting_close  # type: ignore[method-assign]

@@ -92,12 +92,12 @@ def _file_problem(
         return f"MISSING data file {name}: holds {_keys_text(keys) or 'no entry'}"
     if isinstance(cause, UnsafePathError):
         path = cause.filename
-        where = "" if path in (None, reader.file_path(name)) else f" ({path})"
+        where = "" if path in (None, reader.files.path(name)) else f" ({path})"
         return f"UNSAFE data file {name}: {cause.strerror}{where}; not read"
     if cause is None:  # a regular file whose size disagrees with the index
         needed = _needed_size(reader, name, items)
         try:
-            size = reader.storage.size(reader.file_path(name))
+            size = reader.storage.size(reader.files.path(name))
         except OSError:
             size = needed
         if size < needed:
@@ -119,7 +119,7 @@ def _header_problem(
 ) -> str | None:
     """Why the safetensors header of data file ``name`` (of ``size`` bytes) is invalid or
     disagrees with the index, or None."""
-    handle = reader.handle(name)
+    handle = reader.files.handle(name)
     try:
         prefix = bytearray(8)
         count = handle.read_into(0, memoryview(prefix))
@@ -147,7 +147,7 @@ def _verify_file(
     padding between entries, under no key). Appends one line per problem; returns the bytes
     checked."""
     try:
-        reader.handle(name)
+        reader.files.handle(name)
     except CheckpointDataError as err:
         problems.append(_file_problem(reader, name, items, err))
         return 0

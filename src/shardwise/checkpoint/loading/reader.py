@@ -20,7 +20,7 @@ from shardwise.checkpoint.loading.fill import Job, fill
 from shardwise.checkpoint.loading.index_file import decode, read_index_bytes
 from shardwise.checkpoint.loading.read import Segment, audit, read
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.storage import Reader, Storage, open_storage
+from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.errors import CheckpointFormatError, CheckpointKeyError, ChecksumError
 
 __all__ = ["CheckpointReader", "Job", "decode", "read_index_bytes"]
@@ -60,19 +60,6 @@ class CheckpointReader:
     def close(self) -> None:
         """Close every data file this reader opened."""
         self.files.close()
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes read from the storage so far."""
-        return self.files.bytes_read
-
-    def file_path(self, name: str) -> str:
-        """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
-        return self.files.path(name)
-
-    def handle(self, name: str, key: str | None = None) -> Reader:
-        """Data file ``name`` opened for reads (see :meth:`.DataFiles.handle`)."""
-        return self.files.handle(name, key)
 
     def check_files(self, items: Iterable[tuple[str, planner.SavedChunk]]) -> None:
         """Open (and so check) the data file of every ``(key, chunk)``."""
