@@ -23,7 +23,7 @@ from shardwise.errors import (
     CheckpointStorageError,
 )
 
-__all__ = ["decode", "read_index_bytes"]
+__all__ = ["decode", "quoted", "read_index_bytes"]
 
 
 def read_index_bytes(storage: Storage, path: str) -> bytes:
@@ -137,12 +137,12 @@ def _what_is_there(storage: Storage, path: str) -> str:
     hugging_face = [e for e in entries if e in _HF_NAMES or e.endswith(_HF_SUFFIXES)]
     if hugging_face:
         return (
-            f"{path} is a Hugging Face model directory (it has {_names(hugging_face)}), not a "
+            f"{path} is a Hugging Face model directory (it has {quoted(hugging_face)}), not a "
             f"shardwise checkpoint (a directory with {INDEX_NAME} and data/): load its files "
             "with safetensors.torch.load_file (or the model with transformers' from_pretrained)"
         )
     return (
-        f"{path} is not a shardwise checkpoint: it has no {INDEX_NAME}; it holds {_names(entries)}"
+        f"{path} is not a shardwise checkpoint: it has no {INDEX_NAME}; it holds {quoted(entries)}"
     )
 
 
@@ -190,10 +190,10 @@ def _holds_shardwise_data(storage: Storage) -> bool:
     return any(is_data_file_name(name) or is_temporary_name(name) for name in names)
 
 
-def _names(entries: Sequence[str]) -> str:
-    """Up to :data:`_SHOWN` of ``entries``, quoted (a name may hold any character)."""
-    shown = ", ".join(repr(entry) for entry in entries[:_SHOWN])
-    more = len(entries) - _SHOWN
+def quoted(names: Sequence[str], limit: int = _SHOWN) -> str:
+    """Up to ``limit`` of ``names``, quoted (a name may hold any character), then how many more."""
+    shown = ", ".join(repr(name) for name in names[:limit])
+    more = len(names) - limit
     return f"{shown} and {more} more" if more > 0 else shown
 
 

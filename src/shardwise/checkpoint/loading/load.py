@@ -33,6 +33,7 @@ from shardwise.checkpoint.entries.items import (
 )
 from shardwise.checkpoint.entries.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
+from shardwise.checkpoint.loading.index_file import quoted
 from shardwise.checkpoint.loading.reader import CheckpointReader, Job, decode, read_index_bytes
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
@@ -490,10 +491,8 @@ def load(
 
 
 def _keys(what: str, keys: list[str]) -> str:
-    shown = ", ".join(repr(key) for key in keys[:10])
-    more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
     noun = "key" if len(keys) == 1 else "keys"
-    return f"{len(keys)} {noun} {what} ({shown}{more})"
+    return f"{len(keys)} {noun} {what} ({quoted(keys, 10)})"
 
 
 def _load(
