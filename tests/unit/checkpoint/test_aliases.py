@@ -124,12 +124,12 @@ def test_async_save_of_tied_weights_stages_them_once(tmp_path):
 # -- the agreement of the ranks (pure) --------------------------------------------------------
 
 
-def _plan(fqn: str, holders: dict, size=(4,), dtype="float32") -> planner.TensorPlan:
-    return planner.TensorPlan(fqn, dtype, size, {"dtype": dtype}, 4, holders)
+def _plan(holders: dict, size=(4,), dtype="float32") -> planner.TensorPlan:
+    return planner.TensorPlan(dtype, size, {"dtype": dtype}, holders)
 
 
 def _merged(**holders: dict) -> dict[str, planner.TensorPlan]:
-    return {fqn: _plan(fqn, boxes) for fqn, boxes in holders.items()}
+    return {fqn: _plan(boxes) for fqn, boxes in holders.items()}
 
 
 ROWS = {((0,), (2,)): [0], ((2,), (2,)): [1]}
@@ -151,12 +151,12 @@ def test_agreement_ignores_ranks_without_elements():
     assert planner.agree_aliases([{"b": "a"}, {}], merged) == {"b": "a"}
     # Nobody holds an element: nothing to tie.
     nobody = {((0,), (0,)): [0, 1]}
-    empty = {"a": _plan("a", nobody, (0,)), "b": _plan("b", nobody, (0,))}
+    empty = {"a": _plan(nobody, (0,)), "b": _plan(nobody, (0,))}
     assert planner.agree_aliases([{"b": "a"}, {"b": "a"}], empty) == {}
 
 
 def test_agreement_needs_equal_global_facts_and_no_chains():
-    merged = {"a": _plan("a", EVERYWHERE), "b": _plan("b", EVERYWHERE, dtype="float16")}
+    merged = {"a": _plan(EVERYWHERE), "b": _plan(EVERYWHERE, dtype="float16")}
     assert planner.agree_aliases([{"b": "a"}, {"b": "a"}], merged) == {}
     merged = _merged(a=EVERYWHERE, b=EVERYWHERE, c=EVERYWHERE)
     views = [{"b": "a", "c": "b"}, {"b": "a", "c": "b"}]

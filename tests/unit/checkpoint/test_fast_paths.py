@@ -22,7 +22,7 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning import tiling as _tiling
 from shardwise.checkpoint.planning.planner import Box, ChunkRead
 from shardwise.errors import CheckpointFormatError
-from tests.unit.checkpoint.test_planner import _chunks_of, _tiling_and_targets
+from tests.unit.checkpoint.test_planner import _chunks_of, _tiling_and_targets, reads_at_cost
 
 # File numbers 0 to 2 of an index; number 1 is null (a rank that wrote nothing).
 _FILES: list[str | None] = [
@@ -217,7 +217,7 @@ def test_a_target_that_is_a_saved_chunk_reads_it_whole(case: Any) -> None:
         assert planner.plan_reads(box, chunks, 4) == expected
         assert planner.plan_reads(box, chunks, 4, lookup=lookup) == expected
     for target in targets:  # other boxes: as planned by intersecting (covered, in order)
-        reads = planner.plan_reads(target, chunks, 4, read_cost=0)
+        reads = reads_at_cost(target, chunks, 4, 0)
         assert sum(math.prod(read.overlap[1]) for read in reads) == math.prod(target[1])
 
 

@@ -5,6 +5,7 @@ reassembles the tensor exactly, with lean reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise._boxes import intersect
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.planner import Box, ChunkRead, SavedChunk
 from shardwise.checkpoint.planning.save_plan import TableRow, plan_save
@@ -28,6 +30,19 @@ def _region(tensor: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Te
     for dim, (start, offset, size) in enumerate(zip(origin, box[0], box[1], strict=True)):
         view = view.narrow(dim, offset - start, size)
     return view
+
+
+def reads_at_cost(
+    target: Box, chunks: list[SavedChunk], itemsize: int, cost: int
+) -> list[ChunkRead]:
+    """``plan_reads`` with ``TUNING.read_cost_bytes`` patched to ``cost`` (usable under
+    hypothesis, where the function-scoped ``monkeypatch`` fixture is not)."""
+    patched = dataclasses.replace(tuning.TUNING)
+    # Tuning refuses 0, the cost at which reads must be exactly the needed bytes.
+    object.__setattr__(patched, "read_cost_bytes", cost)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(tuning, "TUNING", patched)
+        return planner.plan_reads(target, chunks, itemsize)
 
 
 class FakeStorage:
@@ -92,10 +107,10 @@ def test_reads_of_whole_and_contiguous_overlaps_are_exact() -> None:
 
 
 def test_column_overlap_reads_needed_bytes_or_one_read_by_cost() -> None:
-    # A column block of a row chunk. With read_cost=0: one read per row, exactly the needed
+    # A column block of a row chunk. At read cost 0: one read per row, exactly the needed
     # bytes (no whole rows).
     chunks = [_chunk((0, 0), (4, 100), 0)]
-    exact = planner.plan_reads(((0, 10), (4, 20)), chunks, 4, read_cost=0)
+    exact = reads_at_cost(((0, 10), (4, 20)), chunks, 4, 0)
     assert [(r.file_offset, r.nbytes, r.overlap, r.strides) for r in exact] == [
         (row * 400 + 40, 80, ((row, 10), (1, 20)), None) for row in range(4)
     ]
@@ -112,7 +127,7 @@ def test_column_overlap_reads_needed_bytes_or_one_read_by_cost() -> None:
     ]
     # A 3-D overlap split along its first dim only: each piece is contiguous.
     cube = [_chunk((0, 0, 0), (3, 4, 5), 0, itemsize=8)]
-    pieces = planner.plan_reads(((0, 1, 0), (3, 2, 5)), cube, 8, read_cost=0)
+    pieces = reads_at_cost(((0, 1, 0), (3, 2, 5)), cube, 8, 0)
     assert [(r.file_offset, r.nbytes, r.strides) for r in pieces] == [
         ((i * 20 + 5) * 8, 80, None) for i in range(3)
     ]
@@ -124,10 +139,7 @@ def test_reads_choose_the_cheapest_split() -> None:
     chunks = [_chunk((0, 0, 0), (2, 10, 4), 0, itemsize=1)]
     target = ((0, 0, 1), (2, 2, 2))
     shapes = {
-        cost: [
-            (r.file_offset, r.nbytes, r.strides)
-            for r in planner.plan_reads(target, chunks, 1, cost)
-        ]
+        cost: [(r.file_offset, r.nbytes, r.strides) for r in reads_at_cost(target, chunks, 1, cost)]
         for cost in (0, 5, 100)
     }
     assert shapes[0] == [(1, 2, None), (5, 2, None), (41, 2, None), (45, 2, None)]
@@ -231,14 +243,14 @@ def test_any_tiling_reads_back_into_any_tiling_exactly(case: dict[str, Any]) -> 
         out = torch.full(shape, -1, dtype=torch.int64).to(dtype)
         for box in case["target"]:
             storage.bytes_read = 0
-            reads = planner.plan_reads(box, chunks, itemsize, read_cost)
+            reads = reads_at_cost(box, chunks, itemsize, read_cost)
             assert reads == sorted(reads, key=lambda r: (chunks[r.chunk].file, r.file_offset))
             for read in reads:
                 chunk = chunks[read.chunk]
                 assert read.whole_chunk == (read.overlap == (chunk.offsets, chunk.sizes))
                 _apply(read, chunk, storage, out, dtype)
             needed = math.prod(box[1]) * itemsize
-            exact = planner.plan_reads(box, chunks, itemsize, 0)
+            exact = reads_at_cost(box, chunks, itemsize, 0)
             if read_cost == 0:
                 # Only the needed bytes.
                 assert storage.bytes_read == needed

@@ -45,11 +45,9 @@ class TensorPlan:
     global facts (``dtype`` by :func:`shardwise.metadata.dtype_name`, ``properties`` as a
     dict) and ``holders``, for every distinct box, the group ranks that hold it."""
 
-    fqn: str
     dtype: str
     size: tuple[int, ...]
     properties: dict[str, Any]
-    itemsize: int
     holders: dict[Box, list[int]] = field(default_factory=dict)
 
 
@@ -203,23 +201,21 @@ def plan_reads(
     target: Box,
     chunks: Sequence[SavedChunk],
     itemsize: int,
-    read_cost: int | None = None,
     lookup: Candidates | None = None,
 ) -> list[ChunkRead]:
     """The reads that fill ``target`` from ``chunks``, ordered by file and offset.
 
     A non-contiguous overlap (e.g. a column block of row-wise chunks) is read in pieces split
     along its leading dims, each from its first to its last element, so that a gap is read
-    through exactly when it is smaller than ``read_cost`` (default ``TUNING.read_cost_bytes``:
-    on local files a positioned read costs about as much as copying 64 KiB). ``lookup`` (a
+    through exactly when it is smaller than ``TUNING.read_cost_bytes`` (on local files a
+    positioned read costs about as much as copying 64 KiB). ``lookup`` (a
     :class:`ChunkLookup` of ``chunks``, or a grid's ``LayoutChunks``) finds the overlapping
     chunks without comparing ``target`` with each.
 
     Raises:
         ValueError: The chunks do not cover ``target``.
     """
-    if read_cost is None:
-        read_cost = tuning.TUNING.read_cost_bytes
+    read_cost = tuning.TUNING.read_cost_bytes
     if len(chunks) == 1:  # one chunk that is the whole target (the common case): one read
         only = chunks[0]
         if only.offsets == target[0] and only.sizes == target[1]:

@@ -405,7 +405,7 @@ def _agree_aliases(
         for rank in sorted(ranks):
             for box in _boxes_of(row, rank, meshes, local):
                 boxes.setdefault(box, []).append(rank)
-        merged[key] = TensorPlan(key, row.dtype, row.size, row.properties, row.itemsize, boxes)
+        merged[key] = TensorPlan(row.dtype, row.size, row.properties, boxes)
     return planner.agree_aliases(per_rank, merged)
 
 
