@@ -1,15 +1,6 @@
-"""The on-disk format of checkpoint data files: safetensors files (see ``docs/format.md``).
-
-A data file is ``<8-byte little-endian header length><JSON header><data>``. The header maps
-each entry key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (relative to the data
-section) and carries ``__metadata__``; it is padded with spaces so the data section starts on
-a 64-byte boundary, and entries are packed without holes, as safetensors requires. Entry keys
-are ``<fqn>@<offsets joined by ",">`` for tensor chunks and ``<fqn>@bytes`` for byte blobs.
-
-Readers take byte ranges from the index, never from a header. :func:`parse_header` and
-:func:`compare_header` let ``shardwise verify`` check that every header is valid safetensors
-and agrees with the index, so third-party readers can rely on the files.
-"""
+"""The on-disk format of checkpoint data files: safetensors files (``docs/format.md``, *Data
+files*). Readers take byte ranges from the index, never from a header; :func:`parse_header`
+and :func:`compare_header` let ``shardwise verify`` check every header against the index."""
 
 from __future__ import annotations
 
@@ -27,10 +18,7 @@ from shardwise.checkpoint.index.names import MAX_DIMS, MAX_INT
 
 __all__ = [
     "ALIGNMENT",
-    "MAX_HEADER_BYTES",
     "FileEntry",
-    "FileLayout",
-    "Header",
     "HeaderEntry",
     "bytes_key",
     "chunk_key",

@@ -373,7 +373,7 @@ def _block_size(checksum: object) -> int:
 def _file_name(name: object, files: Mapping[str, int]) -> str:
     """A data file's name: the writer's pattern, not listed before."""
     name = text_of(name, "a data file name")
-    if not name.startswith(f"{DATA_DIR}/") or not is_data_file_name(name[5:]):
+    if not name.startswith(f"{DATA_DIR}/") or not is_data_file_name(name[len(DATA_DIR) + 1 :]):
         fail(f"{name!r} is not a data file name of this format (data/rank-*.safetensors)")
     if name in files:
         fail(f"the data file {name!r} is listed twice")

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from shardwise.checkpoint.entries.state_dict import display_key
-from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM
+from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM, HEX
 from shardwise.checkpoint.metadata import (
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -110,7 +110,7 @@ class Index:
         stop = -(-(end - start) // self.block_size) if end > begin else first
         sums = self.file_checksums[file]
         return start + first * self.block_size, [
-            sums[16 * block : 16 * block + 16] for block in range(first, stop)
+            sums[HEX * block : HEX * (block + 1)] for block in range(first, stop)
         ]
 
     def to_metadata(self) -> Metadata:
