@@ -1,10 +1,9 @@
 """Checkpoint metadata: the classes of ``torch.distributed.checkpoint.metadata``, mirrored
 (DCP's fields, defaults, equality and repr; :class:`TensorProperties` is shared with the
-sharded-tensor metadata). ``to_dcp`` and :func:`properties_to_dcp` give DCP's own classes.
+sharded-tensor metadata); ``to_dcp`` and :func:`properties_to_dcp` give DCP's own classes.
 
-Every class has a JSON-able body (``to_dict``/``from_dict``, the rules in
-:mod:`~shardwise.checkpoint.metadata_json`); :class:`Metadata`'s is a whole document, also as
-text (``to_json``/``from_json``), which no checkpoint reader accepts as an index.
+Every class has a JSON-able body (``to_dict``/``from_dict``, the rules in :mod:`.metadata_json`);
+:class:`Metadata`'s is a whole document, also as text, which no checkpoint reader accepts.
 """
 
 from __future__ import annotations
@@ -107,8 +106,7 @@ class ChunkStorageMetadata:
 
 @dataclass(slots=True)
 class TensorStorageMetadata:
-    """A saved tensor: its properties, global size (``torch.Size``) and chunks (the list
-    given: planners append to it)."""
+    """A saved tensor: properties, global size (``torch.Size``) and chunks (planners append)."""
 
     properties: TensorProperties
     size: torch.Size
@@ -172,8 +170,7 @@ STORAGE_TYPES: TypeAlias = TensorStorageMetadata | BytesStorageMetadata
 
 @dataclass(slots=True)
 class StorageMeta:
-    """Facts about one save or load: checkpoint id (a string in JSON, through ``os.fspath``),
-    save and load ids, and module names."""
+    """Facts about one save or load (``checkpoint_id`` is written through ``os.fspath``)."""
 
     checkpoint_id: str | os.PathLike[str] | None = None
     save_id: str | None = None
@@ -221,13 +218,12 @@ class StorageMeta:
 
 @dataclass(frozen=True, slots=True)
 class MetadataIndex:
-    """Names one entry of a state dict or of a checkpoint.
+    """Names one entry (by ``fqn``) of a state dict or of a checkpoint.
 
     Args:
-        fqn: Fully qualified name of the entry.
         offset: Offsets of a tensor chunk (converted to ``torch.Size``); None for a whole entry.
-        index: Hint: the chunk's position in its entry's chunk list, probed before a search.
-            Ignored by equality and hashing.
+        index: Hint: the chunk's position in its entry's chunk list, probed before a search;
+            ignored by equality and hashing.
     """
 
     fqn: str
@@ -342,8 +338,7 @@ class Metadata:
     """Everything a checkpoint holds, without the data: one entry per state-dict key.
 
     Args:
-        state_dict_metadata: Per key, a :class:`TensorStorageMetadata` or a
-            :class:`BytesStorageMetadata`.
+        state_dict_metadata: Per key, a :class:`TensorStorageMetadata` or ``BytesStorageMetadata``.
         planner_data: Data of the planner that wrote the checkpoint (JSON in the JSON form).
         storage_data: Data of the storage layer. For the JSON form: None, or a mapping from
             :class:`MetadataIndex` to storage info (a dict of JSON values, or an object with
@@ -394,23 +389,18 @@ class Metadata:
                 raise TypeError(f"Metadata.state_dict_metadata keys must be strings, got {fqn!r}")
             with in_entry(fqn):
                 entries[fqn] = _entry_to_dict(fqn, entry, storage, inlined)
-        detached = None
-        if self.storage_data is not None:
-            detached = [
-                {
-                    "index": key.to_dict(),
-                    "info": storage_info_to_json(info, f"storage_data[{key}]"),
-                }
-                for key, info in storage.items()
-                if key not in inlined
-            ]
+        detached = [
+            {"index": key.to_dict(), "info": storage_info_to_json(info, f"storage_data[{key}]")}
+            for key, info in storage.items()
+            if key not in inlined
+        ]
         return {
             "format": INDEX_FORMAT,
             "format_version": INDEX_VERSION,
             "version": self.version,
             "storage_meta": None if self.storage_meta is None else self.storage_meta.to_dict(),
             "planner_data": self.planner_data,
-            "storage_data": detached,
+            "storage_data": None if self.storage_data is None else detached,
             "state_dict_metadata": entries,
         }
 
@@ -479,6 +469,5 @@ class Metadata:
     def from_json(
         cls, text: str | bytes, *, storage_info: Callable[[dict[str, Any]], Any] | None = None
     ) -> Metadata:
-        """Read a checkpoint index written by :meth:`to_json` (``storage_info`` as in
-        :meth:`from_dict`)."""
+        """Read a document written by :meth:`to_json` (``storage_info`` as in :meth:`from_dict`)."""
         return cls.from_dict(load_json(text, "the checkpoint index"), storage_info=storage_info)

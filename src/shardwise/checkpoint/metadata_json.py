@@ -1,10 +1,7 @@
 """The rules of the JSON bodies of the checkpoint metadata classes, apart from the classes.
 
-Each class of :mod:`shardwise.checkpoint.metadata` writes and reads a plain JSON-able body
-(``to_dict`` / ``from_dict``); ``Metadata``'s is a whole document (``to_json`` /
-``from_json``, DCP's shape) that is no checkpoint index: no reader accepts it. Readers reject
-what breaks these rules with :class:`~shardwise.errors.CheckpointFormatError`; writers refuse
-it too (``TypeError`` for a value of the wrong type).
+Readers reject what breaks them with :class:`~shardwise.errors.CheckpointFormatError`; writers
+refuse it too (``TypeError`` for a value of the wrong type).
 """
 
 from __future__ import annotations
@@ -173,8 +170,7 @@ def optional_str(value: object, what: str) -> str | None:
 
 
 def storage_info_to_json(info: object, where: str) -> Any:
-    """A storage info value of ``Metadata.storage_data`` as JSON: a dict of JSON values, or
-    what its ``to_dict()`` returns."""
+    """A storage info of ``Metadata.storage_data`` as JSON: a JSON dict, or its ``to_dict()``."""
     to_dict = getattr(info, "to_dict", None)
     value = to_dict() if callable(to_dict) else info
     if not isinstance(value, dict):
@@ -187,8 +183,7 @@ def storage_info_to_json(info: object, where: str) -> Any:
 
 
 def index_body(data: object) -> Mapping[str, Any]:
-    """The fields of a parsed ``Metadata`` document, once its format, version and keys are
-    right.
+    """The fields of a parsed ``Metadata`` document, once its format, version and keys are right.
 
     Raises:
         CheckpointFormatError: Not a shardwise checkpoint index, an unsupported format

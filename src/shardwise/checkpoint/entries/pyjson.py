@@ -170,12 +170,14 @@ def tagged(value: object, extended: bool = False) -> object:
     kind = type(value)
     if kind in _SCALARS:
         return value
-    if kind is list or kind is tuple:
+    if kind is list or kind is tuple or (extended and _is_named(kind)):
         items = [
             item if type(item) in _SCALARS else tagged(item, extended)
             for item in value  # type: ignore[attr-defined]
         ]
-        return items if kind is list else {"__tuple__": items}
+        if kind is list or kind is tuple:
+            return items if kind is list else {"__tuple__": items}
+        return {_NAMED: [kind.__name__, list(kind._fields), items]}  # type: ignore[attr-defined]
     if kind is dict:
         assert isinstance(value, dict)
         reserved = TAGS2 if extended else TAGS
@@ -187,10 +189,6 @@ def tagged(value: object, extended: bool = False) -> object:
             ]
         }
     if extended:
-        if _is_named(kind):
-            fields = list(kind._fields)  # type: ignore[attr-defined]
-            items = [tagged(item, extended) for item in value]  # type: ignore[attr-defined]
-            return {_NAMED: [kind.__name__, fields, items]}
         if kind is np.ndarray:
             return {_ARRAY: _array_json(value)}  # type: ignore[arg-type]
         if isinstance(value, np.generic) and value.dtype.name in _NUMPY_DTYPES:
