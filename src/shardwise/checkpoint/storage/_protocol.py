@@ -10,15 +10,11 @@ __all__ = ["Finish", "RangeRequest", "Reader", "Storage", "UnsafePathError", "Wr
 
 
 class UnsafePathError(OSError):
-    """A path below the storage root is a link, or not the regular file or directory it should be.
+    """A path below the storage root is a link, or not the regular file or directory expected."""
 
-    Attributes:
-        found: What the entry at ``filename`` is (``"a symbolic link"``, ``"a FIFO"``, ...),
-            where the backend knows.
-        expected: What it should have been (``"a regular file"`` or ``"a directory"``).
-    """
-
+    #: What the entry at ``filename`` is (``"a symbolic link"``, ...), where the backend knows.
     found: str | None = None
+    #: What it should have been (``"a regular file"`` or ``"a directory"``).
     expected: str | None = None
 
 
@@ -53,8 +49,7 @@ class Reader(Protocol):
         """Read ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns the count read."""
 
     def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
-        """Scatter the bytes from ``offset`` on into ``buffers`` in turn (one ``preadv``
-        locally); returns the count read, short only at the end of the file."""
+        """Fill ``buffers`` in turn from ``offset``; the count read (short only at EOF)."""
 
     def close(self) -> None:
         """Release the file."""
@@ -66,16 +61,13 @@ Finish = Callable[[int, memoryview], None]
 
 @dataclass(frozen=True, slots=True)
 class RangeRequest:
-    """One positioned read: ``length`` bytes of ``reader``'s file from ``offset``.
-
-    Attributes:
-        buffer: Where the bytes go; None: a new buffer made by the thread that reads (a worker
-            thread's allocator reuses its memory, the main thread's maps new pages each time).
-    """
+    """One positioned read: ``length`` bytes of ``reader``'s file from ``offset``."""
 
     reader: Reader
     offset: int
     length: int
+    #: None: a new buffer made by the thread that reads (a worker thread's allocator reuses its
+    #: memory, the main thread's maps new pages each time).
     buffer: memoryview | None = None
 
 
@@ -112,12 +104,10 @@ class Storage(Protocol):
     def read_ranges(
         self, requests: Sequence[RangeRequest], then: Finish | None = None
     ) -> list[int]:
-        """Perform every read of ``requests``, concurrently where the backend can; returns the
-        count read for each (short only at the end of a file).
+        """Every read of ``requests``, concurrently where it can; each one's count (short at EOF).
 
-        ``then(number, data)`` is called with the bytes of request ``number`` once it is
-        complete, on the thread that read them (while they are in the cache); what it raises
-        propagates.
+        ``then(number, data)`` gets each complete request's bytes on the thread that read them
+        (while they are in the cache); what it raises propagates.
 
         Raises:
             OSError: A read failed (its ``filename`` names the file, where known).
@@ -133,11 +123,7 @@ class Storage(Protocol):
         """
 
     def open_below(self, relative: str) -> Reader:
-        """Open the regular file ``relative`` (plain components only) below the root, for
-        input that names its own files.
-
-        Locally every component is opened inside the one before it (``openat``), so none can
-        be swapped for a link between a check and an open.
+        """Open the regular file ``relative`` below the root, each component inside the one before.
 
         Raises:
             FileNotFoundError: The file or a directory on the way is missing.
