@@ -5,21 +5,10 @@ DCP writes ``.metadata`` (a pickle of its ``Metadata``) and ``*.distcp`` data fi
 The metadata is unpickled with an allow-list that resolves every class to an inert stand-in,
 and each payload is decoded with ``torch.load(weights_only=True)``: nothing from the files runs.
 
-The directory is untrusted input, and nothing in it is believed before it is checked:
-
-* Files are opened through the storage layer (the directory may be a URL); locally one path
-  component at a time (:meth:`~shardwise.checkpoint.storage.Storage.open_below`), never
-  through a symbolic link, and only regular files are read (a FIFO or a device unread).
-* Every offset, length and size is a bounded non-negative ``int``; each storage range lies
-  inside its file, no two ranges of one file overlap, each chunk's bytes fit in its range, and
-  the chunks of a tensor tile it exactly. So the tensors hold at most the bytes of the data
-  files, and all of this is checked when the reader is created, before any allocation.
-* A payload must be laid out as ``torch.save`` writes it (uncompressed records that fit in
-  it), so ``torch.load`` cannot allocate more than the payload holds.
-* An object value is bounded in depth and may not expand past its payload.
-
-Every failure is a :class:`DCPImportError` naming the file, and the key where one is
-concerned (``docs/cli.md``, ``convert-dcp``, says what is accepted).
+The directory is untrusted input: every offset, length and size is bounded, ranges lie inside
+their files without overlapping, and chunks tile their tensors, all checked before any
+allocation; ``docs/cli.md`` (*Malformed and hostile input*) gives every check. Every failure is
+a :class:`DCPImportError` naming the file, and the key where one is concerned.
 
 Modules: ``_unpickle`` (the allow-list and stand-ins), ``_plan`` (the metadata's ranges and
 tilings, checked), ``_payloads`` (``torch.save`` payloads and object values), and this one.

@@ -2,18 +2,9 @@
 
 This package is the only part of shardwise that touches files. Paths are plain ``str`` joined
 with ``/`` so that URLs (``s3://bucket/ckpt``, ``memory://ckpt``) survive untouched. Local paths
-need no fsspec; a URL needs the ``fsspec`` package (extra ``remote``).
-
-Modules: ``_protocol`` (:class:`Storage`, :class:`Reader`, :class:`Writer` and their types),
-``_local`` (:class:`LocalStorage`: no symbolic link below the root is followed), ``_fsspec``
-(:class:`FsspecStorage`), ``_threads`` (the I/O threads) and ``_errors`` (a storage library's
-failure in words). :func:`open_storage` picks the backend for a path.
-
-Reads come in batches (:meth:`Storage.read_ranges`): positioned reads on a few threads locally,
-``cat_ranges`` (concurrent requests in s3fs) through fsspec. Every failure of the storage
-library (no credentials, an unreachable endpoint, no such bucket, a timeout, ...) becomes one
-:class:`~shardwise.errors.CheckpointStorageError` naming the URL and the cause in words;
-``FileNotFoundError`` and ``FileExistsError`` stay what they are, since callers act on them.
+need no fsspec; a URL needs the ``fsspec`` package (extra ``remote``). :func:`open_storage`
+picks the backend for a path. Modules, batched reads and errors: ``docs/architecture.md``
+(*Storage*).
 """
 
 from __future__ import annotations
