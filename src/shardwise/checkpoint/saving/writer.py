@@ -1,17 +1,14 @@
 """The data files of a save (``docs/format.md``, *Data files*, *Checksums: blocks*): writing
-one rank's, and checking that the coordinator sees every rank's.
-
-A safetensors file laid out before the first byte is written. Entries go straight from tensor
-memory to the file, each block of the data section checksummed right before it is written,
-while in cache, as one stream across entries. GPU tensors reach the host through one reused
-pinned buffer. The sizes are tunables of :mod:`shardwise.checkpoint.tuning`.
+one rank's, each block of its data section checksummed right before it is written, while in
+cache; and checking that the coordinator sees every rank's. GPU tensors reach the host through
+one reused pinned buffer; the sizes are tunables of :mod:`shardwise.checkpoint.tuning`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -26,17 +23,22 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
 from shardwise.errors import CheckpointDataError
 
-__all__ = ["check_visible", "open_fresh", "write_data_file"]
+__all__ = ["check_visible", "write_data_file", "write_file"]
+
+_T = TypeVar("_T")
 
 
-def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
-    """Create ``path``, a name unique to this save, for writing.
+def write_file(
+    storage: Storage, path: str, rank: int | None, sync: bool, fill: Callable[[Writer], _T]
+) -> _T:
+    """Create ``path``, a name unique to this save, write it with ``fill`` and close it (synced
+    with ``sync``); abort it when anything fails.
 
     Raises:
         CheckpointDataError: It exists already (something else created it, perhaps a link).
     """
     try:
-        return storage.open_write(path)
+        writer = storage.open_write(path)
     except (FileExistsError, UnsafePathError) as err:
         raise CheckpointDataError(
             "refusing to save: this save's file already exists (something else created it, "
@@ -44,6 +46,13 @@ def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
             file=path,
             rank=rank,
         ) from err
+    try:
+        result = fill(writer)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(sync=sync)
+    return result
 
 
 class _FileBlocks:
@@ -85,19 +94,18 @@ class _ChecksummingWriter:
     their tensors held (``_held``) until written.
     """
 
-    def __init__(self, writer: Writer, file_blocks: _FileBlocks) -> None:
+    def __init__(self, writer: Writer) -> None:
         self._writer = writer
         self._parts: list[memoryview | bytearray] = []
         self._tiny = bytearray()  # the tiny entries after the last part
         self._held: list[torch.Tensor] = []
         self._pending = 0  # bytes waiting
-        self._file_blocks = file_blocks
+        self._file_blocks = _FileBlocks()
         self._unsummed = 0  # leading bytes waiting that no checksum covers (the header)
 
     def header(self, data: bytes) -> None:
-        self._tiny += data
-        self._pending += len(data)
-        self._unsummed += len(data)
+        self._unsummed += len(data)  # before _wait, whose flush skips them
+        self._wait(memoryview(data), None)
 
     def entry(self, tensor: torch.Tensor) -> None:
         if not tensor.is_cpu:  # pragma: no cover - needs a GPU
@@ -166,6 +174,11 @@ class _ChecksummingWriter:
         self._held = []
         self._pending = 0
 
+    def finish(self) -> str:
+        """Write what waits; return the data section's block checksums."""
+        self.flush()
+        return self._file_blocks.checksums()
+
 
 # Smaller entries are copied into one buffer: cheaper than an I/O vector entry of their own.
 _TINY_BYTES = 16 << 10
@@ -230,24 +243,19 @@ def write_data_file(
     # Object stores have no rename (a copy, then a delete): the file goes under its final
     # name, unique to this save, where it appears complete when closed.
     staging = f"{final}.tmp" if storage.atomic_rename else final
-    writer = open_fresh(storage, staging, rank)
-    file_blocks = _FileBlocks()
-    try:
-        out = _ChecksummingWriter(writer, file_blocks)
+
+    def fill(writer: Writer) -> str:
+        out = _ChecksummingWriter(writer)
         out.header(layout.header)
         for tensor, (begin, end) in zip(sources, layout.ranges, strict=False):
-            if tensor.requires_grad:
-                tensor = tensor.detach()
-            out.entry(tensor)
+            out.entry(tensor.detach() if tensor.requires_grad else tensor)
             if progress is not None:
                 progress.update(end - begin)
         for _fqn, blob in blobs:
             out.blob(blob.payload)
-        out.flush()
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close(sync=sync_files)
+        return out.finish()
+
+    checksums = write_file(storage, staging, rank, sync_files, fill)
     if staging != final:
         storage.rename(staging, final)
         if sync_files:
@@ -258,7 +266,7 @@ def write_data_file(
     return {
         "file": [name, layout.size],
         "data_start": data_start,
-        "checksums": file_blocks.checksums(),
+        "checksums": checksums,
         "grid_bytes": grid_end - data_start,
         "begins": {entry.key: begin for entry, (begin, _) in others},
     }
