@@ -1,6 +1,5 @@
 """The strict checks the index decoder shares: JSON parsing, field types, byte ranges per
-file, tensor tiling, and keys. Every failure raises
-:class:`~shardwise.errors.CheckpointFormatError` naming the key."""
+file, tensor tiling, and keys; each failure a :class:`~shardwise.errors.CheckpointFormatError`."""
 
 from __future__ import annotations
 

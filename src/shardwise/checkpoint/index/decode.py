@@ -1,11 +1,7 @@
-"""The strict decoder: :func:`decode_index` reads an index and trusts nothing.
-
-It checks the seal, then every type, name, number, layout, tiling and byte range; every
-failure is a :class:`~shardwise.errors.CheckpointFormatError` naming the key. Left to the
-reader: what needs the files (their real size and type), and the packing of a file's grid
-cells, checked when a chunk of it is first needed (:class:`FileOrders`: O(tensors) per file
-read, not O(chunks) per reader).
-"""
+"""The strict decoder: :func:`decode_index` reads an index and trusts nothing (its checks:
+``docs/format.md``, *Validation*). Left to the reader: what needs the files (their real size
+and type), and the packing of a file's grid cells, checked when a chunk of it is first needed
+(:class:`FileOrders`: O(tensors) per file read, not O(chunks) per reader)."""
 
 from __future__ import annotations
 
@@ -201,9 +197,8 @@ def _decode(document: dict[str, Any]) -> Index:
 def _files(
     rows: object, block_size: int
 ) -> tuple[dict[str, int], list[str | None], dict[str, int], dict[str, str]]:
-    """The ``files`` rows: ``[name, size, data_start, block checksums of the data]``, or
-    ``null`` for a rank that wrote no data file. Returns the files, the name of each file
-    number (``None`` for a null), and the data start and checksums of each file."""
+    """The ``files`` rows (``[name, size, data_start, block checksums]``, or ``null``): each
+    file's size, each file number's name (``None`` for a null), data starts and checksums."""
     if type(rows) is not list:
         fail("files must be a list")
     files: dict[str, int] = {}

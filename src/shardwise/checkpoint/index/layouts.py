@@ -1,11 +1,9 @@
 """The index's tensor layouts: a tensor described by its rule instead of one row per chunk.
 
-A ``grid`` cuts each dim by the ceil rule (``torch.chunk``'s, as FSDP, tensor parallelism
-and ``ChunkShardingSpec`` do) and maps each cell to a data file by an affine rule: a tensor
-sharded over 1,024 ranks is one row of the index, not 1,024. A file holds its grid cells
-packed from its data section's start, in index order then row-major order, so a reader
-derives each begin by a prefix sum (:class:`FileOrder`) and checks that the cells end where
-the file's other entries begin. Pure; O(dims) per query, or O(cells of one file).
+A ``grid`` (``docs/format.md``, *The index*) cuts each dim by the ceil rule and maps each cell
+to a file by an affine rule: a tensor sharded over 1,024 ranks is one row, not 1,024. A reader
+derives each cell's begin by a prefix sum over its file (:class:`FileOrder`). Pure; O(dims)
+per query, or O(cells of one file).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The records of a validated index: what :func:`~shardwise.checkpoint.index.decode_index`
-returns and what the writer builds (see ``docs/format.md``), and the index seen lazily as
-DCP-style :class:`~shardwise.checkpoint.metadata.Metadata` (:meth:`Index.to_metadata`).
-
-``save`` and ``read_metadata`` return that view. An eager build costs one
-``ChunkStorageMetadata`` and one storage dict per chunk (measured: 44 s and 6.1 GiB per rank at
-1,024 ranks x 10,000 tensors); here a value is built on first lookup and kept. Both mappings
-stay mutable (a change first builds every value), equal to an eager build's dicts, and pickle
-as dicts.
-"""
+returns and what the writer builds (see ``docs/format.md``), and :func:`metadata_view`, the
+lazy DCP-style :class:`~shardwise.checkpoint.metadata.Metadata` that ``save`` and
+``read_metadata`` return (an eager build, one ``ChunkStorageMetadata`` and one storage dict per
+chunk, measured 44 s and 6.1 GiB per rank at 1,024 ranks x 10,000 tensors)."""
 
 from __future__ import annotations
 
@@ -80,7 +75,6 @@ class Index:
         block_size: Bytes per checksummed block of a data section.
         files: The size of each data file (a rank that wrote nothing has none).
         tensors, objects: The tensor and the other entries by key, in index order.
-        save: Facts of the save.
         aliases: Tied tensors: alias key -> the key first in the saved state dict;
             ``tensors`` holds each alias too, with its target's chunks.
         data_starts: Per file, the first byte of its data section (where blocks count from).
@@ -124,7 +118,9 @@ V = TypeVar("V")
 
 class LazyMapping(MutableMapping[K, V]):
     """A mapping of ``count`` known keys whose values are built on first lookup, then kept.
-    ``keys`` walks every key in order; ``build`` gives a key's value or raises ``KeyError``."""
+    ``keys`` walks every key in order; ``build`` gives a key's value or raises ``KeyError``.
+    Mutable (a change first builds every value); equal to an eager build's dict, and pickles
+    as one."""
 
     __slots__ = ("_build", "_built", "_count", "_keys", "_whole")
 
