@@ -1,10 +1,6 @@
 """Reads of saved bytes into destination tensors: :class:`Job` (one planned read) and
-:func:`fill`, which turns jobs into segments of the read pass (:mod:`.read`) and runs it.
-
-A destination that takes the saved bytes as they are (same dtype, contiguous CPU memory) gets
-one segment, or one per run of a strided read with runs of ``TUNING.scatter_run_bytes``.
-Anything else (a cast, a GPU destination, short runs) is read into host staging, round by
-round, and copied only once every block of it matched: no unverified byte reaches the device.
+:func:`fill`, which turns jobs into segments of the read pass (:mod:`.read`) and runs it
+(direct or staged: ``docs/architecture.md``, *Reading trusts nothing*, step 3).
 """
 
 from __future__ import annotations

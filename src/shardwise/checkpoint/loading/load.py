@@ -1,10 +1,5 @@
-"""``load``, ``read_metadata`` and ``load_tensor``: read a checkpoint into any layout.
-
-Each step is agreed by all ranks before the next: the index (read by rank 0, broadcast, decoded
-by every rank) is checked against the state dict and the data files are opened; one verified
-pass fills the tensors and reads the objects' bytes; only then are objects replaced and Stateful
-objects given their state.
-"""
+"""``load``, ``read_metadata`` and ``load_tensor``: read a checkpoint into any layout, each
+step agreed by all ranks before the next (``docs/architecture.md``, *Reading trusts nothing*)."""
 
 from __future__ import annotations
 
@@ -429,9 +424,6 @@ def load(
             dtype; refused otherwise.
         storage_options: fsspec options for URLs.
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank loads.
-
-    Returns:
-        :class:`LoadResult`.
 
     Raises:
         CheckpointError: (a subclass) missing or incomplete checkpoint, corrupt or malformed

@@ -1,14 +1,8 @@
 """The one read pass: each checksummed block a read touches is read once, checked, and its
-bytes used (:func:`read`); and the audit of whole data files (:func:`audit`).
-
-A read is a list of :class:`Segment` (file bytes → memory); per file, the blocks they touch
-are grouped into *spans* of adjacent blocks. Locally a span is read in scatter reads
-(``preadv``): wanted bytes straight into their memory, the rest into the thread's scratch
-buffer, hashed right after while in the cache (xxh3: a few ms per GiB over an unverified
-read). On an object store a span is one ranged request, copied to its segments once its
-blocks matched. Without ``verify``, spans are the segments. A mismatch is known only after
-its span is read: a failed read leaves its destinations undefined.
-"""
+bytes used (:func:`read`); and the audit of whole data files (:func:`audit`). Spans and scatter
+reads: ``docs/architecture.md`` (*Reading trusts nothing*, step 3); hashing costs a few ms per
+GiB over an unverified read. A mismatch is known only after its span is read: a failed read
+leaves its destinations undefined."""
 
 from __future__ import annotations
 
