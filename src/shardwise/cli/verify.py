@@ -19,6 +19,7 @@ from shardwise.checkpoint.index.data_file import (
     header_length,
     parse_header,
 )
+from shardwise.checkpoint.loading.read import audit
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import UnsafePathError
@@ -158,7 +159,7 @@ def _verify_file(
     found: list[ChecksumError] = []
     owners = [(item.chunk.begin, item.chunk.end, item.fqn) for item in items]
     try:
-        reader.audit([name], found, bar.update, {name: owners})
+        audit(reader.files, [name], found, bar.update, {name: owners})
     except CheckpointDataError as err:
         problems.append(f"UNREADABLE data file {name}: {err.bare_message}")
         return 0

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -18,10 +18,10 @@ from shardwise.checkpoint.index.layouts import LayoutChunks
 from shardwise.checkpoint.loading.data_files import DataFiles
 from shardwise.checkpoint.loading.fill import Job, fill
 from shardwise.checkpoint.loading.index_file import decode, read_index_bytes
-from shardwise.checkpoint.loading.read import Segment, audit, read
+from shardwise.checkpoint.loading.read import Segment, read
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Storage, open_storage
-from shardwise.errors import CheckpointFormatError, CheckpointKeyError, ChecksumError
+from shardwise.errors import CheckpointFormatError, CheckpointKeyError
 
 __all__ = ["CheckpointReader", "Job", "decode", "read_index_bytes"]
 
@@ -133,16 +133,6 @@ class CheckpointReader:
         assert chunk is not None
         data = bytearray(chunk.nbytes)
         return Segment(chunk.file, chunk.begin, memoryview(data), item.fqn), data
-
-    def audit(
-        self,
-        names: Iterable[str],
-        problems: list[ChecksumError],
-        progress: Callable[[int], object] | None = None,
-        owners: Mapping[str, Sequence[tuple[int, int, str]]] | None = None,
-    ) -> None:
-        """Check every block of the data files ``names`` (see :func:`.read.audit`)."""
-        audit(self.files, names, problems, progress, owners)
 
     def read_box(
         self,
