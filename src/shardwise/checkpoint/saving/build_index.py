@@ -1,8 +1,6 @@
 """The coordinator's index (``docs/format.md``, *Writing the index*), built from the plan's
 layouts and each rank's file facts in O(keys + files + entries outside grids), never
-enumerating a grid's cells. Its ``files`` are in group-rank order (``null`` for a rank that
-wrote nothing), so a grid's file numbers, which are group ranks, are positions in it.
-"""
+enumerating a grid's cells."""
 
 from __future__ import annotations
 
@@ -43,10 +41,8 @@ def build_index(
     """The sealed index of this save and the index it reads back as.
 
     Args:
-        planned: The coordinator's plan.
         objects: The coordinator's objects (blobs are in its file).
-        written: Each rank's file facts (:func:`~.writer.write_data_file`), in group-rank
-            order.
+        written: Each rank's file facts (:func:`~.writer.write_data_file`), in group-rank order.
         facts: Who wrote the checkpoint.
 
     Raises:

@@ -1,10 +1,7 @@
-"""One save at a time per checkpoint path (``docs/format.md``, *One save at a time*).
-
-The coordinator creates ``<ckpt>/shardwise.lock`` exclusively before any data file is written
-(:meth:`~shardwise.checkpoint.storage.Storage.create_exclusive`: a hard link on a local file
-system; on an object store a conditional PUT where the backend offers one, else a check then a
-write, which can race) and removes it after the commit and the cleanup. Holding it is what
-makes removing leftovers of killed saves safe.
+"""One save at a time per checkpoint path (``docs/format.md``, *One save at a time*, *Object
+stores*): the coordinator creates ``<ckpt>/shardwise.lock`` exclusively before any data file is
+written and removes it after the commit and the cleanup; holding it is what makes removing
+leftovers of killed saves safe.
 """
 
 from __future__ import annotations
@@ -31,12 +28,7 @@ _MAX_LOCK_BYTES = 4096
 
 
 class SaveLock:
-    """The save lock of one checkpoint path, held by this process while it coordinates a save.
-
-    Args:
-        storage: The checkpoint's storage.
-        save_id: The id of the save taking the lock.
-    """
+    """The save lock of one checkpoint path, held by this process while it coordinates a save."""
 
     def __init__(self, storage: Storage, save_id: str) -> None:
         self._storage = storage

@@ -22,10 +22,7 @@ def job_bar(comm: collectives.Comm, total: int, description: str, key: str) -> J
 
 
 def exchange_with_bar(
-    comm: collectives.Comm,
-    work: Callable[[], _T],
-    bar: JobProgress | None,
-    dst: int | None = None,
+    comm: collectives.Comm, work: Callable[[], _T], bar: JobProgress | None, dst: int | None = None
 ) -> tuple[_T, list[Any] | None]:
     """``comm.exchange_or_raise(work)``, or with ``dst`` ``comm.gather_or_raise(work, dst=dst)``,
     for the step of a job that ``bar`` (if any) counts: the bar ends full only when every rank

@@ -1,14 +1,7 @@
-"""``save`` and ``async_save`` (the files: ``docs/format.md``; the exchanges:
-``docs/architecture.md``, *Save*).
-
-1. Each rank describes what it holds (no copies) and validates it as a table of layouts; every
-   rank gets the same verdict (a bad value on one rank raises on all).
-2. The coordinator plans (dedups replicated chunks, balances bytes across ranks) and sends
-   each rank only what it writes.
-3. Each rank with something to write writes one data file (:mod:`.writer`).
-4. The coordinator builds the sealed index from the ranks' file facts (:mod:`.build_index`),
-   commits it (:func:`_commit`), tells every rank, and removes what earlier saves left
-   (:func:`_remove_leftovers`). Nobody returns before the commit.
+"""``save`` and ``async_save``: describe (:mod:`.snapshot`), plan, write (:mod:`.writer`),
+build the index (:mod:`.build_index`), commit it (:func:`_commit`), remove what earlier saves
+left (:func:`_remove_leftovers`); nobody returns before the commit. The files:
+``docs/format.md``; the exchanges, step by step: ``docs/architecture.md``, *Save*.
 """
 
 from __future__ import annotations
@@ -133,9 +126,8 @@ def _save_snapshot(
     options: SaveOptions,
     local_error: BaseException | None = None,
 ) -> Metadata:
-    """Steps 2 to 4 of a save on every rank of ``comm``; a ``local_error`` of step 1 is raised
-    on this rank and shared with the others. No rank but the coordinator receives anything
-    O(ranks) or O(other ranks' entries)."""
+    """Plan, write and commit a described save on every rank of ``comm``; a ``local_error`` of
+    describing is raised on this rank and shared with the others."""
     started = time.monotonic()
     coordinator_rank = options.coordinator_rank
     coordinating = comm.rank == coordinator_rank
@@ -416,11 +408,9 @@ def async_save(
     """Like :func:`save` (the same keywords), but returns once the state dict is copied to
     CPU staging memory.
 
-    The writing happens in a background thread over a separate gloo process group (created on
-    the first call; that creation is collective over the default group), so it never
-    interleaves with the training job's collectives. A call made while an earlier
-    ``async_save`` is still writing first waits for it. Errors surface from the future's
-    ``result()``.
+    A background thread writes it over a gloo group of the same ranks (made on the first call,
+    collectively over the default group), apart from the job's collectives; a call waits for
+    the previous ``async_save`` to finish. Errors surface from the future's ``result()``.
 
     Returns:
         A future of the checkpoint's :class:`Metadata`.
