@@ -123,11 +123,9 @@ def torch_load(payload: bytes, fqn: str, path: str, safe: Iterable[type] = ()) -
 
 
 def _check_json_value(value: object, budget: int, fqn: str, path: str) -> None:
-    """Check that ``value`` can be stored as a JSON value of bounded depth and size.
-
-    Walked without recursion, each item charged about its JSON bytes against ``budget``, so the
-    walk stops early on a value that expands past it.
-    """
+    """Check that ``value`` can be stored as a JSON value of bounded depth and size: walked
+    without recursion, each item charged about its JSON bytes against ``budget``, so the walk
+    stops early on a value that expands past it."""
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()

@@ -126,7 +126,6 @@ class FsspecStorage:
     """Any fsspec file system (``s3://``, ``gs://``, ``memory://``, ...).
 
     Args:
-        url: The checkpoint's URL.
         storage_options: For the fsspec file system (credentials, ``endpoint_url``, ...).
 
     Attributes:

@@ -1,8 +1,7 @@
 """The local backend: a directory, never followed through a symbolic link below its root.
 
-Every directory between the root and a file must be a real directory, files are opened with
-``O_NOFOLLOW``, and a file opened for reading must be a regular file; anything else raises
-:class:`UnsafePathError`. The root itself may be a link: the caller chose that path.
+Directories below the root must be real and files read must be regular (opened ``O_NOFOLLOW``),
+else :class:`UnsafePathError`. The root itself may be a link: the caller chose that path.
 """
 
 from __future__ import annotations
@@ -129,9 +128,7 @@ class _LocalReader:
 
 
 def _open_file(path: str) -> _LocalReader:
-    """The regular file ``path`` opened for reading, refused unopened if it is a link or a
-    special file."""
-    # lstat first: a link or special file is refused without being opened at all.
+    """The regular file ``path`` opened for reading; a link or special file is refused unopened."""
     before = os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
         raise UnsafePathError(errno.EINVAL, "it is a link, FIFO, device or directory", path)
@@ -142,10 +139,7 @@ def _open_file(path: str) -> _LocalReader:
             raise UnsafePathError(errno.ELOOP, "it is a symbolic link", path) from err
         raise
     opened = os.fstat(fd)
-    if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (
-        before.st_dev,
-        before.st_ino,
-    ):
+    if not stat.S_ISREG(opened.st_mode) or not os.path.samestat(before, opened):
         os.close(fd)
         raise UnsafePathError(errno.EINVAL, "it changed into a non-regular file", path)
     return _LocalReader(path, fd, opened)
@@ -164,12 +158,9 @@ def _refuse_unless(mode: int, path: str, *, directory: bool) -> None:
 
 
 def _open_in(parent: int, name: str, path: str, *, directory: bool) -> int:
-    """Open ``name`` in the directory ``parent`` without following a symbolic link.
-
-    The lstat refuses a link, FIFO or device before anything is opened (opening some devices
-    has effects); the fstat of what was opened is the check that counts, since the entry may
-    have been replaced in between.
-    """
+    """Open ``name`` in the directory ``parent`` without following a symbolic link: the lstat
+    refuses a link, FIFO or device unopened (opening some devices has effects); the fstat of what
+    was opened is the check that counts, since the entry may have been replaced in between."""
     _refuse_unless(
         os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode, path, directory=directory
     )
