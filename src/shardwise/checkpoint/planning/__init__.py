@@ -1,3 +1,2 @@
-"""Planning, pure (no I/O, no collectives), exhaustively unit-tested: :mod:`.planner` (reads,
-tied tensors), :mod:`.tiling`, :mod:`.save_plan` (who writes what, from per-tensor layouts)
-and :mod:`.tables` (the save protocol's per-rank tables and the coordinator's plan)."""
+"""Pure planning (no I/O, no collectives), unit-tested exhaustively; ``docs/architecture.md``
+lists its modules."""

@@ -1,9 +1,7 @@
-"""The records save and load share (a chunk as stored, a chunk a rank writes, a tensor's
-holders), the agreement on tied tensors, and which bytes each rank reads for each target box.
-Every rank runs the same functions on the same exchanged metadata and reaches the same plan.
-The records are slotted, not frozen, and treated as immutable: a save or load builds one per
-chunk, and frozen construction costs four to five times as much.
-"""
+"""The records save and load share, the agreement on tied tensors, and which bytes each rank
+reads for each target box; every rank reaches the same plan from the same metadata. The records
+are slotted, not frozen, and treated as immutable: a save or load builds one per chunk, and
+frozen construction costs four to five times as much."""
 
 from __future__ import annotations
 
@@ -41,9 +39,8 @@ def numel(sizes: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class TensorPlan:
-    """Everything the ranks said about one tensor (what :func:`agree_aliases` compares): its
-    global facts (``dtype`` by :func:`shardwise.metadata.dtype_name`, ``properties`` as a
-    dict) and ``holders``, for every distinct box, the group ranks that hold it."""
+    """What :func:`agree_aliases` compares of one tensor: its global facts (``dtype`` by
+    :func:`shardwise.metadata.dtype_name`) and ``holders``, per distinct box its group ranks."""
 
     dtype: str
     size: tuple[int, ...]
@@ -59,8 +56,7 @@ def agree_aliases(
     ``local_aliases[r]`` maps each key whose local data rank ``r`` sees to be that of an
     earlier key (in state-dict order) to that key. A key is tied to a target when every rank
     that holds an element of either says so, the two have the same global facts, and the
-    target is not itself tied. Anything less is saved as two tensors (always correct).
-    """
+    target is not itself tied. Anything less is saved as two tensors (always correct)."""
     candidates: dict[str, str] = {}
     refused: set[str] = set()
     for aliases in local_aliases:
@@ -99,9 +95,8 @@ class WriteAssignment:
 @dataclass(slots=True)
 class SavedChunk:
     """Stored bytes as the index records them: a tensor chunk (its box; ``()`` for a 0-d
-    tensor) or an object blob (an empty box), bytes ``[begin, end)`` of ``file`` (relative
-    to the checkpoint: ``data/rank-...``). Its checksums are those of the file's blocks its
-    bytes touch (``Index.blocks_of``)."""
+    tensor) or an object blob (an empty box), bytes ``[begin, end)`` of ``file`` (relative to
+    the checkpoint), checksummed by the file's blocks they touch (``Index.blocks_of``)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -116,11 +111,9 @@ class SavedChunk:
 
 @dataclass(slots=True, unsafe_hash=True)
 class ChunkRead:
-    """One read of ``nbytes`` at absolute ``file_offset`` in the file of saved chunk number
-    ``chunk``, serving the global box ``overlap``; ``whole_chunk`` when it reads the entire
-    chunk (so its checksum can be verified). ``strides`` is ``None`` when the bytes are
-    exactly the overlap in C order; otherwise they run from the overlap's first element to
-    its last in the chunk, and the overlap is their view with these element strides."""
+    """A read of ``nbytes`` at absolute ``file_offset`` in the file of chunk number ``chunk``
+    for the global box ``overlap``; ``whole_chunk``: the entire chunk (checksum verifiable);
+    ``strides``: ``None`` for the overlap in C order, else its element strides in the bytes."""
 
     chunk: int
     file_offset: int
@@ -138,9 +131,8 @@ def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
 def _split_level(
     overlap_sizes: Sequence[int], strides: Sequence[int], itemsize: int, read_cost: int
 ) -> int:
-    """How many leading dims to split a non-contiguous overlap along: one read per index of
-    dims ``[0, level)``. The level with the least ``reads * read_cost + bytes`` wins (the
-    fewest reads on a tie)."""
+    """How many leading dims to split a non-contiguous overlap along (one read per index of
+    them): the least ``reads * read_cost + bytes``, the fewest reads on a tie."""
 
     def cost(level: int) -> int:
         span = _span(overlap_sizes[level:], strides[level:])
@@ -154,7 +146,6 @@ class Candidates(Protocol):
 
     def candidates(self, target: Box) -> list[int]:
         """Indices of the chunks that may overlap ``target``, ascending (a superset)."""
-        ...
 
 
 class ChunkLookup:
@@ -163,8 +154,7 @@ class ChunkLookup:
     chunk): sorted by offset along the dim with the most distinct offsets, then bisected.
 
     Args:
-        chunks: The boxes of the saved chunks (any order; chunks without elements, which hold
-            nothing to read, are never returned).
+        chunks: The saved chunks' boxes, any order (empty ones are never returned).
     """
 
     __slots__ = ("_dim", "_ends", "_longest", "_order", "_starts")
@@ -198,19 +188,15 @@ class ChunkLookup:
 
 
 def plan_reads(
-    target: Box,
-    chunks: Sequence[SavedChunk],
-    itemsize: int,
-    lookup: Candidates | None = None,
+    target: Box, chunks: Sequence[SavedChunk], itemsize: int, lookup: Candidates | None = None
 ) -> list[ChunkRead]:
     """The reads that fill ``target`` from ``chunks``, ordered by file and offset.
 
     A non-contiguous overlap (e.g. a column block of row-wise chunks) is read in pieces split
     along its leading dims, each from its first to its last element, so that a gap is read
     through exactly when it is smaller than ``TUNING.read_cost_bytes`` (on local files a
-    positioned read costs about as much as copying 64 KiB). ``lookup`` (a
-    :class:`ChunkLookup` of ``chunks``, or a grid's ``LayoutChunks``) finds the overlapping
-    chunks without comparing ``target`` with each.
+    positioned read costs about as much as copying 64 KiB). ``lookup`` (a :class:`ChunkLookup`
+    of ``chunks``, or a grid's ``LayoutChunks``) finds the overlapping chunks fast.
 
     Raises:
         ValueError: The chunks do not cover ``target``.
@@ -253,8 +239,8 @@ def plan_reads(
 
 
 def whole_reads(chunks: Sequence[SavedChunk]) -> list[ChunkRead]:
-    """:func:`plan_reads` of the whole tensor that ``chunks`` tile (as a decoded index's
-    do), without intersecting boxes: every chunk with elements, read whole, in file order."""
+    """:func:`plan_reads` of the whole tensor ``chunks`` tile, without intersecting boxes:
+    every chunk with elements, read whole, in file order."""
     reads = [
         ChunkRead(
             index, chunk.begin, chunk.end - chunk.begin, (chunk.offsets, chunk.sizes), True, None
@@ -271,7 +257,7 @@ def _overlap_reads(
 ) -> list[ChunkRead]:
     """The reads of a part of a chunk (see :func:`plan_reads`)."""
     offsets, sizes = overlap
-    strides = _strides(chunk.sizes)
+    strides = [math.prod(chunk.sizes[dim + 1 :]) for dim in range(len(chunk.sizes))]
     level = _split_level(sizes, strides, itemsize, read_cost)
     piece_sizes = (1,) * level + tuple(sizes[level:])
     span = _span(piece_sizes, strides)
@@ -286,7 +272,3 @@ def _overlap_reads(
         begin = chunk.begin + first * itemsize
         reads.append(ChunkRead(index, begin, nbytes, (piece_offsets, piece_sizes), False, layout))
     return reads
-
-
-def _strides(sizes: Sequence[int]) -> list[int]:
-    return [math.prod(sizes[dim + 1 :]) for dim in range(len(sizes))]

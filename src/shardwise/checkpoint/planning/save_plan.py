@@ -1,14 +1,12 @@
-"""Who writes what in a save, planned from each tensor's **layout**, the same on every rank
-that holds it:
+"""Who writes what in a save (:func:`plan_save`: O(tensors + ranks + irregular chunks x log),
+not O(ranks x tensors); data file numbers are group ranks), from each tensor's **layout**, the
+same on every rank that holds it:
 
 - ``["mesh", mesh_number, placements]``: a DTensor (or a ``ChunkShardingSpec`` tensor) whose
   placements are ``"R"`` or ``"S<dim>"`` per mesh axis, each dim sharded by at most one axis;
   ``meshes[mesh_number]`` is ``[shape, group ranks in row-major order]``.
 - ``["whole"]``: a plain tensor, replicated on every rank that has the key.
 - ``["local"]``: anything else; the rank sends its own boxes.
-
-:func:`plan_save` decides who writes what in O(tensors + ranks + irregular chunks x log)
-instead of O(ranks x tensors). Data file numbers are group ranks.
 """
 
 from __future__ import annotations
@@ -53,13 +51,11 @@ def mesh_grid(
 ) -> Grid | None:
     """The grid of a tensor of ``size`` laid out on ``mesh`` by ``placements`` (file number =
     group rank; dims cut by the ceil rule, as DTensor's ``Shard`` does), or ``None`` when it
-    is not one: a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or the ranks of
-    the cells are not affine in the cell coordinates (a mesh over a permuted rank list).
-
-    Of the replicas (ranks along ``Replicate`` axes), number ``replica`` modulo their count
-    writes. ``rules`` (one dict per mesh, kept by the caller) memoizes the O(mesh ranks)
-    affine check and each grid: a model repeats a few shapes.
-    """
+    is not one: a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or the cells'
+    ranks are not affine in their coordinates (a mesh over a permuted rank list). Of the
+    replicas (ranks along ``Replicate`` axes), number ``replica`` modulo their count writes.
+    ``rules`` (one dict per mesh, kept by the caller) memoizes the O(mesh ranks) affine check
+    and each grid: a model repeats a few shapes."""
     shape, ranks = mesh
     placements = tuple(placements)
     size = tuple(size)
@@ -169,9 +165,8 @@ class TableRow:
 @dataclass(slots=True)
 class SavePlan:
     """The coordinator's decisions for one save: ``rows``, one per key in the order first
-    seen; keys saved as ``grids`` (file number = group rank), as one ``whole`` chunk (-> its
-    writer) or by their boxes (``chunks``: ``[(box, writer), ...]``); and ``loads``, the
-    bytes assigned per rank outside grids (the preassigned blob bytes included)."""
+    seen; keys saved as ``grids``, one ``whole`` chunk (-> writer) or boxes (``chunks``:
+    ``[(box, writer), ...]``); and ``loads``, per rank the bytes outside grids, blobs included."""
 
     rows: dict[str, TableRow]
     grids: dict[str, Grid] = field(default_factory=dict)
@@ -207,7 +202,6 @@ def plan_save(
         holders: For each table, the group ranks that have it.
         meshes: The device meshes the ``mesh`` layouts name.
         local: Per rank, its own boxes of each key with a ``local`` layout.
-        world_size: Ranks in the group.
         preassigned: Bytes already given to a rank (object blobs).
         skip: Keys checked like the others but written by no rank (tied tensors); they keep
             their number, so the others' numbers do not move.

@@ -1,11 +1,6 @@
-"""The save protocol's two halves (``docs/architecture.md``, *Save*). A rank describes each
-key by a :class:`~.save_plan.TableRow` whose layout is the same on every rank that holds it,
-checked against its own boxes before anything is exchanged (:func:`rank_table`), and turns
-the coordinator's assignment into the chunks it writes (:func:`own_file_writes`), in O(its
-own entries). The coordinator merges the distinct tables (ranks with equal tables send only
-a digest), reconciles keys that ranks describe differently, agrees on tied tensors and plans
-(:func:`plan_from_tables`).
-"""
+"""The save protocol's two halves (``docs/architecture.md``, *Save*): a rank's table and the
+chunks it writes, in O(its own entries) (:func:`rank_table`, :func:`own_file_writes`), and the
+coordinator's plan from the distinct tables (:func:`plan_from_tables`)."""
 
 from __future__ import annotations
 
@@ -38,10 +33,9 @@ _LOCAL = ("local",)
 
 @dataclass(slots=True)
 class RankTable:
-    """One rank's description of what it holds: a row per tensor key in state-dict order,
-    the meshes the ``mesh`` rows name (as group ranks), its boxes of each ``local`` key
-    (``[[offsets, sizes], ...]``), its grid cell of each ``mesh`` key (``None``: no element),
-    and the xxh3-128 ``digest`` of its JSON."""
+    """One rank's description of what it holds: a row per tensor key in state-dict order, the
+    meshes the ``mesh`` rows name (as group ranks), its boxes of each ``local`` key, its grid
+    cell of each ``mesh`` key (``None``: no element), and the xxh3-128 ``digest`` of its JSON."""
 
     rows: list[TableRow]
     meshes: list[Mesh]
@@ -137,7 +131,6 @@ def rank_table(
     this rank exactly the boxes it holds, anything else ``local`` with its boxes.
 
     Args:
-        tensors: What this rank holds.
         rank: This rank's rank in the save's group.
         group_rank_of: The save group's rank of a global rank (-1: not a member).
     """
@@ -228,9 +221,8 @@ def own_file_writes(
 
 @dataclass(slots=True)
 class CoordinatorPlan:
-    """The coordinator's plan of a save: who writes what (``plan``), tied keys -> the key
-    they are tied to (``aliases``, not written), what to tell each rank (``assignments``),
-    and the bytes of tensor data all ranks write together (``total``, blobs apart)."""
+    """The coordinator's plan of a save: who writes what, tied keys -> their targets (not
+    written), what to tell each rank, and ``total``, the tensor bytes all ranks write."""
 
     plan: SavePlan
     aliases: dict[str, str]
@@ -248,8 +240,7 @@ def plan_from_tables(
     (``"table"`` when its digest is not the coordinator's), in group-rank order.
 
     Raises:
-        ValueError: Ranks disagree about a key's facts, or its chunks do not tile it (the
-            message names the key).
+        ValueError: Ranks disagree on a key's facts, or its chunks do not tile it (names it).
     """
     # The distinct tables, the coordinator's first, their meshes numbered in one list.
     mesh_numbers: dict[Mesh, int] = {}
@@ -315,10 +306,9 @@ def _reconcile(
     meshes: Sequence[Mesh],
     local: dict[int, dict[str, list[Box]]],
 ) -> dict[int, set[str]]:
-    """Make ``local`` in every table a key that ranks describe by different layouts (a rank
-    whose boxes failed its rule's check, a plain tensor on one rank and a wrapper on
-    another), the facts being equal; the first rank's properties win. Returns, per rank, the
-    keys it described as ``mesh`` that are now ``local`` (it writes what the plan says)."""
+    """Make ``local`` in every table a key that ranks describe by different layouts (a failed
+    rule check, a plain tensor here and a wrapper there), the facts being equal; the first
+    rank's properties win. Returns, per rank, its ``mesh`` keys now ``local``."""
     demoted: dict[int, set[str]] = {}
     if len(tables) < 2:
         return demoted

@@ -1,6 +1,5 @@
-"""The check that a tensor's chunks tile it exactly, shared by save and every decoder of the
-index: :func:`check_tiling`, by arithmetic for a split along one dim (:func:`split_tiles`)
-and by the general rules otherwise (:func:`check_tiling_generally`)."""
+"""Whether a tensor's chunks tile it exactly (for save and every index decoder): by arithmetic
+for a split along one dim (:func:`split_tiles`), else by the general sweep."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def split_tiles(size: Sequence[int], boxes: Sequence[Box]) -> bool:
     """Whether ``boxes`` (each of ``len(size)`` dims, tuples: a box of lists never matches)
     tile a tensor of ``size`` as a split along one dim, what FSDP, row- and column-wise
     sharding save, at a quarter of the general sweep's cost for 4 chunks. ``True`` proves the
-    tiling; ``False`` proves nothing (the general check decides, and words its error).
-    """
+    tiling; ``False`` proves nothing (the general check decides, and words its error)."""
     ndim = len(size)
     if not ndim or min(size) <= 0:
         return False
