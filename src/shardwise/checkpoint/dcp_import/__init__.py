@@ -9,9 +9,6 @@ The directory is untrusted input: every offset, length and size is bounded, rang
 their files without overlapping, and chunks tile their tensors, all checked before any
 allocation; ``docs/cli.md`` (*Malformed and hostile input*) gives every check. Every failure is
 a :class:`DCPImportError` naming the file, and the key where one is concerned.
-
-Modules: ``_unpickle`` (the allow-list and stand-ins), ``_plan`` (the metadata's ranges and
-tilings, checked), ``_payloads`` (``torch.save`` payloads and object values), and this one.
 """
 
 from __future__ import annotations
@@ -55,14 +52,18 @@ _DCP_METADATA = ".metadata"
 _MAX_METADATA_BYTES = 1 << 30
 
 
-def _refusal(storage: Storage, err: UnsafePathError) -> str:
-    """Why the storage refused to open a file, naming the component below the directory."""
+def _cannot_open(storage: Storage, what: str, err: OSError) -> str:
+    """Why ``what`` could not be opened; a refusal names the component below the directory."""
+    if not isinstance(err, UnsafePathError):
+        return f"cannot open {what}: {err.strerror}"
     shown = str(err.filename).removeprefix(storage.join(""))
     if err.found == "a symbolic link":
-        return f"{shown!r} is a symbolic link, which convert-dcp does not follow"
-    if err.found is not None:
-        return f"{shown!r} is {err.found}, not {err.expected}"
-    return f"{shown!r}: {err.strerror}"
+        reason = f"{shown!r} is a symbolic link, which convert-dcp does not follow"
+    elif err.found is not None:
+        reason = f"{shown!r} is {err.found}, not {err.expected}"
+    else:
+        reason = f"{shown!r}: {err.strerror}"
+    return f"refusing to read {what}: {reason}"
 
 
 def _read_dcp_metadata(storage: Storage, directory: str) -> DCPMetadata:
@@ -73,12 +74,10 @@ def _read_dcp_metadata(storage: Storage, directory: str) -> DCPMetadata:
         raise DCPImportError(
             f"{directory} is not a torch.distributed.checkpoint directory: {path} is missing"
         ) from err
-    except UnsafePathError as err:
-        raise DCPImportError(f"refusing to read {path}: {_refusal(storage, err)}") from err
     except CheckpointStorageError:
         raise  # already one line naming the URL and the cause
     except OSError as err:
-        raise DCPImportError(f"cannot open {path}: {err.strerror}") from err
+        raise DCPImportError(_cannot_open(storage, path, err)) from err
     try:
         if reader.size > _MAX_METADATA_BYTES:
             raise DCPImportError(
@@ -108,14 +107,10 @@ def _open_data_file(storage: Storage, relative: str, fqn: str) -> Reader:
         return storage.open_below(relative)
     except FileNotFoundError as err:
         raise error(fqn, "its DCP data file is missing", path) from err
-    except UnsafePathError as err:
-        raise error(
-            fqn, f"refusing to read its DCP data file: {_refusal(storage, err)}", path
-        ) from err
     except CheckpointStorageError:
         raise
     except OSError as err:
-        raise error(fqn, f"cannot open its DCP data file: {err.strerror}", path) from err
+        raise error(fqn, _cannot_open(storage, "its DCP data file", err), path) from err
 
 
 def _check_storage_files(storage: Storage, ranges: Iterable[DCPRange]) -> None:
