@@ -1,9 +1,8 @@
 """The options of ``save``/``async_save`` and of ``load``: one dataclass each, one field per
 keyword, documented here once, carried through the machinery as one value.
 
-``save`` and ``async_save`` keep their keywords in their signatures (SPEC.md fixes them) and
-turn them into a :class:`SaveOptions` with :meth:`SaveOptions.of_call`; a test checks that
-both signatures list exactly these fields with these defaults.
+``save`` and ``async_save`` keep their keywords (SPEC.md fixes them; a test checks they are
+exactly these fields and defaults) and pass them on through :meth:`SaveOptions.of_call`.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ class SaveOptions:
 
     @classmethod
     def of_call(cls, arguments: Mapping[str, Any]) -> SaveOptions:
-        """The options among the ``arguments`` of a call of ``save`` or ``async_save`` (its
-        ``locals()`` on entry)."""
+        """The options among ``arguments`` (``locals()`` on entry of ``save``/``async_save``)."""
         return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
 
 

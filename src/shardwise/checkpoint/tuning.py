@@ -1,10 +1,9 @@
 """Every tunable of the checkpoint machinery, each overridable from the environment.
 
-The defaults are measured choices (the reason stands beside each field). A deployment whose
-storage differs can set ``SHARDWISE_<FIELD NAME IN CAPITALS>`` before importing
-``shardwise.checkpoint``; byte counts take an integer with an optional ``KiB``, ``MiB`` or
-``GiB`` suffix (the README lists them under "Tuning"). Read once, at import: every rank of a
-job reads the same environment, so ranks agree on every value without exchanging them.
+The defaults are measured choices (the reason stands beside each field). Set
+``SHARDWISE_<FIELD NAME IN CAPITALS>`` before importing ``shardwise.checkpoint`` to override one
+(the README, "Tuning"). Read once, at import: every rank of a job reads the same environment,
+so ranks agree on every value without exchanging them.
 """
 
 from __future__ import annotations
@@ -38,12 +37,10 @@ class Tuning:
     (measured: 10,000 small reads took 2.1 s on 4 threads, 0.45 s on one)."""
 
     request_bytes: int = 8 << 20
-    """The most bytes one request to a remote store reads, so that a large read becomes
-    several concurrent requests."""
+    """The most bytes one request to a remote store reads (a large read: concurrent requests)."""
 
     storage_batch_bytes: int = 64 << 20
-    """The most bytes one batched ranged read (``cat_ranges``) of a remote store asks for (it
-    holds them in memory)."""
+    """The most bytes one batched ranged read (``cat_ranges``, held in memory) asks for."""
 
     read_batch_bytes: int = 32 << 20
     """The most bytes each pass of a load reads in one batch: bounds the buffers in flight."""
@@ -53,8 +50,7 @@ class Tuning:
     I/O thread reads and checks piece by piece)."""
 
     read_gap_bytes: int = 64 << 10
-    """A load with ``verify=False`` reads through a smaller gap between needed bytes rather
-    than issue another read."""
+    """A load with ``verify=False`` reads through a smaller gap rather than issue another read."""
 
     hot_buffer_bytes: int = 1 << 20
     """A load reads a span in pieces of at most this much, hashing each while in cache, and
@@ -76,8 +72,7 @@ class Tuning:
     1.19x for 32 KiB, 1.47x for 48 KiB)."""
 
     lookup_chunks: int = 8
-    """A tensor saved in more chunks is planned through a sweep order (``ChunkLookup``)
-    instead of comparing each target with every chunk."""
+    """A tensor saved in more chunks is planned through a sweep order (``ChunkLookup``)."""
 
     small_write_bytes: int = 1 << 20
     """Smaller saved entries are gathered into one buffer before writing, to save system
@@ -97,8 +92,7 @@ class Tuning:
     """The holder of a save lock renews its heartbeat this often."""
 
     lock_stale_seconds: float = 120.0
-    """A lock whose heartbeat is older belongs to a dead save and may be taken over (a
-    generous margin for clock differences between hosts)."""
+    """A lock with an older heartbeat is a dead save's, to take over (a margin for clock skew)."""
 
     consolidate_piece_bytes: int = 8 << 20
     """``shardwise consolidate`` reads, casts and writes a tensor this many bytes at a time:

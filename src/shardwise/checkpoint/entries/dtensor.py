@@ -1,9 +1,8 @@
 """Where a DTensor's local shard lies in the global tensor, in closed form.
 
 torch's ``compute_local_shape_and_global_offset`` builds index tensors per sharded mesh
-dimension: about 42 µs per DTensor, most of a save's per-tensor work for FSDP states of
-thousands of tensors. For plain ``Shard(d)`` and ``Replicate()`` (nearly every real state) the
-answer is a few integer operations; anything else returns ``None`` and the caller asks torch.
+dimension: about 42 µs per DTensor, most of a save's per-tensor work for FSDP states; for
+plain ``Shard(d)`` and ``Replicate()`` (nearly every real state) a few integer operations do.
 
 The rule (torch.chunk's): a dimension of current length ``n`` split over ``k`` mesh
 coordinates gives coordinate ``c`` the rows ``[c·q, min(n, (c+1)·q))``, ``q = ceil(n / k)``;

@@ -5,6 +5,7 @@ the local tensors backing them (save writes them, load fills them), or an object
 from __future__ import annotations
 
 import enum
+import functools
 import io
 import json
 import pickle
@@ -37,6 +38,17 @@ __all__ = [
     "unstorable",
 ]
 
+# Exactly these types are plain local tensors (a subclass may be a wrapper of another kind).
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_WHOLE = ("whole",)
+# By id, the mesh kept to check identity: (mesh, coordinate, shape).
+_MESHES: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+# The placements met (a few tuples per model; compared by class and fields, so a
+# _StridedShard is not a Shard), to :func:`_placement_names` of them.
+_PLACEMENTS: dict[Any, Any] = {}
+_PARTIAL = ("Partial",)
+_TEXT_FORMS = ("json", "pyjson", "pyjson2")  # by python_form
+
 
 @dataclass(slots=True)
 class LocalBox:
@@ -58,8 +70,6 @@ class TensorValue:
     Attributes:
         size: Global size, or ``None`` when only the union of every rank's boxes tells it
             (a standalone LocalShardsWrapper).
-        dtype: Element type.
-        properties: Tensor properties to record.
         boxes: The boxes this rank holds.
         layout: How the value lies over the ranks when a rule says so: ``("whole",)`` for a
             plain tensor (replicated on every rank that has the key), ``("mesh", device_mesh,
@@ -139,10 +149,6 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
     return _describe_plain(fqn, value)
 
 
-# Exactly these types are plain local tensors (a subclass may be a wrapper of another kind).
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
     if value.is_quantized or value.layout is not torch.strided or value.is_nested:
         raise _unsaved(fqn, str(unstorable(value)))
@@ -186,18 +192,11 @@ def _unsaved(fqn: str, kind: str) -> TypeError:
     return TypeError(f"cannot checkpoint {fqn!r}: it is {kind}, {instead}")
 
 
-_WHOLE = ("whole",)
-# One properties object per distinct value (never written to): a state dict holds thousands
-# of tensors of a few kinds, and tables and the index work per distinct object.
-_PROPERTIES: dict[tuple[torch.dtype, bool], TensorProperties] = {}
-
-
+@functools.cache
 def _properties(dtype: torch.dtype, requires_grad: bool) -> TensorProperties:
-    key = (dtype, bool(requires_grad))
-    found = _PROPERTIES.get(key)
-    if found is None:
-        found = _PROPERTIES[key] = TensorProperties(dtype=dtype, requires_grad=key[1])
-    return found
+    """One properties object per distinct value (never written to): a state dict holds thousands
+    of tensors of a few kinds, and tables and the index work per distinct object."""
+    return TensorProperties(dtype=dtype, requires_grad=bool(requires_grad))
 
 
 def _describe_sharded(value: Any) -> TensorValue:
@@ -274,9 +273,8 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
 
 
 def _mesh_facts(mesh: Any) -> tuple[Any, tuple[int, ...]]:
-    """This rank's coordinate in ``mesh`` (None: not in it) and its shape, once per mesh
-    (``mesh.shape`` builds a tuple from a tensor on every call; thousands of DTensors share a
-    few meshes)."""
+    """This rank's coordinate in ``mesh`` (None: not in it) and its shape, once per mesh:
+    ``mesh.shape`` builds a tuple from a tensor per call, and thousands of DTensors share a few."""
     found = _MESHES.get(id(mesh))
     if found is not None and found[0] is mesh:
         return found[1], found[2]
@@ -286,16 +284,6 @@ def _mesh_facts(mesh: Any) -> tuple[Any, tuple[int, ...]]:
     shape = tuple(mesh.shape)
     _MESHES[id(mesh)] = (mesh, coordinate, shape)
     return coordinate, shape
-
-
-# By id, the mesh kept to check identity: (mesh, coordinate, shape).
-_MESHES: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
-
-
-# The placements met (a few tuples per model; compared by class and fields, so a
-# _StridedShard is not a Shard), to :func:`_placement_names` of them.
-_PLACEMENTS: dict[Any, Any] = {}
-_PARTIAL = ("Partial",)
 
 
 def _placement_names(placements: Any) -> tuple[str, ...] | None:
@@ -400,9 +388,6 @@ def _as_json(value: object) -> ObjectValue | None:
         return ObjectValue(_TEXT_FORMS[found[0]], json.dumps(found[1]).encode())
     except (TypeError, ValueError, RecursionError):  # an int too long for text, too deep
         return None
-
-
-_TEXT_FORMS = ("json", "pyjson", "pyjson2")
 
 
 def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:

@@ -36,6 +36,8 @@ __all__ = [
 
 #: A stored JSON value may nest lists and objects this deep (readers refuse deeper ones).
 MAX_DEPTH = 64
+#: Named tuples of more fields are not stored as such (nor made on load).
+MAX_FIELDS = 1024
 
 # The tags of "pyjson", in a fixed order so that a message naming one of several is stable.
 _TAG_ORDER = ("__tuple__", "__dict__")
@@ -49,6 +51,24 @@ _NUMPY_DTYPES = frozenset(
     {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
     | {"float16", "float32", "float64", "complex64", "complex128"}
 )
+# The types that are JSON scalars as they are.
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+# The one NaN a reader's JSON parser gives back for every NaN of a document.
+_NAN = float("nan")
+_CONTAINERS = frozenset({list, dict})
+_JSON_TYPES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+_MAX_ARRAY_DIMS = 64
+# NumPy refuses an array whose nonzero dims times the item size exceed its index type.
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def compact(value: object, *, sort_keys: bool = False) -> bytes:
@@ -69,10 +89,6 @@ def python_form(value: object) -> int | None:
     ``int``, an object array...). Recurses (``RecursionError`` past the interpreter's limit)."""
     found = form_and_depth(value)
     return None if found is None else found[0]
-
-
-# The types that are JSON scalars as they are.
-_SCALARS = frozenset({bool, int, float, str, type(None)})
 
 
 def form_and_depth(value: object) -> tuple[int, int] | None:
@@ -109,10 +125,6 @@ def form_and_depth(value: object) -> tuple[int, int] | None:
     if kind.__module__ == "torch" and kind.__name__ == "Size":
         return 2, 0
     return None
-
-
-# The one NaN a reader's JSON parser gives back for every NaN of a document.
-_NAN = float("nan")
 
 
 def _as_read(key: object) -> object:
@@ -154,10 +166,6 @@ def _named_problem(name: object, fields: tuple[object, ...]) -> str | None:
     if len({unicodedata.normalize("NFKC", field) for field in fields}) != len(fields):  # type: ignore[arg-type]
         return "a field is named twice"
     return None
-
-
-#: Named tuples of more fields are not stored as such (nor made on load).
-MAX_FIELDS = 1024
 
 
 def tagged(value: object, extended: bool = False) -> object:
@@ -239,9 +247,6 @@ def untag(value: object, extended: bool = False, like: object = None) -> Any:
     return value
 
 
-_CONTAINERS = frozenset({list, dict})
-
-
 def check_plain(value: object) -> None:
     """Check a decoded ``json`` value: the writer stores a dict with a tag of :data:`TAGS` as a
     key as ``pyjson``, so a ``json`` value holding one was not written by it.
@@ -265,17 +270,6 @@ def check_plain(value: object) -> None:
 
 def _malformed(tag: str, why: str) -> ValueError:
     return ValueError(f"malformed {tag} value: {why}")
-
-
-_JSON_TYPES = {
-    dict: "an object",
-    list: "a list",
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "a boolean",
-    type(None): "null",
-}
 
 
 def _what(value: object) -> str:
@@ -387,11 +381,6 @@ def _untag_numpy(inner: object, extended: bool, like: object) -> Any:
     return value
 
 
-_MAX_ARRAY_DIMS = 64
-# NumPy refuses an array whose nonzero dims times the item size exceed its index type.
-_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
-
-
 def _untag_array(inner: object, extended: bool, like: object) -> np.ndarray:
     if not (
         type(inner) is list
@@ -436,9 +425,6 @@ def _untag_array(inner: object, extended: bool, like: object) -> np.ndarray:
     if len(inner) == 4:
         dtype = dtype.newbyteorder(">")
     return np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
-
-
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _untag_size(inner: object, extended: bool, like: object) -> Any:

@@ -1,9 +1,7 @@
 """How a state dict is taken apart into checkpoint entries, and put back.
 
-Mappings are entered, Stateful objects through their ``state_dict()``, lists and tuples when
-they hold something to enter. An entry's internal key is its path's parts joined by ``.`` (the
-key DCP gives it), then, when some parts are ints, ``\\x00`` and their positions, so that
-``{0: x}`` and ``{"0": y}`` stay distinct. The rules: ``docs/format.md``, *Keys*.
+The rules (what is entered; internal keys: dotted, then ``\\x00`` and the positions of int
+parts): ``docs/format.md``, *Keys*.
 """
 
 from __future__ import annotations
@@ -24,6 +22,12 @@ __all__ = [
 
 _MAX_DEPTH = 100
 _SEPARATOR = "\x00"
+# Exactly these types are plain tensors (a subclass may be anything, e.g. Stateful).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# A path's key, built a part at a time on the way down (O(1) per part, not O(depth) per
+# leaf): (dotted key, the positions of int parts, dotted segments so far).
+_KeyState = tuple[str, tuple[str, ...], int]
+_ROOT: _KeyState = ("", (), 0)
 
 
 def display_key(key: str) -> str:
@@ -39,12 +43,6 @@ def is_stateful(value: object) -> bool:
         and callable(getattr(value, "state_dict", None))
         and callable(getattr(value, "load_state_dict", None))
     )
-
-
-# A path's key, built a part at a time on the way down (O(1) per part, not O(depth) per
-# leaf): (dotted key, the positions of int parts, dotted segments so far).
-_KeyState = tuple[str, tuple[str, ...], int]
-_ROOT: _KeyState = ("", (), 0)
 
 
 def _extend(state: _KeyState, part: str | int, first: bool) -> _KeyState:
@@ -195,10 +193,6 @@ def _add_leaf(leaves: dict[str, Any], key: str, value: Any) -> None:
     if key in leaves:
         raise ValueError(f"state_dict keys [{display_key(key)!r}] appear twice after flattening")
     leaves[key] = value
-
-
-# Exactly these types are plain tensors (a subclass may be anything, e.g. Stateful).
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def restore(state_dict: MutableMapping[str, Any], flat: Flat, values: Mapping[str, Any]) -> None:
