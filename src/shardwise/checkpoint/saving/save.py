@@ -70,11 +70,15 @@ def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> N
         storage.replace_small(name, index)
         return
     temporary = f"{name}.{save_id}.tmp"
+    writer = data_writer.open_fresh(storage, temporary, None)
     try:
-        data_writer.write_file(storage, temporary, None, sync_files, lambda out: out.write(index))
+        try:
+            writer.write(index)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close(sync=sync_files)
         storage.rename(temporary, name)
-    except CheckpointDataError:
-        raise  # the temporary name was taken: refused as write_file says
     except OSError as err:  # a full disk, a lost mount: named, and shared with every rank
         raise CheckpointDataError(
             f"writing the index failed: {err}; the save did not commit", file=name

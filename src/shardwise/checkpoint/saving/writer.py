@@ -7,8 +7,8 @@ one reused pinned buffer; the sizes are tunables of :mod:`shardwise.checkpoint.t
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import xxhash
@@ -23,22 +23,17 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
 from shardwise.errors import CheckpointDataError
 
-__all__ = ["check_visible", "write_data_file", "write_file"]
-
-_T = TypeVar("_T")
+__all__ = ["check_visible", "open_fresh", "write_data_file"]
 
 
-def write_file(
-    storage: Storage, path: str, rank: int | None, sync: bool, fill: Callable[[Writer], _T]
-) -> _T:
-    """Create ``path``, a name unique to this save, write it with ``fill`` and close it (synced
-    with ``sync``); abort it when anything fails.
+def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
+    """Create ``path``, a name unique to this save, for writing.
 
     Raises:
         CheckpointDataError: It exists already (something else created it, perhaps a link).
     """
     try:
-        writer = storage.open_write(path)
+        return storage.open_write(path)
     except (FileExistsError, UnsafePathError) as err:
         raise CheckpointDataError(
             "refusing to save: this save's file already exists (something else created it, "
@@ -46,13 +41,6 @@ def write_file(
             file=path,
             rank=rank,
         ) from err
-    try:
-        result = fill(writer)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close(sync=sync)
-    return result
 
 
 class _FileBlocks:
@@ -100,7 +88,7 @@ class _ChecksummingWriter:
         self._tiny = bytearray()  # the tiny entries after the last part
         self._held: list[torch.Tensor] = []
         self._pending = 0  # bytes waiting
-        self._file_blocks = _FileBlocks()
+        self.file_blocks = _FileBlocks()
         self._unsummed = 0  # leading bytes waiting that no checksum covers (the header)
 
     def header(self, data: bytes) -> None:
@@ -122,7 +110,7 @@ class _ChecksummingWriter:
         piece_bytes = tuning.TUNING.write_piece_bytes
         for start in range(0, len(view), piece_bytes):
             piece = view[start : start + piece_bytes]
-            self._file_blocks.update(piece)
+            self.file_blocks.update(piece)
             self._writer.write(piece)
 
     def blob(self, payload: bytes) -> None:
@@ -152,7 +140,7 @@ class _ChecksummingWriter:
             target = staging[: piece.numel()]
             target.copy_(piece, non_blocking=False)
             view = byte_view(target)
-            self._file_blocks.update(view)
+            self.file_blocks.update(view)
             self._writer.write(view)
 
     def flush(self) -> None:
@@ -166,18 +154,13 @@ class _ChecksummingWriter:
             if skip >= len(part):
                 skip -= len(part)
                 continue
-            self._file_blocks.update(memoryview(part)[skip:])
+            self.file_blocks.update(memoryview(part)[skip:])
             skip = 0
         self._unsummed = 0
         self._writer.write_vector(self._parts)
         self._parts = []
         self._held = []
         self._pending = 0
-
-    def finish(self) -> str:
-        """Write what waits; return the data section's block checksums."""
-        self.flush()
-        return self._file_blocks.checksums()
 
 
 # Smaller entries are copied into one buffer: cheaper than an I/O vector entry of their own.
@@ -243,8 +226,8 @@ def write_data_file(
     # Object stores have no rename (a copy, then a delete): the file goes under its final
     # name, unique to this save, where it appears complete when closed.
     staging = f"{final}.tmp" if storage.atomic_rename else final
-
-    def fill(writer: Writer) -> str:
+    writer = open_fresh(storage, staging, rank)
+    try:
         out = _ChecksummingWriter(writer)
         out.header(layout.header)
         for tensor, (begin, end) in zip(sources, layout.ranges, strict=False):
@@ -253,9 +236,11 @@ def write_data_file(
                 progress.update(end - begin)
         for _fqn, blob in blobs:
             out.blob(blob.payload)
-        return out.finish()
-
-    checksums = write_file(storage, staging, rank, sync_files, fill)
+        out.flush()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(sync=sync_files)
     if staging != final:
         storage.rename(staging, final)
         if sync_files:
@@ -266,7 +251,7 @@ def write_data_file(
     return {
         "file": [name, layout.size],
         "data_start": data_start,
-        "checksums": checksums,
+        "checksums": out.file_blocks.checksums(),
         "grid_bytes": grid_end - data_start,
         "begins": {entry.key: begin for entry, (begin, _) in others},
     }
