@@ -103,7 +103,9 @@ _SHOWN = 5
 def _what_is_there(storage: Storage, path: str) -> str:
     """Why there is no checkpoint at ``path``, told from at most two listings (``path``, its
     ``data/``): no file is read and no link below ``path`` followed."""
-    storage = _resolve_root(storage)
+    if isinstance(storage, LocalStorage) and os.path.islink(storage.root):
+        # The user chose this link; listings refuse one, so list what it names.
+        storage = LocalStorage(os.path.realpath(storage.root))
     try:
         if not storage.exists(storage.root):
             return f"no checkpoint at {path}{_missing_bucket(storage)}"
@@ -151,13 +153,6 @@ def _missing_bucket(storage: Storage) -> str:
     if isinstance(storage, FsspecStorage) and storage.bucket and not storage.exists(storage.bucket):
         return f": there is no bucket {storage.bucket!r} (or these credentials cannot see it)"
     return ""
-
-
-def _resolve_root(storage: Storage) -> Storage:
-    """``storage``, its root resolved if a local link (the user chose it; listings refuse it)."""
-    if isinstance(storage, LocalStorage) and os.path.islink(storage.root):
-        return LocalStorage(os.path.realpath(storage.root))
-    return storage
 
 
 def _is_file(storage: Storage) -> bool:

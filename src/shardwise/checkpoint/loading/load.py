@@ -420,8 +420,7 @@ def load(
             ``False``, a warning names the missing keys and those not loaded.
         verify: Check the checksum of every block read.
         allow_pickle: Allow loading entries that were pickled.
-        allow_dtype_cast: Cast a saved floating-point tensor to the target's floating-point
-            dtype; refused otherwise.
+        allow_dtype_cast: Cast a saved floating-point tensor to a floating-point target's dtype.
         storage_options: fsspec options for URLs.
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank loads.
 
@@ -476,15 +475,14 @@ def load(
         ("missing from the checkpoint", result.missing_keys),
         ("in the checkpoint but not in the state dict (not loaded)", result.unexpected_keys),
     )
-    parts = [_keys(what, keys) for what, keys in found if keys]
+    parts = [
+        f"{len(keys)} key{'s' if len(keys) > 1 else ''} {what} ({quoted(keys, 10)})"
+        for what, keys in found
+        if keys
+    ]
     if not strict and parts:
         warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=2)
     return result
-
-
-def _keys(what: str, keys: list[str]) -> str:
-    noun = "key" if len(keys) == 1 else "keys"
-    return f"{len(keys)} {noun} {what} ({quoted(keys, 10)})"
 
 
 def _load(
