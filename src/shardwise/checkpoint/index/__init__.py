@@ -1,8 +1,5 @@
 """The checkpoint index, one format (see ``docs/format.md``): pure, bytes in, records out.
-
-The encoder (:func:`encode_index`), the strict decoder (:func:`decode_index`) and the
-records it returns, and the data-file layout (its modules: ``docs/architecture.md``).
-"""
+Its modules (encoder, strict decoder, records, data-file layout): ``docs/architecture.md``."""
 
 from shardwise.checkpoint.index.checks import decode_text, load_json_value
 from shardwise.checkpoint.index.decode import decode_index

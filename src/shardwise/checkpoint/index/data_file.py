@@ -59,6 +59,7 @@ _CODE_SIZES = {code: dtype.itemsize for dtype, code in _SAFETENSORS_DTYPES.items
 _LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
 _ENTRY_FIELDS = ("data_offsets", "dtype", "shape")
+_ORIGIN_SUFFIXES: dict[int, str] = {}  # chunk_key's suffix of an origin, by number of dims
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str | None:
@@ -74,9 +75,6 @@ def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
             suffix = _ORIGIN_SUFFIXES[len(offsets)] = "@" + ",".join("0" * len(offsets))
         return fqn + suffix
     return f"{fqn}@{','.join([str(int(o)) for o in offsets])}"
-
-
-_ORIGIN_SUFFIXES: dict[int, str] = {}
 
 
 def bytes_key(fqn: str) -> str:
@@ -238,12 +236,10 @@ def _entry(key: str, value: object, data_start: int) -> HeaderEntry:
 
 def parse_header(data: bytes | bytearray | memoryview, file_size: int) -> Header:
     """Parse and check the safetensors header in ``data``, the first bytes (at least prefix
-    and header) of a file of ``file_size`` bytes.
-
-    Checks what safetensors checks, and more: a bounded length; a UTF-8 JSON object starting
-    with ``{``, without repeated keys; ``__metadata__`` maps strings to strings; each entry
-    has exactly a known ``dtype``, a ``shape`` and ``data_offsets`` that agree; the entries
-    follow each other without holes or overlaps from the data section's start to the file's end.
+    and header) of a file of ``file_size`` bytes: what safetensors checks, and more (a bounded
+    length; a UTF-8 JSON object starting with ``{``, no repeated keys; string ``__metadata__``;
+    entries of exactly a known ``dtype``, a ``shape`` and ``data_offsets`` that agree, packed
+    without holes or overlaps from the data section's start to the file's end).
 
     Raises:
         ValueError: Any of that does not hold (the message says which and where).

@@ -67,9 +67,8 @@ def decode_index(data: bytes) -> Index:
 
     Raises:
         CheckpointFormatError: The index is corrupt (its seal does not match or is missing),
-            malformed, of a version this shardwise does not read, or describes layouts,
-            names or byte ranges that cannot be right (see ``docs/format.md``,
-            *Validation*).
+            malformed, of a version this shardwise does not read, or describes layouts, names
+            or byte ranges that cannot be right (see ``docs/format.md``, *Validation*).
     """
     if len(data) > MAX_INDEX_BYTES:
         fail(f"the checkpoint index has {len(data)} bytes, more than a reader accepts")
@@ -349,9 +348,8 @@ def _save_facts(save: object) -> SaveFacts:
 
 def _block_size(checksum: object) -> int:
     """The ``checksum`` object's block size, bounded; its keys, algorithm and scope checked."""
-    keys = _CHECKSUM_KEYS
-    if type(checksum) is not dict or tuple(checksum) != keys:
-        fail(f"the checkpoint index's checksum must have the keys {', '.join(keys)}")
+    if type(checksum) is not dict or tuple(checksum) != _CHECKSUM_KEYS:
+        fail(f"the checkpoint index's checksum must have the keys {', '.join(_CHECKSUM_KEYS)}")
     if checksum["algorithm"] != CHECKSUM_ALGORITHM:
         fail(
             f"unsupported checksum algorithm {checksum['algorithm']!r}; this shardwise uses "

@@ -121,9 +121,8 @@ class Grid:
 def file_cells(
     grids: Sequence[tuple[str, Grid, int]], file: int
 ) -> Iterator[tuple[str, int, Box, int]]:
-    """The grid cells of ``file`` in the order it holds them, ``(key, cell number, box,
-    nbytes)``, from ``grids``: ``(key, grid, itemsize)`` of every grid tensor, in index order.
-    """
+    """The grid cells of ``file`` in the order it holds them, ``(key, cell number, box, nbytes)``,
+    from ``grids``: ``(key, grid, itemsize)`` of every grid tensor, in index order."""
     # A model repeats a few shapes: cells are found once per distinct (grid, itemsize).
     known: dict[tuple[Grid, int], list[tuple[int, Box, int]]] = {}
     for key, grid, itemsize in grids:

@@ -28,6 +28,9 @@ from shardwise.metadata import TensorProperties
 
 __all__ = ["Index", "LazyMapping", "ObjectRecord", "SaveFacts", "TensorRecord", "metadata_view"]
 
+K = TypeVar("K")
+V = TypeVar("V")
+
 
 @dataclass(frozen=True, slots=True)
 class SaveFacts:
@@ -112,15 +115,10 @@ class Index:
         return metadata_view(self)
 
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
 class LazyMapping(MutableMapping[K, V]):
-    """A mapping of ``count`` known keys whose values are built on first lookup, then kept.
-    ``keys`` walks every key in order; ``build`` gives a key's value or raises ``KeyError``.
-    Mutable (a change first builds every value); equal to an eager build's dict, and pickles
-    as one."""
+    """A mapping of ``count`` known keys whose values are built on first lookup, then kept:
+    ``keys`` walks every key in order, ``build`` gives a key's value or raises ``KeyError``. A
+    change first builds every value; it equals an eager build's dict, and pickles as one."""
 
     __slots__ = ("_build", "_built", "_count", "_keys", "_whole")
 
