@@ -1,2 +1,1 @@
-"""Pure planning (no I/O, no collectives), unit-tested exhaustively; ``docs/architecture.md``
-lists its modules."""
+"""Pure planning (no I/O, no collectives), unit-tested exhaustively (docs/architecture.md)."""

@@ -152,10 +152,7 @@ class ChunkLookup:
     """The chunks of one tensor that may overlap a box, in O(log n + k) for ``k`` candidates
     instead of O(n) (a rank of a 1,024-rank job plans its share without scanning every
     chunk): sorted by offset along the dim with the most distinct offsets, then bisected.
-
-    Args:
-        chunks: The saved chunks' boxes, any order (empty ones are never returned).
-    """
+    ``chunks``: the saved chunks' boxes, any order (empty ones are never returned)."""
 
     __slots__ = ("_dim", "_ends", "_longest", "_order", "_starts")
 

@@ -50,17 +50,15 @@ def mesh_grid(
     rules: dict[Any, Any] | None = None,
 ) -> Grid | None:
     """The grid of a tensor of ``size`` laid out on ``mesh`` by ``placements`` (file number =
-    group rank; dims cut by the ceil rule, as DTensor's ``Shard`` does), or ``None`` when it
-    is not one: a placement is not ``"R"``/``"S<d>"``, a dim is sharded twice, or the cells'
-    ranks are not affine in their coordinates (a mesh over a permuted rank list). Of the
-    replicas (ranks along ``Replicate`` axes), number ``replica`` modulo their count writes.
-    ``rules`` (one dict per mesh, kept by the caller) memoizes the O(mesh ranks) affine check
-    and each grid: a model repeats a few shapes."""
+    group rank; dims cut by the ceil rule, as DTensor's ``Shard`` does), or ``None`` for a
+    placement not ``"R"``/``"S<d>"``, a dim sharded twice, or cells' ranks not affine in their
+    coordinates (a mesh over a permuted rank list). Of the replicas (ranks along ``Replicate``
+    axes), number ``replica`` modulo their count writes; ``rules`` (one dict per mesh, kept by
+    the caller) memoizes the O(mesh ranks) affine check and each grid: a model repeats shapes."""
     shape, ranks = mesh
     placements = tuple(placements)
     size = tuple(size)
-    if rules is None:
-        rules = {}
+    rules = {} if rules is None else rules
     # Replicas that choose the same writers share a grid: the choice, not the number, is
     # the memo's key (every key of a fully sharded mesh has choice 0).
     kinds = ("replicas", placements, len(size))
@@ -139,9 +137,8 @@ def _rule(
 
 @dataclass(slots=True)
 class TableRow:
-    """One key of a rank's table: its global facts and layout (a rank's own boxes for a
-    ``local`` layout travel apart). Treated as immutable; not frozen, which costs a fifth of
-    a microsecond per field per key."""
+    """One key of a rank's table: its global facts and layout (``local`` boxes travel apart).
+    Treated as immutable; not frozen, which costs a fifth of a microsecond per field per key."""
 
     key: str
     dtype: str
@@ -200,7 +197,6 @@ def plan_save(
     Args:
         tables: The distinct tables (ranks with equal tables send one, by digest).
         holders: For each table, the group ranks that have it.
-        meshes: The device meshes the ``mesh`` layouts name.
         local: Per rank, its own boxes of each key with a ``local`` layout.
         preassigned: Bytes already given to a rank (object blobs).
         skip: Keys checked like the others but written by no rank (tied tensors); they keep

@@ -28,9 +28,8 @@ class _Chunk:
 
 
 def check_tiling(size: Sequence[int], boxes: Sequence[Box]) -> None:
-    """Check that ``boxes`` tile a tensor of ``size`` exactly: every box has its dims, no two
-    share an element, together they cover every element, and a box with elements lies inside
-    the tensor (empty ones may lie anywhere: the ceil rule puts them past the end).
+    """Check that ``boxes`` tile a tensor of ``size`` exactly: each has its dims, none overlap,
+    they cover it, and one with elements lies inside (an empty one anywhere: the ceil rule).
 
     Raises:
         ValueError: The boxes do not tile the tensor (the message says how).
