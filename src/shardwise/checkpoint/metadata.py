@@ -180,21 +180,13 @@ class StorageMeta:
     def to_dict(self) -> dict[str, Any]:
         """These facts as a plain JSON-able dict."""
         checkpoint_id = None if self.checkpoint_id is None else os.fspath(self.checkpoint_id)
-        for name, value in (
-            ("checkpoint_id", checkpoint_id),
-            ("save_id", self.save_id),
-            ("load_id", self.load_id),
-        ):
+        ids = {"checkpoint_id": checkpoint_id, "save_id": self.save_id, "load_id": self.load_id}
+        for name, value in ids.items():
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"StorageMeta.{name} must be a string or None, got {value!r}")
         if not isinstance(self.modules, list) or not all(isinstance(m, str) for m in self.modules):
             raise TypeError(f"StorageMeta.modules must be a list of strings, got {self.modules!r}")
-        return {
-            "checkpoint_id": checkpoint_id,
-            "save_id": self.save_id,
-            "load_id": self.load_id,
-            "modules": list(self.modules),
-        }
+        return {**ids, "modules": list(self.modules)}
 
     @classmethod
     def from_dict(cls, data: object) -> StorageMeta:
@@ -343,7 +335,6 @@ class Metadata:
         storage_data: Data of the storage layer. For the JSON form: None, or a mapping from
             :class:`MetadataIndex` to storage info (a dict of JSON values, or an object with
             ``to_dict()``), written inside its chunk or bytes entry.
-        storage_meta: Facts about the save (:class:`StorageMeta`).
         version: Version string of the writer's metadata conventions.
     """
 

@@ -94,8 +94,7 @@ def check_same_ndim(offsets: Sequence[int], sizes: Sequence[int]) -> None:
 def check_chunk_bounds(
     size: Sequence[int], chunks: Iterable[tuple[Sequence[int], Sequence[int]]]
 ) -> None:
-    """Every chunk ``(offsets, sizes)`` has the tensor's number of dims and, unless empty,
-    lies inside a tensor of ``size``."""
+    """Every chunk ``(offsets, sizes)`` has the dims of ``size`` and, unless empty, lies in it."""
     for offsets, sizes in chunks:
         if len(offsets) != len(size) or len(sizes) != len(size):
             raise CheckpointFormatError(

@@ -46,8 +46,7 @@ class Tuning:
     """The most bytes each pass of a load reads in one batch: bounds the buffers in flight."""
 
     read_run_bytes: int = 8 << 20
-    """A load reads adjacent checksummed blocks together up to this much (a span, which one
-    I/O thread reads and checks piece by piece)."""
+    """A load reads adjacent checksummed blocks together up to this much (one thread's span)."""
 
     read_gap_bytes: int = 64 << 10
     """A load with ``verify=False`` reads through a smaller gap rather than issue another read."""
@@ -58,8 +57,7 @@ class Tuning:
     with fresh 8 MiB buffers, 28 ms with a reused 1 MiB one)."""
 
     read_cost_bytes: int = 64 << 10
-    """What one more read costs, in bytes: a load reads through a smaller gap between two
-    needed runs of a chunk instead of issuing another read."""
+    """What one more read costs, in bytes: a load reads through a smaller gap in a chunk."""
 
     sent_index_bytes: int = 4 << 20
     """A save sends its committed index to every rank with the outcome up to this size; above,
@@ -75,8 +73,7 @@ class Tuning:
     """A tensor saved in more chunks is planned through a sweep order (``ChunkLookup``)."""
 
     small_write_bytes: int = 1 << 20
-    """Smaller saved entries are gathered into one buffer before writing, to save system
-    calls (10,000 small tensors otherwise cost 10,000 writes)."""
+    """Smaller entries share a buffer's write (else 10,000 small tensors cost 10,000 writes)."""
 
     write_buffer_bytes: int = 8 << 20
     """The size of that buffer: it is written out when full."""
@@ -95,8 +92,7 @@ class Tuning:
     """A lock with an older heartbeat is a dead save's, to take over (a margin for clock skew)."""
 
     consolidate_piece_bytes: int = 8 << 20
-    """``shardwise consolidate`` reads, casts and writes a tensor this many bytes at a time:
-    the memory a tensor needs beyond itself."""
+    """``shardwise consolidate`` converts a tensor this many bytes at a time (its extra memory)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -142,7 +142,7 @@ def describe_tensor(fqn: str, value: torch.Tensor) -> TensorValue:
         return _describe_sharded(value)
     if _is_loaded(value, "torch.distributed.tensor", "DTensor"):
         return _describe_dtensor(fqn, value)
-    if _is_local_shards(value):
+    if _is_loaded(value, "shardwise.local_shards", "LocalShardsWrapper"):
         boxes = _wrapper_boxes(value)
         dtype = boxes[0].tensor.dtype if boxes else torch.get_default_dtype()
         return TensorValue(None, dtype, _properties(dtype, value.requires_grad), boxes)
@@ -229,10 +229,6 @@ def _chunk_layout(value: Any, ndim: int) -> tuple[Any, ...] | None:
     return ("mesh", ((len(ranks),), ranks), (f"S{dim % ndim}",))
 
 
-def _is_local_shards(value: object) -> bool:
-    return _is_loaded(value, "shardwise.local_shards", "LocalShardsWrapper")
-
-
 def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
     placements = value.placements
     try:
@@ -249,7 +245,7 @@ def _describe_dtensor(fqn: str, value: Any) -> TensorValue:
     local = value._local_tensor
     size = tuple(value.size())
     layout = None
-    if _is_local_shards(local):
+    if _is_loaded(local, "shardwise.local_shards", "LocalShardsWrapper"):
         boxes = _wrapper_boxes(local)
         dtype = boxes[0].tensor.dtype if boxes else value.dtype
     else:
@@ -423,8 +419,7 @@ def describe_object(fqn: str, value: object, allow_pickle: bool) -> ObjectValue:
 
 
 def _culprit(value: object, where: str) -> tuple[str, object]:
-    """The path to the first part of ``value`` that has no stored form, and that part
-    (``value`` itself when its parts all have one)."""
+    """The path to the first part of ``value`` with no stored form, and that part (or ``value``)."""
     try:
         if isinstance(value, (list, tuple)):
             for i, item in enumerate(value):

@@ -191,11 +191,8 @@ def tagged(value: object, extended: bool = False) -> object:
         reserved = TAGS2 if extended else TAGS
         if all(type(key) is str for key in value) and not (reserved & value.keys()):
             return {key: tagged(item, extended) for key, item in value.items()}
-        return {
-            "__dict__": [
-                [tagged(key, extended), tagged(item, extended)] for key, item in value.items()
-            ]
-        }
+        pairs = [[tagged(key, extended), tagged(item, extended)] for key, item in value.items()]
+        return {"__dict__": pairs}
     if extended:
         if kind is np.ndarray:
             return {_ARRAY: _array_json(value)}  # type: ignore[arg-type]

@@ -36,8 +36,7 @@ def display_key(key: str) -> str:
 
 
 def is_stateful(value: object) -> bool:
-    """Whether ``value`` follows the Stateful protocol (``state_dict`` and
-    ``load_state_dict``); tensors never do."""
+    """Whether ``value`` is Stateful (``state_dict`` and ``load_state_dict``); tensors never are."""
     return (
         not isinstance(value, (torch.Tensor, Mapping))
         and callable(getattr(value, "state_dict", None))
@@ -128,21 +127,15 @@ def _check_part(part: object, path: tuple[str | int, ...]) -> str | int:
     if isinstance(part, str):
         if _SEPARATOR in part:
             raise TypeError(f"state_dict keys must not contain NUL characters, found {part!r}")
-        if not part.isascii() and not _is_text(part):
+        try:
+            part.encode()
+        except UnicodeEncodeError:
             # A lone surrogate (e.g. a file name decoded with surrogateescape) has no UTF-8
             # form, so the index could not name the key.
             raise TypeError(
                 f"state_dict keys must be valid Unicode text, found {part!r} (a lone surrogate)"
-            )
+            ) from None
     return part
-
-
-def _is_text(part: str) -> bool:
-    try:
-        part.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def flatten(state_dict: Mapping[str, Any]) -> Flat:
