@@ -218,10 +218,8 @@ class DCPReader:
         storage_options: fsspec's options for a URL (credentials, ``endpoint_url``, ...).
 
     Raises:
-        DCPImportError: ``.metadata`` is missing, malformed, or references anything outside
-            DCP's metadata classes; its storage uses transforms, paths outside ``directory``
-            or through symbolic links, files that are not regular files, or byte ranges
-            outside their files or overlapping; or a tensor's chunks do not tile it.
+        DCPImportError: ``.metadata`` is missing, malformed or not only DCP's metadata, or what
+            it states fails a check (``docs/cli.md``, *Malformed and hostile input*).
         CheckpointStorageError: The storage of a URL failed (no credentials, ...).
 
     Example::

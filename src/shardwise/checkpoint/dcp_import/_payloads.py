@@ -32,9 +32,8 @@ MALFORMED = (
 _ZIP_MAGIC = b"PK\x03\x04"
 # Object values nest at most this deep (saving them as JSON recurses once per level).
 _MAX_OBJECT_DEPTH = 100
-# An object value may expand to at most this many times its payload's size: a pickle can
-# reference one part from many places (shared dict keys do it legitimately), and a chain of
-# shared lists expands exponentially.
+# An object value may expand to at most this many times its payload's size: a pickle can share
+# one part from many places (dict keys do, legitimately); a chain of shared lists grows 2**n.
 _MAX_OBJECT_EXPANSION = 16
 
 # The records that close a zip archive, as torch.save writes them (always with zip64 ones).

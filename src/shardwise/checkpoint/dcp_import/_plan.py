@@ -157,10 +157,7 @@ class DCPTensorPlan:
 
 
 def plan_tensor(
-    fqn: str,
-    entry: DCPTensorEntry,
-    ranges: Mapping[StorageKey, DCPRange],
-    metadata_path: str,
+    fqn: str, entry: DCPTensorEntry, ranges: Mapping[StorageKey, DCPRange], metadata_path: str
 ) -> DCPTensorPlan:
     def malformed(what: str) -> DCPImportError:
         return error(fqn, f"malformed DCP metadata: {what}", metadata_path)

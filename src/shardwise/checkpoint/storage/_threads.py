@@ -45,13 +45,12 @@ def run_concurrently(
     ]
     if len(large) <= 1:
         return [work(item) for item in items]
-    chosen = set(large)
     pool = _threads()
     futures = {number: pool.submit(work, items[number]) for number in large}
     results: dict[int, R] = {}
     try:
         for number, item in enumerate(items):
-            if number not in chosen:
+            if number not in futures:
                 results[number] = work(item)
     finally:
         # No thread may still be writing into a buffer once the caller moves on.
