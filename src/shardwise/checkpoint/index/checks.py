@@ -114,8 +114,7 @@ def row_of(value: object, length: int, what: str, key: str | None = None) -> lis
 
 
 class Ranges:
-    """Byte ranges per data file, checked to lie in the file's data section (from its
-    ``starts`` entry to its declared size) and not to overlap."""
+    """Byte ranges per data file, checked to lie in the file's data section and not to overlap."""
 
     def __init__(self, files: dict[str, int], starts: dict[str, int]) -> None:
         self.files = files
@@ -167,13 +166,7 @@ def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk])
     """The chunks of ``fqn`` tile a tensor of ``size`` exactly (one whole chunk, the common
     case, skips the general check)."""
     only = chunks[0] if len(chunks) == 1 else None
-    whole = (
-        only is not None
-        and only.sizes == size
-        and len(only.offsets) == len(size)
-        and not any(only.offsets)
-    )
-    if not whole:
+    if only is None or only.sizes != size or len(only.offsets) != len(size) or any(only.offsets):
         try:
             planner.check_tiling(size, [(c.offsets, c.sizes) for c in chunks])
         except ValueError as err:

@@ -126,8 +126,7 @@ class Header:
 
 
 def header_entry(entry: FileEntry, begin: int) -> HeaderEntry:
-    """The header entry a writer records for ``entry`` at absolute byte ``begin`` (raw bytes
-    are ``U8 [nbytes]``)."""
+    """The header entry of ``entry`` at absolute byte ``begin`` (raw bytes: ``U8 [nbytes]``)."""
     code = None if entry.dtype is None else safetensors_dtype(entry.dtype)
     shape = (entry.nbytes,) if code is None else tuple(entry.shape)
     return HeaderEntry(entry.key, code or "U8", shape, begin, begin + entry.nbytes)

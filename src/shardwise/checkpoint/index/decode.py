@@ -482,9 +482,8 @@ def _objects(
 def _aliases(
     rows: object, tensors: dict[str, TensorRecord], objects: dict[str, ObjectRecord]
 ) -> dict[str, str]:
-    """The validated ``aliases`` table: each alias a new key, each target a saved tensor.
-    Each alias is added to ``tensors`` with its target's record (call after the byte ranges
-    are checked: they share the bytes)."""
+    """The validated ``aliases``: each alias a new key, added to ``tensors`` with the record of
+    its target, a saved tensor (called once byte ranges are checked: the two share bytes)."""
     if type(rows) is not list or not rows:
         fail("aliases must be a non-empty list (an index without ties has no aliases key)")
     aliases: dict[str, str] = {}

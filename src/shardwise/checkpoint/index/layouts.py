@@ -20,8 +20,7 @@ __all__ = ["FileOrder", "Grid", "LayoutChunks", "ceil_grid_steps", "file_cells"]
 
 
 def ceil_grid_steps(size: Sequence[int], parts: Sequence[int]) -> tuple[int, ...]:
-    """The steps of a grid that cuts each dim of ``size`` into ``parts`` chunks by the ceil
-    rule (1 for an empty dim, which then has one cell)."""
+    """The steps of a ceil-rule grid of ``parts`` chunks per dim of ``size`` (1 if empty)."""
     return tuple(max(1, -(-n // k)) for n, k in zip(size, parts, strict=True))
 
 
@@ -78,8 +77,7 @@ class Grid:
         return number
 
     def cells(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
-        """The cells that share an element with the box ``(offsets, sizes)``, in row-major
-        order: O(dims + cells hit), by integer division per dim."""
+        """The cells sharing an element with box ``(offsets, sizes)``, row-major; O(dims + hits)."""
         if not all(sizes):
             return iter(())
         ranges = []
@@ -169,10 +167,9 @@ class FileOrder:
 
 class LayoutChunks(Sequence[SavedChunk]):
     """The chunks of grid tensor ``key`` (its ``TensorRecord.chunks``), each built when first
-    asked for. ``candidates`` finds those that overlap a box without building the others (as
-    ``planner.ChunkLookup`` does, so ``plan_reads`` takes it as its ``lookup``). ``names``
-    are the index's file names by number; ``order`` gives a file number's :class:`FileOrder`
-    (and refuses a null file)."""
+    asked for; :meth:`candidates` finds those overlapping a box without building the others (a
+    ``planner.ChunkLookup``: ``plan_reads`` takes it as its ``lookup``). ``names``: the index's
+    file names by number; ``order``: a file number's :class:`FileOrder` (refusing a null)."""
 
     __slots__ = ("_built", "_itemsize", "_key", "_len", "_names", "_order", "grid")
 

@@ -74,7 +74,6 @@ class Index:
     """A validated checkpoint index (see ``docs/format.md``).
 
     Attributes:
-        format_version: :data:`~.names.FORMAT_VERSION`.
         block_size: Bytes per checksummed block of a data section.
         files: The size of each data file (a rank that wrote nothing has none).
         tensors, objects: The tensor and the other entries by key, in index order.
@@ -93,10 +92,6 @@ class Index:
     aliases: dict[str, str] = field(default_factory=dict)
     data_starts: dict[str, int] = field(default_factory=dict)
     file_checksums: dict[str, str] = field(default_factory=dict)
-
-    def file_blocks(self, chunk: SavedChunk) -> tuple[int, list[str]]:
-        """The blocks ``chunk``'s bytes touch (see :meth:`blocks_of`)."""
-        return self.blocks_of(chunk.file, chunk.begin, chunk.end)
 
     def blocks_of(self, file: str, begin: int, end: int) -> tuple[int, list[str]]:
         """The first byte of the first block of ``file`` that ``[begin, end)`` touches, and the
@@ -258,7 +253,7 @@ def _metadata_names(keys: list[str]) -> dict[str, str]:
 
 
 def _stored_info(index: Index, chunk: SavedChunk) -> dict[str, Any]:
-    first_byte, sums = index.file_blocks(chunk)
+    first_byte, sums = index.blocks_of(chunk.file, chunk.begin, chunk.end)
     return {
         "file": chunk.file,
         "begin": chunk.begin,
