@@ -1,5 +1,4 @@
-"""DCP's ``.metadata`` unpickled into inert stand-ins: an allow-list of its classes, each a record
-of its fields."""
+"""DCP's ``.metadata`` unpickled into inert stand-ins: an allow-list of records of its fields."""
 
 from __future__ import annotations
 
@@ -179,9 +178,8 @@ class DCPUnpickler(pickle._Unpickler):
     """Reads DCP's ``.metadata`` into stand-ins: only ``_ALLOWED_GLOBALS`` and torch's dtype,
     layout and memory-format constants resolve, so nothing from the file runs.
 
-    No pickle can alter what a later one gets by BUILD: torch's values are immutable, BUILD on
-    a stand-in class fails (they define ``__setstate__``), and each reference to a function
-    gets a fresh ``functools.partial``.
+    No BUILD alters what a later pickle gets: torch's values are immutable, BUILD on a stand-in
+    class fails (it has ``__setstate__``), a function reference is a fresh ``functools.partial``.
 
     It is the pure-Python unpickler: the C one allocates what an opcode claims before reading
     it (LONG_BINPUT 0x0fffffff zeroes 4 GiB for a 10-byte pickle); this one keeps its memo in a

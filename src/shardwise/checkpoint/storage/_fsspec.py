@@ -1,8 +1,7 @@
 """The fsspec backend of the storage layer: any fsspec file system (``s3://``, ``memory://``, ...).
 
-Byte ranges go through ``cat_ranges``, never through fsspec's buffered files (they read ahead
-whole blocks). Object stores have no rename (``mv`` copies, then deletes), so writers put files
-under their final names (``atomic_rename = False``).
+Byte ranges go through ``cat_ranges``, never fsspec's buffered files (they read ahead whole
+blocks). Object stores have no rename (``mv`` copies, then deletes): ``atomic_rename = False``.
 """
 
 from __future__ import annotations
