@@ -35,17 +35,11 @@ class SaveLock:
         self._path = storage.join(LOCK_NAME)
         self._save_id = save_id
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._beat, name="shardwise-save-lock", daemon=True)
 
     def _content(self) -> bytes:
-        return json.dumps(
-            {
-                "save_id": self._save_id,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "heartbeat": time.time(),
-            }
-        ).encode()
+        holder = {"save_id": self._save_id, "host": socket.gethostname(), "pid": os.getpid()}
+        return json.dumps({**holder, "heartbeat": time.time()}).encode()
 
     def _holder(self) -> dict[str, Any] | None:
         """The current holder as recorded, or None when there is no lock (or it is unreadable,
@@ -87,9 +81,6 @@ class SaveLock:
         """
         for _ in range(3):
             if self._storage.create_exclusive(self._path, self._content()):
-                self._thread = threading.Thread(
-                    target=self._beat, name="shardwise-save-lock", daemon=True
-                )
                 self._thread.start()
                 return
             holder = self._holder()
@@ -117,10 +108,9 @@ class SaveLock:
                 return  # the save fails or finishes on its own; a missed beat is harmless
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock; a failure to remove it is logged, not raised
-        (the save's outcome stands, and the lock goes stale)."""
+        """Stop the heartbeat and remove the lock; a failure to remove it is only logged."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread.ident is not None:  # started
             self._thread.join()
         try:
             self._storage.remove(self._path)

@@ -1,7 +1,6 @@
 """What every rank of a save learns once the index is committed, and what it returns: a
-:class:`Metadata` whose entries are decoded when first looked at, from the index sent with
-the outcome when it is small, else read from storage, so that no rank but the coordinator
-receives anything O(ranks); a training loop that ignores the return value pays for neither."""
+:class:`Metadata` decoded on first use, from the index sent with the outcome when small, else
+from storage (``docs/architecture.md``, *Save*); a loop that ignores it pays for neither."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ __all__ = ["outcome", "returned_metadata"]
 
 
 def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
-    """What the coordinator tells every rank once the index ``data`` is committed: the facts
-    of its ``metadata``, and the index itself when it is small."""
+    """What every rank learns once the index ``data`` is committed: ``metadata``'s facts, and
+    ``data`` itself when small."""
     assert metadata.storage_meta is not None
     facts = {
         "planner_data": metadata.planner_data,

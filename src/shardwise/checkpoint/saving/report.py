@@ -1,5 +1,4 @@
-"""What a save or a load tells the people running it: a progress bar of the whole job's bytes
-(shared by every rank, drawn on rank 0) and one summary line in the log when it is done."""
+"""What a save or a load tells the people running it: a progress bar and a summary log line."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ def job_bar(comm: collectives.Comm, total: int, description: str, key: str) -> J
 def exchange_with_bar(
     comm: collectives.Comm, work: Callable[[], _T], bar: JobProgress | None, dst: int | None = None
 ) -> tuple[_T, list[Any] | None]:
-    """``comm.exchange_or_raise(work)``, or with ``dst`` ``comm.gather_or_raise(work, dst=dst)``,
-    for the step of a job that ``bar`` (if any) counts: the bar ends full only when every rank
-    succeeded."""
+    """``comm.exchange_or_raise(work)`` (with ``dst``: ``gather_or_raise``) for a step ``bar``
+    (if any) counts: the bar ends full only when every rank succeeded."""
 
     def counted() -> _T:
         try:

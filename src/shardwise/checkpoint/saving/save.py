@@ -130,8 +130,7 @@ def _save_snapshot(
     options: SaveOptions,
     local_error: BaseException | None = None,
 ) -> Metadata:
-    """Plan, write and commit a described save on every rank of ``comm``; a ``local_error`` of
-    describing is raised on this rank and shared with the others."""
+    """Save ``snapshot`` on every rank of ``comm``; a ``local_error`` is raised on every rank."""
     started = time.monotonic()
     coordinator_rank = options.coordinator_rank
     coordinating = comm.rank == coordinator_rank
@@ -330,7 +329,6 @@ def save(
     are taken from the coordinator rank. Works in a single process with no process group.
 
     Args:
-        state_dict: What to save.
         path: Checkpoint directory or fsspec URL.
         process_group: The ranks saving together (default: the default group, if any).
         coordinator_rank: Group rank that writes the index and the objects.
@@ -354,11 +352,7 @@ def save(
     _check_coordinator(coordinator_rank, comm)
     with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
         snapshot, error = describe_or_error(state_dict, allow_pickle, stage=False)
-        return _save_snapshot(snapshot, _local_path(path), comm, options, error)
-
-
-def _local_path(path: str | os.PathLike[str]) -> str:
-    return os.path.expanduser(os.fspath(path))
+        return _save_snapshot(snapshot, os.path.expanduser(os.fspath(path)), comm, options, error)
 
 
 def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
@@ -376,8 +370,7 @@ _background_groups: dict[tuple[int, ...], ProcessGroup | None] = {}
 
 
 def _background_group(process_group: ProcessGroup | None) -> ProcessGroup | None:
-    """The gloo group background saves over ``process_group``'s ranks use: same ranks, same
-    timeout (created on first use; that is collective over the default group)."""
+    """The gloo group of ``process_group``'s ranks and timeout that background saves use."""
     if not collectives.is_initialized():
         return None
     group = collectives.resolve_group(process_group)
@@ -409,8 +402,7 @@ def async_save(
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> concurrent.futures.Future[Metadata]:
-    """Like :func:`save` (the same keywords), but returns once the state dict is copied to
-    CPU staging memory.
+    """Like :func:`save`, but returns once the state dict is copied to CPU staging memory.
 
     A background thread writes it over a gloo group of the same ranks (made on the first call,
     collectively over the default group), apart from the job's collectives; a call waits for
@@ -432,6 +424,6 @@ def async_save(
                 max_workers=1, thread_name_prefix="shardwise-async-save"
             )
         _in_flight = _executor.submit(
-            _save_snapshot, snapshot, _local_path(path), comm, options, error
+            _save_snapshot, snapshot, os.path.expanduser(os.fspath(path)), comm, options, error
         )
         return _in_flight

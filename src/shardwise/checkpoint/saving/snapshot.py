@@ -75,9 +75,8 @@ def _on_meta(value: TensorValue) -> bool:
 
 
 def _local_aliases(tensors: Mapping[str, TensorValue]) -> dict[str, str]:
-    """Each key whose local data is that of an earlier key, mapped to the first such key.
-
-    Only keys whose first element lies at an address another key's does are compared in full
+    """Each key whose local data is that of an earlier key, mapped to the first such key; only
+    keys whose first element shares its address with another's are compared in full
     (``storage_key``): in a state dict of thousands of tensors, few share memory."""
     addresses = {key: _first_address(value) for key, value in tensors.items()}
     shared = Counter(address for address in addresses.values() if address is not None)
@@ -136,9 +135,7 @@ def _stage(snapshot: Snapshot) -> Snapshot:
             boxes = []
             for box in value.boxes:
                 source = box.tensor.detach()
-                staged = torch.empty(
-                    source.size(), dtype=source.dtype, device="cpu", pin_memory=pin
-                )
+                staged = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
                 staged.copy_(source)
                 boxes.append(LocalBox(box.offsets, box.sizes, staged))
         tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes, value.layout)

@@ -1,7 +1,7 @@
 """The data files of a save (``docs/format.md``, *Data files*, *Checksums: blocks*): writing
 one rank's, each block of its data section checksummed right before it is written, while in
 cache; and checking that the coordinator sees every rank's. GPU tensors reach the host through
-one reused pinned buffer; the sizes are tunables of :mod:`shardwise.checkpoint.tuning`.
+one reused pinned buffer.
 """
 
 from __future__ import annotations
@@ -167,7 +167,6 @@ class _ChecksummingWriter:
 _TINY_BYTES = 16 << 10
 # At most this many buffers wait for one vectored write (the kernel's IOV_MAX is 1024).
 _MAX_PARTS = 1000
-
 
 _staging_lock = threading.Lock()
 _staging_buffer: torch.Tensor | None = None
