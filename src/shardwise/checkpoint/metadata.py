@@ -200,12 +200,10 @@ class StorageMeta:
             raise CheckpointFormatError(
                 f"StorageMeta modules must be a list of strings, got {modules!r}"
             )
-        return cls(
-            checkpoint_id=optional_str(body["checkpoint_id"], "StorageMeta checkpoint_id"),
-            save_id=optional_str(body["save_id"], "StorageMeta save_id"),
-            load_id=optional_str(body["load_id"], "StorageMeta load_id"),
-            modules=list(modules),
-        )
+        names = ("checkpoint_id", "save_id", "load_id")
+        ids = (optional_str(body[name], f"StorageMeta {name}") for name in names)
+        checkpoint_id, save_id, load_id = ids
+        return cls(checkpoint_id, save_id, load_id, list(modules))
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,9 +330,8 @@ class Metadata:
     Args:
         state_dict_metadata: Per key, a :class:`TensorStorageMetadata` or ``BytesStorageMetadata``.
         planner_data: Data of the planner that wrote the checkpoint (JSON in the JSON form).
-        storage_data: Data of the storage layer. For the JSON form: None, or a mapping from
-            :class:`MetadataIndex` to storage info (a dict of JSON values, or an object with
-            ``to_dict()``), written inside its chunk or bytes entry.
+        storage_data: Data of the storage layer; for the JSON form None, or storage info (a JSON
+            dict, or an object with ``to_dict()``) by :class:`MetadataIndex`, written in its entry.
         version: Version string of the writer's metadata conventions.
     """
 
@@ -402,7 +399,6 @@ class Metadata:
         """Inverse of :meth:`to_dict`.
 
         Args:
-            data: The parsed index.
             storage_info: Converts each storage info dict (e.g. a dataclass's ``from_dict``);
                 by default the dicts are kept as they are.
 

@@ -46,8 +46,7 @@ def local_shape_and_offset(
         if dim < 0:
             return None
         length = shape[dim]
-        chunks = mesh_shape[mesh_dim]
-        step = -(-length // chunks)
+        step = -(-length // mesh_shape[mesh_dim])  # q = ceil(n / k)
         start = step * coordinate[mesh_dim]
         size = max(0, min(length, start + step) - start)
         # Once empty, a dimension stays so.

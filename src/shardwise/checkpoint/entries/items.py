@@ -73,9 +73,8 @@ class TensorValue:
         boxes: The boxes this rank holds.
         layout: How the value lies over the ranks when a rule says so: ``("whole",)`` for a
             plain tensor (replicated on every rank that has the key), ``("mesh", device_mesh,
-            placements)`` for a DTensor whose placements are all ``"R"``/``"S<dim>"`` (a
-            ``ChunkShardingSpec`` ShardedTensor's mesh is ``(shape, global ranks)``); ``None``:
-            only the boxes tell.
+            placements)`` for a DTensor whose placements are all ``"R"``/``"S<dim>"`` and for a
+            chunked ShardedTensor (:func:`_chunk_layout`); ``None``: only the boxes tell.
     """
 
     size: tuple[int, ...] | None
@@ -162,8 +161,7 @@ def _describe_plain(fqn: str, value: torch.Tensor) -> TensorValue:
 
 
 def unstorable(value: torch.Tensor) -> str | None:
-    """What ``value`` is when a checkpoint has no form for it (quantized, sparse, nested or
-    MKL-DNN: a checkpoint holds the elements of strided tensors), else None."""
+    """What ``value`` is when a checkpoint has no form for it (quantized, sparse...), else None."""
     if value.is_quantized:
         return f"a quantized tensor ({value.dtype})"
     if value.is_nested:
@@ -362,9 +360,8 @@ def _too_deep(value: object) -> bool:
 
 
 def _json_form(value: object) -> tuple[int, object, bool] | None:
-    """``value``'s simplest exact form (:func:`python_form`), its JSON tree, and whether
-    readers accept the tree's depth (walked only when it may exceed ``MAX_DEPTH``); None
-    when it has no such form. ``RecursionError`` past the interpreter's recursion limit."""
+    """``value``'s :func:`python_form`, its JSON tree, and whether readers accept its depth
+    (walked only when it may exceed ``MAX_DEPTH``), or None; ``RecursionError`` when too deep."""
     found = form_and_depth(value)
     if found is None:
         return None

@@ -1,9 +1,7 @@
 """Python values as tagged JSON (``pyjson``, ``pyjson2``) that keeps tuples, non-string dict
 keys, NumPy values, ``torch.Size`` and named tuples, decoded strictly (the tags and their
-rules: ``docs/format.md``, *Python values*).
-
-Pure (NumPy is the only library it knows; ``torch.Size`` is recognized by name), so that every
-layer that stores values as JSON shares one rule.
+rules: ``docs/format.md``, *Python values*). Pure (NumPy is the only library it knows;
+``torch.Size`` is recognized by name), so that every layer storing JSON values shares one rule.
 """
 
 from __future__ import annotations
@@ -138,9 +136,8 @@ def _as_read(key: object) -> object:
 
 
 def _is_named(kind: type) -> bool:
-    """Whether ``kind`` is a named tuple class that a reader can remake
-    (:func:`_named_problem`); one made with ``rename=True`` (a field ``_1``) is not, so a save
-    refuses it rather than write what no load could read."""
+    """Whether ``kind`` is a named tuple class a reader can remake (:func:`_named_problem`; not
+    one made with ``rename=True``, a field ``_1``: a save refuses what no load could read)."""
     fields = getattr(kind, "_fields", None)
     return (
         issubclass(kind, tuple)
@@ -172,8 +169,7 @@ def tagged(value: object, extended: bool = False) -> object:
     """``value`` as tagged JSON: ``pyjson``, or ``pyjson2`` with ``extended``.
 
     Raises:
-        TypeError: ``value`` holds something the encoding has no form for (the message is the
-            type's name).
+        TypeError: ``value`` holds what the encoding has no form for (the message: its type).
     """
     kind = type(value)
     if kind in _SCALARS:
@@ -446,8 +442,7 @@ def _untag_named(inner: object, extended: bool, like: object) -> Any:
         and len(inner[2]) == len(inner[1])
     ):
         raise _malformed(
-            _NAMED,
-            "the payload must be [type name, [field names], [values]], one value per field",
+            _NAMED, "the payload must be [type name, [field names], [values]], one value per field"
         )
     name, fields, items = inner[0], tuple(inner[1]), inner[2]
     problem = _named_problem(name, fields)

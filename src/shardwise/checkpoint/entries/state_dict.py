@@ -12,13 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "Flat",
-    "display_key",
-    "flatten",
-    "is_stateful",
-    "restore",
-]
+__all__ = ["Flat", "display_key", "flatten", "is_stateful", "restore"]
 
 _MAX_DEPTH = 100
 _SEPARATOR = "\x00"
