@@ -163,8 +163,7 @@ class Ranges:
 
 
 def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk]) -> None:
-    """The chunks of ``fqn`` tile a tensor of ``size`` exactly (one whole chunk, the common
-    case, skips the general check)."""
+    """The chunks of ``fqn`` tile a tensor of ``size`` exactly (a whole chunk: no full check)."""
     only = chunks[0] if len(chunks) == 1 else None
     if only is None or only.sizes != size or len(only.offsets) != len(size) or any(only.offsets):
         try:

@@ -35,8 +35,7 @@ ALIGNMENT = 64
 #: The largest header safetensors reads (its own limit, 100 MB).
 MAX_HEADER_BYTES = 100_000_000
 
-# safetensors' dtype codes. Dtypes it has no code for are stored as raw bytes ("U8"); the
-# index records the real dtype, so shardwise reads them back exactly.
+# safetensors' dtype codes; any other dtype is stored as raw bytes ("U8"), the index has it.
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -138,8 +137,7 @@ def layout_file(entries: Sequence[FileEntry], metadata: dict[str, str]) -> FileL
     position = 0
     relative = []
     codes = _SAFETENSORS_DTYPES
-    # header_entry written out, with tuples for lists (orjson writes them alike): a cost per
-    # entry of every save.
+    # header_entry written out (tuples for lists: orjson writes them alike): a cost per entry.
     for entry in entries:
         end = position + entry.nbytes
         span = (position, end)
@@ -269,11 +267,7 @@ def parse_header(data: bytes | bytearray | memoryview, file_size: int) -> Header
         type(metadata) is not dict or not all(isinstance(v, str) for v in metadata.values())
     ):
         _invalid("the header's __metadata__ must map strings to strings")
-    entries = {
-        key: _entry(key, value, data_start)
-        for key, value in document.items()
-        if key != _METADATA_KEY
-    }
+    entries = {k: _entry(k, v, data_start) for k, v in document.items() if k != _METADATA_KEY}
     position = data_start
     for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if entry.begin != position:

@@ -300,9 +300,8 @@ def _whole(
     ranges: Ranges,
     fqn: str,
 ) -> SavedChunk:
-    """A ``["whole", file, begin]`` layout's one chunk, its byte range added to ``ranges``.
-    A reader's hot path: the checks of :func:`_chunk` and :meth:`Ranges.add` written out for
-    a well-formed row; any other runs them to raise."""
+    """A ``["whole", file, begin]`` layout's one chunk, its range added to ``ranges``. Hot path:
+    :func:`_chunk`'s and :meth:`Ranges.add`'s checks inlined; a bad row runs them to raise."""
     if len(layout) == 3:
         _, file, begin = layout
         if type(file) is int and 0 <= file < len(names) and type(begin) is int and begin >= 0:
@@ -408,8 +407,7 @@ def _properties(rows: object) -> list[TensorProperties]:
 def _tensor_head(
     row: object, properties: list[TensorProperties], seen: Mapping[str, object]
 ) -> tuple[str, TensorProperties, tuple[int, ...], Any]:
-    """A ``tensors`` row's key (new to ``seen``), properties and size, checked, and its layout
-    unchecked. The hot path of a reader: checks written out."""
+    """A ``tensors`` row's new key, properties and size, checked, and its raw layout (hot path)."""
     if type(row) is list and len(row) == 4:
         fqn, number, size_row, last = row
     else:

@@ -98,11 +98,9 @@ def _object_rows(objects: Iterable[ObjectRecord], numbers: Mapping[str, int]) ->
     """The ``objects`` rows: JSON text, or a blob ``[file, begin, nbytes]``."""
     rows: list[list[Any]] = []
     for item in objects:
-        if item.blob is None:
-            rows.append([item.fqn, item.encoding, item.text])
-        else:
-            blob = item.blob
-            rows.append([item.fqn, item.encoding, [numbers[blob.file], blob.begin, blob.nbytes]])
+        blob = item.blob
+        payload = item.text if blob is None else [numbers[blob.file], blob.begin, blob.nbytes]
+        rows.append([item.fqn, item.encoding, payload])
     return rows
 
 

@@ -3,8 +3,7 @@
 A ``grid`` (``docs/format.md``, *The index*) cuts each dim by the ceil rule and maps each cell
 to a file by an affine rule: a tensor sharded over 1,024 ranks is one row, not 1,024. A reader
 derives each cell's begin by a prefix sum over its file (:class:`FileOrder`). Pure; O(dims)
-per query, or O(cells of one file).
-"""
+per query, or O(cells of one file)."""
 
 from __future__ import annotations
 

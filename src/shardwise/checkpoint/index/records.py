@@ -1,8 +1,7 @@
-"""The records of a validated index: what :func:`~shardwise.checkpoint.index.decode_index`
-returns and what the writer builds (see ``docs/format.md``), and :func:`metadata_view`, the
-lazy DCP-style :class:`~shardwise.checkpoint.metadata.Metadata` that ``save`` and
-``read_metadata`` return (an eager build, one ``ChunkStorageMetadata`` and one storage dict per
-chunk, measured 44 s and 6.1 GiB per rank at 1,024 ranks x 10,000 tensors)."""
+"""The records of a validated index (``docs/format.md``), and :func:`metadata_view`: the lazy
+DCP-style :class:`~shardwise.checkpoint.metadata.Metadata` that ``save`` and ``read_metadata``
+return (an eager build, one ``ChunkStorageMetadata`` and one storage dict per chunk, measured
+44 s and 6.1 GiB per rank at 1,024 ranks x 10,000 tensors)."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ class SaveFacts:
 
 @dataclass(slots=True)
 class TensorRecord:
-    """One saved tensor: its properties, global size and chunks (which tile it exactly).
-    Treated as immutable (not frozen: see ``SavedChunk``). ``chunks`` is a tuple, or for a
-    grid a :class:`~.layouts.LayoutChunks`, which builds a chunk only when asked for."""
+    """One saved tensor: properties, global size and chunks that tile it exactly (a tuple, or a
+    grid's :class:`~.layouts.LayoutChunks`). Immutable in use (not frozen: see ``SavedChunk``)."""
 
     fqn: str
     properties: TensorProperties
