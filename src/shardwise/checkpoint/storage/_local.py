@@ -49,6 +49,24 @@ _FILE_KINDS = (
 )
 
 
+def _vectored(views: list[memoryview], transfer: Callable[[list[memoryview], int], int]) -> int:
+    """``transfer(buffers, done)`` on at most IOV_MAX of ``views`` at a time, resumed where a short
+    one stopped, until all are done or one moves 0 bytes; the count moved (``done`` at the end)."""
+    total = 0
+    first = 0
+    while first < len(views):
+        count = transfer(views[first : first + _IOV_MAX], total)
+        if count == 0:
+            break
+        total += count
+        while first < len(views) and count >= len(views[first]):
+            count -= len(views[first])
+            first += 1
+        if count:  # a short transfer stopped inside this view
+            views[first] = views[first][count:]
+    return total
+
+
 class _LocalWriter:
     def __init__(self, storage: LocalStorage, path: str) -> None:
         self._storage = storage
@@ -61,17 +79,9 @@ class _LocalWriter:
 
     def write_vector(self, parts: Sequence[memoryview | bytes | bytearray]) -> None:
         views = [memoryview(part).cast("B") for part in parts if len(part)]
-        first = 0
-        while first < len(views):
-            # At most IOV_MAX buffers a call; a short write resumes where it stopped.
-            done = os.writev(self._fd, views[first : first + _IOV_MAX])
-            if not done:
-                raise OSError(errno.EIO, "writev wrote nothing", self._path)
-            while first < len(views) and done >= len(views[first]):
-                done -= len(views[first])
-                first += 1
-            if done:
-                views[first] = views[first][done:]
+        expected = sum(map(len, views))
+        if _vectored(views, lambda buffers, _: os.writev(self._fd, buffers)) < expected:
+            raise OSError(errno.EIO, "writev wrote nothing", self._path)
 
     def close(self, sync: bool) -> None:
         try:
@@ -88,25 +98,6 @@ class _LocalWriter:
             logger.warning("could not remove %s after a failed write: %s", self._path, err)
 
 
-def _preadv(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
-    """Fill ``buffers`` in turn with the bytes of ``fd`` from ``offset``, again from where a
-    short read stopped; the count read (short only at the end of the file)."""
-    views = [buffer.cast("B") for buffer in buffers]
-    total = 0
-    first = 0
-    while first < len(views):
-        count = os.preadv(fd, views[first : first + _IOV_MAX], offset + total)
-        if count == 0:
-            break
-        total += count
-        while first < len(views) and count >= len(views[first]):
-            count -= len(views[first])
-            first += 1
-        if count:  # a short read stopped inside this buffer
-            views[first] = views[first][count:]
-    return total
-
-
 class _LocalReader:
     """A regular file opened for positioned reads; the reader owns the descriptor."""
 
@@ -116,12 +107,16 @@ class _LocalReader:
         self.size = status.st_size
         self.identity = (status.st_dev, status.st_ino)
 
-    # preadv takes the offset explicitly, so threads can share the descriptor.
     def read_into(self, offset: int, buffer: memoryview) -> int:
-        return _preadv(self._fd, offset, [buffer])
+        return self._preadv(offset, [buffer])
 
     def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
-        return _preadv(self._fd, offset, buffers)
+        return self._preadv(offset, buffers)
+
+    # preadv takes the offset explicitly, so threads can share the descriptor.
+    def _preadv(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        views = [buffer.cast("B") for buffer in buffers]
+        return _vectored(views, lambda part, done: os.preadv(self._fd, part, offset + done))
 
     def close(self) -> None:
         os.close(self._fd)
