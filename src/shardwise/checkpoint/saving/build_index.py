@@ -127,9 +127,8 @@ def _check_read_back(
     aliases: Mapping[str, str],
     written: Sequence[Mapping[str, Any]],
 ) -> None:
-    """What is committed must read back as built (the decoder validated the rest), a grid by
-    its rule; and each file's grid cells must end where its other entries begin, as a reader
-    will check."""
+    """What is committed must read back as built (the decoder validated the rest; a grid by its
+    rule), and each file's grid cells must end where its other entries begin, as a reader checks."""
     named = dict(entry for entry in files if entry is not None)
     same = (
         index.files == {name: facts.size for name, facts in named.items()}

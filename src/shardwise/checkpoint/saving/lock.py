@@ -1,7 +1,6 @@
-"""One save at a time per checkpoint path (``docs/format.md``, *One save at a time*, *Object
-stores*): the coordinator creates ``<ckpt>/shardwise.lock`` exclusively before any data file is
-written and removes it after the commit and the cleanup; holding it is what makes removing
-leftovers of killed saves safe.
+"""One save at a time per checkpoint path (``docs/format.md``, *One save at a time*): the
+coordinator holds ``<ckpt>/shardwise.lock`` from before the first data file is written until
+after the commit and the removal of killed saves' leftovers, which holding it makes safe.
 """
 
 from __future__ import annotations

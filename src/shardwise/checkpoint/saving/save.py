@@ -56,8 +56,7 @@ _TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
 
 
 def _save_facts(world_size: int, save_id: str, path: str) -> SaveFacts:
-    # The index is UTF-8: a lone surrogate in the path (a file name's undecodable bytes, as
-    # Python decodes them) is recorded escaped.
+    # The index is UTF-8: a lone surrogate in the path (a name's undecodable bytes) is escaped.
     text = path.encode("utf-8", "backslashreplace").decode()
     return SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, text)
 

@@ -97,10 +97,9 @@ def _first_address(value: TensorValue) -> int | None:
     """The address of the first element this rank holds of ``value`` (``None``: none; -1: a
     tensor without plain storage, compared by ``storage_key``)."""
     for box in value.boxes:
-        tensor = box.tensor
-        if tensor.numel():
+        if box.tensor.numel():
             try:
-                return tensor.data_ptr()
+                return box.tensor.data_ptr()
             except (RuntimeError, NotImplementedError, TypeError):
                 return -1
     return None
