@@ -1,9 +1,7 @@
 """Reading a ``torch.distributed.checkpoint`` (DCP) directory without running pickled code.
 
-DCP writes ``.metadata`` (a pickle of its ``Metadata``) and ``*.distcp`` data files holding
-``torch.save`` payloads at the byte ranges the metadata records (``FileSystemWriter``'s layout).
-The metadata is unpickled with an allow-list that resolves every class to an inert stand-in,
-and each payload is decoded with ``torch.load(weights_only=True)``: nothing from the files runs.
+``.metadata`` (a pickle) is read through an allow-list of inert stand-ins, and each ``*.distcp``
+payload with ``torch.load(weights_only=True)``: nothing from the files runs.
 
 The directory is untrusted input: every offset, length and size is bounded, ranges lie inside
 their files without overlapping, and chunks tile their tensors, all checked before any

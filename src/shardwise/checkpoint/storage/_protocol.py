@@ -114,13 +114,7 @@ class Storage(Protocol):
         """
 
     def open_reader(self, path: str) -> Reader:
-        """Open the regular file ``path`` for many positioned reads.
-
-        Raises:
-            FileNotFoundError: ``path`` does not exist.
-            UnsafePathError: ``path`` or a directory on the way is a link or not a regular
-                file (directory).
-        """
+        """Open the regular file ``path`` for reads (FileNotFoundError, UnsafePathError)."""
 
     def open_below(self, relative: str) -> Reader:
         """Open the regular file ``relative`` below the root, each component inside the one before.
@@ -128,8 +122,7 @@ class Storage(Protocol):
         Raises:
             FileNotFoundError: The file or a directory on the way is missing.
             NotADirectoryError: The root is not a directory.
-            UnsafePathError: A component is a link, or not a directory (the file: not a
-                regular file); its ``found`` and ``expected`` say what it is and should be.
+            UnsafePathError: A component is a link or not a directory (the file: a regular file).
         """
 
     def rename(self, source: str, target: str) -> None:
