@@ -3,10 +3,9 @@
 ``.metadata`` (a pickle) is read through an allow-list of inert stand-ins, and each ``*.distcp``
 payload with ``torch.load(weights_only=True)``: nothing from the files runs.
 
-The directory is untrusted input: every offset, length and size is bounded, ranges lie inside
-their files without overlapping, and chunks tile their tensors, all checked before any
-allocation; ``docs/cli.md`` (*Malformed and hostile input*) gives every check. Every failure is
-a :class:`DCPImportError` naming the file, and the key where one is concerned.
+The directory is untrusted input: all that ``.metadata`` states is checked before any allocation
+(``docs/cli.md``, *Malformed and hostile input*, lists the checks). Every failure is a
+:class:`DCPImportError` naming the file, and the key where one is concerned.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Where checkpoint bytes live: a small storage protocol with a local and an fsspec backend.
 
-This package is the only part of shardwise that touches files. Paths are plain ``str`` joined
-with ``/`` so that URLs (``s3://bucket/ckpt``, ``memory://ckpt``) survive untouched. Local paths
-need no fsspec; a URL needs the ``fsspec`` package (extra ``remote``). :func:`open_storage`
-picks the backend for a path. Modules, batched reads and errors: ``docs/architecture.md``
-(*Storage*).
+The only part of shardwise that touches files. Paths are plain ``str`` joined with ``/`` so that
+URLs (``s3://bucket/ckpt``, ``memory://ckpt``) survive; a URL needs ``fsspec`` (extra ``remote``).
+:func:`open_storage` picks the backend; the rest is in ``docs/architecture.md`` (*Storage*).
 """
 
 from __future__ import annotations

@@ -27,8 +27,7 @@ __all__ = ["LocalStorage"]
 
 logger = logging.getLogger(__name__)
 
-# How often a small file written aside is written again when another save's cleanup removed
-# it before it was linked or renamed into place (see LocalStorage._place_aside).
+# Tries of LocalStorage._place_aside (another save's cleanup may remove what it wrote aside).
 _ASIDE_ATTEMPTS = 5
 # O_NONBLOCK keeps the open of a FIFO from waiting for a writer (it is refused right after,
 # unread); O_NOCTTY keeps a terminal from becoming this process's.
@@ -312,8 +311,7 @@ class LocalStorage:
                     os.unlink(temporary)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
-        # Linked into place complete: link() fails if the name exists, so no reader ever sees
-        # the file without its content.
+        # Linked in whole (no reader sees it without its content); link() fails if the name exists.
         try:
             self._place_aside(path, data, lambda aside: os.link(aside, path, follow_symlinks=False))
         except FileExistsError:

@@ -37,8 +37,7 @@ def run_concurrently(
 ) -> list[R]:
     """``work`` of every item, in order: small items inline, large ones on a few threads.
 
-    Returns only once every item's work has ended; the first exception raised (in the order
-    of ``items``) then propagates.
+    Returns only once every item's work has ended; then the first exception (by item) propagates.
     """
     large = [
         number for number, item in enumerate(items) if size(item) >= tuning.TUNING.inline_bytes
