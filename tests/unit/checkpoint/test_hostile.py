@@ -7,7 +7,8 @@ ranges and sizes that cannot be right, and damaged data files. For every one, ev
 (``read_metadata``, ``load``, ``load_tensor``, ``shardwise inspect`` and ``verify``) either
 returns exactly the saved values or raises a CheckpointError subclass (the CLI: exit 2 for an
 unreadable index, 1 for damaged data, one line on stderr, no traceback), leaves the target
-state dict unchanged, and opens nothing outside the checkpoint directory.
+state dict unchanged (after a checksum mismatch found while reading: replaces no Python value,
+its tensors being undefined), and opens nothing outside the checkpoint directory.
 """
 
 from __future__ import annotations

@@ -427,9 +427,8 @@ def test_resharded_load_reads_only_what_it_needs(tmp_path: Path) -> None:
     needed = (14 * 8192 + 6 * 10000) * 4
     row = 32768 * 4
     assert needed <= counter[0] <= 1.05 * needed + (4 + 2) * row, counter
-    # Verified, the load first reads every checksummed block it touches, once: here each
-    # 512 KiB chunk is one block, and the column box touches all four. They fit the memory
-    # kept between the passes, so the second pass copies from them and reads nothing.
+    # Verified, the load reads every checksummed block it touches once (its 1 MiB blocks
+    # hold two 512 KiB chunks each; the boxes touch all four chunks), checks it and uses it.
     column.zero_()
     interior.zero_()
     with _count_reads() as counter:
