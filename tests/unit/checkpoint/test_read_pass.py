@@ -362,3 +362,35 @@ def test_data_files_refuse_a_wrong_size(saved: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointDataError, match="data file has the wrong size"):
         ckpt.load(state, path)
     assert bool((state["t0"] == 7.0).all())  # refused before anything is read
+
+
+def test_staged_jobs_of_every_itemsize_share_one_round_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Non-contiguous destinations are staged; the jobs of a round are cut from one host
+    # buffer at 64-byte boundaries, whatever their dtypes' sizes (odd byte counts included).
+    generator = torch.Generator().manual_seed(3)
+    values = {
+        "f64": torch.randn(7, 5, dtype=torch.float64, generator=generator),
+        "u8": torch.randint(0, 255, (3, 11), dtype=torch.uint8, generator=generator),
+        "c64": torch.randn(5, 3, dtype=torch.complex64, generator=generator),
+        "b": torch.rand(9, 4, generator=generator) > 0.5,
+        "f8": torch.randn(6, 6, generator=generator).to(torch.float8_e4m3fn),
+        "i16": torch.randint(-99, 99, (13, 2), dtype=torch.int16, generator=generator),
+    }
+    ckpt.save(values, tmp_path / "c")
+    state = {key: torch.zeros(v.shape[::-1], dtype=v.dtype).t() for key, v in values.items()}
+    assert not any(t.is_contiguous() for t in state.values())
+    rounds: list[int] = []
+    stage = _fill._stage
+
+    def spy(group: list[Any]) -> list[Any]:
+        staged = stage(group)
+        rounds.append(len({s.staging.untyped_storage().data_ptr() for s in staged}))
+        return staged
+
+    monkeypatch.setattr(_fill, "_stage", spy)
+    ckpt.load(state, tmp_path / "c")
+    assert rounds == [1]  # one round, one buffer for all six jobs
+    for key, value in values.items():
+        assert torch.equal(state[key].contiguous().view(torch.uint8), value.view(torch.uint8)), key

@@ -63,11 +63,26 @@ def fill(
     rounds = list(batches(staged, lambda pair: pair[0].read.nbytes, tuning.TUNING.read_batch_bytes))
     # Direct segments go with the first round: a block shared with a staged read is read once.
     for number, group in enumerate(rounds or [[]]):
-        stages = [_Staged.prepare(job, destination) for job, destination in group]
+        stages = _stage(group)
         wanted = (segments if number == 0 else []) + [stage.segment for stage in stages]
         read(files, wanted, verify=verify, progress=progress, note=note)
         for stage in stages:
             stage.finish()
+
+
+def _stage(group: list[tuple[Job, torch.Tensor]]) -> list[_Staged]:
+    """The jobs of one round staged in one host buffer (pinned when a destination is on a GPU),
+    each at a 64-byte boundary: one allocation per round, not per job."""
+    places, total = [], 0
+    for job, _ in group:
+        places.append(total)
+        total += -(-job.read.nbytes // 64) * 64
+    pin = torch.cuda.is_available() and any(destination.is_cuda for _, destination in group)
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    return [
+        _Staged.prepare(job, destination, buffer[at : at + job.read.nbytes])
+        for (job, destination), at in zip(group, places, strict=True)
+    ]
 
 
 def _direct_segments(job: Job, destination: torch.Tensor) -> list[Segment] | None:
@@ -154,12 +169,10 @@ class _Staged:
     staging: torch.Tensor
 
     @classmethod
-    def prepare(cls, job: Job, destination: torch.Tensor) -> _Staged:
-        pin = destination.is_cuda and torch.cuda.is_available()
-        staging = torch.empty(
-            job.read.nbytes // job.dtype.itemsize, dtype=job.dtype, pin_memory=pin
-        )
-        segment = Segment(job.chunk.file, job.read.file_offset, byte_view(staging), job.key)
+    def prepare(cls, job: Job, destination: torch.Tensor, memory: torch.Tensor) -> _Staged:
+        """``job`` staged in ``memory`` (its bytes, aligned for its dtype)."""
+        staging = memory.view(job.dtype)
+        segment = Segment(job.chunk.file, job.read.file_offset, byte_view(memory), job.key)
         return cls(job, segment, destination, staging)
 
     def finish(self) -> None:
