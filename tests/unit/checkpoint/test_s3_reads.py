@@ -22,6 +22,8 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.entries.items import LocalBox
+from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.local_shards import LocalShardsWrapper
 from tests._s3 import S3Bucket, S3Calls, record_s3_calls, s3_bucket, s3_server  # noqa: F401 (fixtures)
 
@@ -228,3 +230,19 @@ def test_a_corrupt_object_raises_and_replaces_no_python_value(s3: S3Bucket) -> N
     assert raised.value.key == "blob"
     assert "undefined (partly filled)" in str(raised.value)
     assert state["blob"] is None and state["step"] is None
+
+
+def test_an_object_shortened_during_a_read_names_its_file(s3: S3Bucket) -> None:
+    url = _save(s3)
+    fs = s3.filesystem()
+    (name,) = list(s3.keys("ckpt/data"))
+    with CheckpointReader.open(url, storage_options=s3.options) as reader:
+        target = torch.zeros(ROWS, COLS)
+        jobs = reader.plan("w", ((0, 0), (ROWS, COLS)), 0)
+        reader.check_files((job.key, job.chunk) for job in jobs)  # opened at the right size
+        data = fs.cat_file(f"{s3.name}/{name}")
+        fs.pipe_file(f"{s3.name}/{name}", data[: len(data) // 2])
+        # A range past the new end: the store refuses it, and the error names the object.
+        with pytest.raises(ckpt.CheckpointError) as raised:
+            reader.fill(jobs, [LocalBox((0, 0), (ROWS, COLS), target)])
+    assert s3.url(name) in str(raised.value)

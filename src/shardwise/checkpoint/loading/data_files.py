@@ -110,18 +110,18 @@ class DataFiles:
     def read_ranges(
         self,
         requests: Sequence[RangeRequest],
-        keys: Sequence[str | None],
+        names: Sequence[tuple[str, str | None]],
         then: Callable[[int, memoryview], None],
     ) -> None:
         """Perform ``requests`` as one batch (:meth:`.Storage.read_ranges`), calling
-        ``then(number, data)`` with each one's bytes; ``keys`` name their entries in errors."""
+        ``then(number, data)`` with each one's bytes; ``names`` are each request's data file
+        and entry, for errors."""
 
         def complete(number: int, data: memoryview) -> None:
             request = requests[number]
             if len(data) != request.length:
-                raise self._truncated(
-                    self._name(request), request.offset, request.length, len(data), keys[number]
-                )
+                file, key = names[number]
+                raise self._truncated(file, request.offset, request.length, len(data), key)
             then(number, data)
 
         try:
@@ -130,12 +130,6 @@ class DataFiles:
             raise
         except OSError as err:
             number = next((n for n, r in enumerate(requests) if r.reader.path == err.filename), 0)
-            raise self.error(
-                f"cannot read data file: {err}", self._name(requests[number]), keys[number]
-            ) from err
+            raise self.error(f"cannot read data file: {err}", *names[number]) from err
         with self.lock:
             self.bytes_read += sum(counts)
-
-    def _name(self, request: RangeRequest) -> str:
-        """The data file name (``data/...``) of ``request``'s reader."""
-        return next((n for n, h in self._handles.items() if h is request.reader), "data/")

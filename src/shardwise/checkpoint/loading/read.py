@@ -313,7 +313,7 @@ def _read_remote(files: DataFiles, spans: list[_Span], note: str) -> list[list[C
         RangeRequest(files.handle(span.file, span.key), span.begin, span.length, _direct(span))
         for span in spans
     ]
-    files.read_ranges(requests, [span.key for span in spans], finish)
+    files.read_ranges(requests, [(span.file, span.key) for span in spans], finish)
     return found
 
 

@@ -5,6 +5,7 @@ after the commit and the removal of killed saves' leftovers, which holding it ma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,11 +66,10 @@ class SaveLock:
             return True
         if host == socket.gethostname():
             try:
-                os.kill(pid, 0)
+                with contextlib.suppress(PermissionError):  # it exists, owned by someone else
+                    os.kill(pid, 0)
             except ProcessLookupError:
                 return True
-            except PermissionError:  # it exists, owned by someone else
-                pass
         return abs(time.time() - float(holder["heartbeat"])) > tuning.TUNING.lock_stale_seconds
 
     def acquire(self) -> None:
