@@ -1,5 +1,6 @@
-"""The data files of one checkpoint, opened safely and read: :class:`DataFiles` (a read comes
-back whole or raises a ``CheckpointDataError`` naming the file, the entry and the rank)."""
+"""Data files opened safely and read: :class:`SourceFiles` (any source of data files: a read
+comes back whole or raises a ``CheckpointDataError`` naming the file, the entry and the rank)
+and :class:`DataFiles`, those of one checkpoint."""
 
 from __future__ import annotations
 
@@ -10,19 +11,35 @@ from shardwise.checkpoint.index import Index, is_data_file_name
 from shardwise.checkpoint.storage import RangeRequest, Reader, Storage, UnsafePathError
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointStorageError
 
-__all__ = ["DataFiles"]
+__all__ = ["DataFiles", "SourceFiles"]
 
 
-class DataFiles:
-    """The data files of a checkpoint whose index is ``index``, for reads by ``rank``."""
+class SourceFiles:
+    """Data files of one source, for reads by ``rank``: a subclass says where file ``name``
+    is (:meth:`path`), how it is opened (:meth:`open`) and what size it must have
+    (:meth:`declared_size`)."""
 
-    def __init__(self, storage: Storage, index: Index, rank: int | None) -> None:
+    #: How errors name where :meth:`declared_size` comes from.
+    declared_by = "the index says"
+
+    def __init__(self, storage: Storage, rank: int | None) -> None:
         self.storage = storage
-        self.index = index
         self.rank = rank
         self.bytes_read = 0
         self.lock = threading.Lock()
         self._handles: dict[str, Reader] = {}
+
+    def path(self, name: str) -> str:
+        """The storage path of data file ``name``."""
+        raise NotImplementedError
+
+    def open(self, name: str) -> Reader:
+        """Data file ``name`` opened for reads (``FileNotFoundError``, ``UnsafePathError``)."""
+        return self.storage.open_reader(self.path(name))
+
+    def declared_size(self, name: str) -> int:
+        """The size data file ``name`` must have."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Close every file opened."""
@@ -30,11 +47,6 @@ class DataFiles:
             for handle in self._handles.values():
                 handle.close()
             self._handles.clear()
-
-    def path(self, name: str) -> str:
-        """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
-        assert name.startswith("data/") and is_data_file_name(name[5:]), name
-        return self.storage.join("data", name[5:])
 
     def shown(self, name: str) -> str:
         """The path of data file ``name`` as errors show it (a URL on an object store)."""
@@ -45,13 +57,13 @@ class DataFiles:
         return CheckpointDataError(message, key=key, file=self.shown(file), rank=self.rank)
 
     def handle(self, name: str, key: str | None = None) -> Reader:
-        """Data file ``name``, opened once: a regular file inside ``data/`` of its indexed size."""
+        """Data file ``name``, opened once: a regular file of its declared size."""
         with self.lock:
             handle = self._handles.get(name)
             if handle is not None:
                 return handle
             try:
-                handle = self.storage.open_reader(self.path(name))
+                handle = self.open(name)
             except FileNotFoundError as err:
                 raise self.error("data file is missing", name, key) from err
             except UnsafePathError as err:
@@ -65,12 +77,12 @@ class DataFiles:
                 raise
             except OSError as err:
                 raise self.error(f"cannot open data file: {err}", name, key) from err
-            declared = self.index.files.get(name) or 0
+            declared = self.declared_size(name)
             if handle.size != declared:
                 handle.close()
                 what = "is truncated" if handle.size < declared else "has the wrong size"
                 raise self.error(
-                    f"data file {what}: it has {handle.size} bytes, the index says {declared}",
+                    f"data file {what}: it has {handle.size} bytes, {self.declared_by} {declared}",
                     name,
                     key,
                 )
@@ -133,3 +145,20 @@ class DataFiles:
             raise self.error(f"cannot read data file: {err}", *names[number]) from err
         with self.lock:
             self.bytes_read += sum(counts)
+
+
+class DataFiles(SourceFiles):
+    """The data files of a checkpoint whose index is ``index``, for reads by ``rank``."""
+
+    def __init__(self, storage: Storage, index: Index, rank: int | None) -> None:
+        super().__init__(storage, rank)
+        self.index = index
+
+    def path(self, name: str) -> str:
+        """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
+        assert name.startswith("data/") and is_data_file_name(name[5:]), name
+        return self.storage.join("data", name[5:])
+
+    def declared_size(self, name: str) -> int:
+        """The size the index gives data file ``name``."""
+        return self.index.files.get(name) or 0

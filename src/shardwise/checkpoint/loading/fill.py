@@ -14,7 +14,7 @@ import torch
 from shardwise._boxes import borrowed_bytes, byte_view, narrow_to
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.items import LocalBox
-from shardwise.checkpoint.loading.data_files import DataFiles
+from shardwise.checkpoint.loading.data_files import SourceFiles
 from shardwise.checkpoint.loading.read import Segment, read
 from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import batches
@@ -35,7 +35,7 @@ class Job:
 
 
 def fill(
-    files: DataFiles,
+    files: SourceFiles,
     jobs: Sequence[Job],
     targets: Sequence[LocalBox],
     *,

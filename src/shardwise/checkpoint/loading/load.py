@@ -20,19 +20,17 @@ import torch
 from shardwise import collectives
 from shardwise.checkpoint.entries.items import (
     LocalBox,
-    TensorValue,
     decode_object,
     describe_tensor,
     is_tensor_value,
-    unstorable,
 )
 from shardwise.checkpoint.entries.state_dict import Flat, display_key, flatten, restore
 from shardwise.checkpoint.index import Index, ObjectRecord, TensorRecord, decode_text, paused_gc
 from shardwise.checkpoint.loading.index_file import quoted
 from shardwise.checkpoint.loading.reader import CheckpointReader, Job, decode, read_index_bytes
+from shardwise.checkpoint.loading.targets import check_target, describe_target
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
-from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.storage import open_shared_storage
 from shardwise.errors import (
@@ -62,72 +60,6 @@ def read_metadata(
     """
     with CheckpointReader.open(path, storage_options) as reader:
         return reader.index.to_metadata()
-
-
-def _outside(box: LocalBox, size: tuple[int, ...]) -> bool:
-    """Whether a shard does not fit a tensor of ``size`` (an empty one may: the ceil rule)."""
-    if len(box.sizes) != len(size):
-        return True
-    return planner.numel(box.sizes) > 0 and any(
-        o + s > bound for o, s, bound in zip(box.offsets, box.sizes, size, strict=True)
-    )
-
-
-def _check_target(
-    fqn: str, described: TensorValue, record: TensorRecord, allow_dtype_cast: bool
-) -> None:
-    for box in described.boxes:
-        _check_memory(fqn, box.tensor)
-    if described.size is not None and tuple(described.size) != record.size:
-        raise CheckpointMismatchError(
-            f"size mismatch: the checkpoint has size {list(record.size)}, the state dict "
-            f"expects {list(described.size)}",
-            key=fqn,
-        )
-    if described.size is None and any(_outside(box, record.size) for box in described.boxes):
-        raise CheckpointMismatchError(
-            f"size mismatch: the state dict's shards do not fit the saved size {list(record.size)}",
-            key=fqn,
-        )
-    castable = record.dtype.is_floating_point and described.dtype.is_floating_point
-    if described.dtype != record.dtype and not (allow_dtype_cast and castable):
-        hint = (
-            "; pass allow_dtype_cast=True to cast it on load"
-            if castable
-            else " (only floating-point dtypes are cast on load)"
-        )
-        raise CheckpointMismatchError(
-            f"dtype mismatch: the checkpoint has {record.dtype}, the state dict expects "
-            f"{described.dtype}{hint}",
-            key=fqn,
-        )
-
-
-def _check_memory(fqn: str, tensor: torch.Tensor) -> None:
-    """Refuse a target whose memory cannot take the saved elements as they are."""
-    if tensor.is_meta:
-        raise CheckpointMismatchError(
-            "cannot load into a tensor on the meta device, which holds no data; materialize "
-            "it first (e.g. module.to_empty(device=...)) or load into a tensor on a real device",
-            key=fqn,
-        )
-    kind = unstorable(tensor)
-    if kind is not None:
-        raise CheckpointMismatchError(
-            f"cannot load into {kind}: a checkpoint holds the elements of strided tensors; "
-            "load into a strided (dense) tensor, then convert it",
-            key=fqn,
-        )
-    if not tensor.is_contiguous() and any(
-        stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    ):
-        # What torch's own copy_ refuses as internal overlap.
-        raise CheckpointMismatchError(
-            "cannot load into a tensor whose elements share memory (made by expand()): "
-            "several elements would take one place; load into a tensor of its own memory "
-            "(e.g. value.clone())",
-            key=fqn,
-        )
 
 
 class LoadResult(NamedTuple):
@@ -341,8 +273,8 @@ def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _P
                 raise CheckpointMismatchError(
                     "the state dict holds a tensor, the checkpoint an object", key=fqn
                 )
-            described = _describe_target(fqn, value)
-            _check_target(fqn, described, tensor, options.allow_dtype_cast)
+            described = describe_target(fqn, value)
+            check_target(fqn, described, tensor.size, tensor.dtype, options.allow_dtype_cast)
             for box in described.boxes:
                 plan.jobs.extend(reader.plan(saved_key, box.box, len(plan.targets)))
                 plan.targets.append(box)
@@ -355,17 +287,6 @@ def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _P
         _check_pickle(item, fqn, options.allow_pickle)
         plan.objects.append((key, item))
     return plan
-
-
-def _describe_target(fqn: str, value: torch.Tensor) -> TensorValue:
-    """The boxes of a tensor to load into, or a :class:`CheckpointMismatchError`."""
-    try:
-        return describe_tensor(fqn, value)
-    except (TypeError, ValueError) as err:
-        _check_memory(fqn, value)  # a sparse, nested or quantized tensor, named as such
-        # Else, e.g., a DTensor with a Partial placement.
-        reason = str(err).removeprefix(f"cannot checkpoint {fqn!r}: ")
-        raise CheckpointMismatchError(f"cannot load into it: {reason}", key=fqn) from err
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:

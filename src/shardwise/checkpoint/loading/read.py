@@ -17,7 +17,7 @@ from typing import NamedTuple
 import xxhash
 
 from shardwise.checkpoint import tuning
-from shardwise.checkpoint.loading.data_files import DataFiles
+from shardwise.checkpoint.loading.data_files import DataFiles, SourceFiles
 from shardwise.checkpoint.storage import RangeRequest, batches, run_concurrently
 from shardwise.errors import ChecksumError
 
@@ -80,7 +80,7 @@ class _Span:
 
 
 def read(
-    files: DataFiles,
+    files: SourceFiles,
     segments: Iterable[Segment],
     *,
     verify: bool = True,
@@ -88,7 +88,8 @@ def read(
     note: str = "",
 ) -> None:
     """Read every segment (one overlapping another in a later round), checking every block it
-    touches (with ``verify``); ``note`` ends a checksum error's message.
+    touches (with ``verify``: ``files`` of a checkpoint); ``note`` ends a checksum error's
+    message.
 
     Raises:
         ChecksumError: A block does not match its checksum.
@@ -140,7 +141,7 @@ def _run_bytes(files: DataFiles) -> int:
 
 
 def _plan(
-    files: DataFiles, segments: list[Segment], verify: bool
+    files: SourceFiles, segments: list[Segment], verify: bool
 ) -> tuple[list[_Span], list[Segment]]:
     """The spans that read the ``segments`` no earlier one overlaps, and the rest."""
     segments.sort(key=lambda s: (s.file, s.begin))
@@ -158,7 +159,7 @@ def _plan(
         group = list(grouped)
         for segment in group:  # a missing or unsafe file fails before any read
             files.handle(segment.file, segment.key)
-        spans.extend(_blocks_spans(files, group) if verify else _plain_spans(group))
+        spans.extend(_blocks_spans(_indexed(files), group) if verify else _plain_spans(group))
     return spans, later
 
 
@@ -191,6 +192,12 @@ def _blocks_spans(files: DataFiles, group: list[Segment]) -> list[_Span]:
     return spans
 
 
+def _indexed(files: SourceFiles) -> DataFiles:
+    """``files`` as a checkpoint's: checked spans need its index's blocks and checksums."""
+    assert isinstance(files, DataFiles), "checksums are known only for a checkpoint's files"
+    return files
+
+
 def _plain_spans(group: list[Segment]) -> list[_Span]:
     """Spans of the bytes ``group`` wants: close segments together, a large one in runs."""
     gap = min(tuning.TUNING.read_gap_bytes, tuning.TUNING.hot_buffer_bytes)
@@ -209,7 +216,7 @@ def _plain_spans(group: list[Segment]) -> list[_Span]:
 
 
 def _perform(
-    files: DataFiles,
+    files: SourceFiles,
     spans: list[_Span],
     problems: list[ChecksumError] | None,
     progress: Callable[[int], object] | None,
@@ -275,12 +282,12 @@ def _pieces(span: _Span, limit: int, buffer: memoryview) -> Iterator[list[memory
         yield piece
 
 
-def _read_local(files: DataFiles, span: _Span, note: str) -> list[ChecksumError]:
+def _read_local(files: SourceFiles, span: _Span, note: str) -> list[ChecksumError]:
     """Read ``span`` on this thread, hashing each piece after it is read; the mismatches."""
     buffer = scratch()
     # Hashed pieces must fit the scratch buffer; unhashed ones are as long as a run.
     limit = len(buffer) if span.checked else tuning.TUNING.read_run_bytes
-    checker = _Checker(files, span, note) if span.checked else None
+    checker = _Checker(_indexed(files), span, note) if span.checked else None
     position = span.begin
     for piece in _pieces(span, limit, buffer):
         files.read_vector(span.file, position, piece, span.key)
@@ -291,14 +298,14 @@ def _read_local(files: DataFiles, span: _Span, note: str) -> list[ChecksumError]
     return checker.mismatches if checker is not None else []
 
 
-def _read_remote(files: DataFiles, spans: list[_Span], note: str) -> list[list[ChecksumError]]:
+def _read_remote(files: SourceFiles, spans: list[_Span], note: str) -> list[list[ChecksumError]]:
     """Read ``spans`` as one batch of concurrent requests; the mismatches of each."""
     found: list[list[ChecksumError]] = [[] for _ in spans]
 
     def finish(number: int, data: memoryview) -> None:
         span = spans[number]
         if span.checked:
-            checker = _Checker(files, span, note)
+            checker = _Checker(_indexed(files), span, note)
             checker.feed(data)
             found[number] = checker.mismatches
             if checker.mismatches:
