@@ -280,6 +280,12 @@ class FsspecStorage:
         with self.errors("delete", path), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
+    def remove_directory(self, path: str) -> None:
+        if self.bucket is not None:
+            return  # a key prefix: gone with its last object
+        with self.errors("delete", path), contextlib.suppress(FileNotFoundError):
+            self.fs.rmdir(path)
+
     def listdir(self, path: str) -> list[str]:
         with self.errors("list", path):
             # s3fs caches listings and answers later lookups below them from the cache; other

@@ -134,6 +134,10 @@ class Storage(Protocol):
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the entries of directory ``path``; empty if it is missing."""
 
+    def remove_directory(self, path: str) -> None:
+        """Remove the empty directory ``path`` (OSError if it is not empty; nothing to do where
+        directories are only key prefixes, as on object stores)."""
+
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Create the file ``path`` holding ``data`` unless it exists (then return False)."""
 
