@@ -33,9 +33,9 @@ import shardwise.checkpoint as ckpt
 from shardwise import cli
 from shardwise.checkpoint import MetadataIndex
 from shardwise.checkpoint.dcp_import import _unpickle
+from shardwise.checkpoint.huggingface.files import OutTensor, split_files
 from shardwise.checkpoint.index import data_file as data_format
 from shardwise.checkpoint.index.data_file import FileEntry, HeaderEntry
-from shardwise.cli import consolidate
 from shardwise.local_shards import LocalShardsWrapper
 
 OBJECT_KEYS = ["blob", "cfg.lr", "cfg.name", "raw", "step"]
@@ -766,12 +766,10 @@ def test_split_rule_is_hugging_faces() -> None:
     # The example of transformers' docs (limit 10: [6], [6+2], [6+2+2]) plus a tensor above the
     # limit, which gets a file of its own while the file being filled stays open.
     sizes = [6, 6, 2, 6, 2, 2, 12, 1]
-    tensors = [
-        consolidate._OutTensor(f"t{i}", f"t{i}", torch.uint8, (n,), n) for i, n in enumerate(sizes)
-    ]
-    shards = consolidate._shard(tensors, 10)
+    tensors = [OutTensor(f"t{i}", f"t{i}", torch.uint8, (n,), n) for i, n in enumerate(sizes)]
+    shards = split_files(tensors, lambda t: t.nbytes, 10)
     assert [[t.nbytes for t in shard] for shard in shards] == [[6], [6, 2], [12], [6, 2, 2], [1]]
-    assert consolidate._shard([], 10) == [[]]
+    assert split_files([], lambda t: t.nbytes, 10) == [[]]
 
 
 # -- hostile checkpoints ---------------------------------------------------------------------

@@ -27,7 +27,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +37,18 @@ from shardwise._boxes import byte_view
 from shardwise._progress import ByteBar, human_bytes
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.state_dict import display_key
+from shardwise.checkpoint.huggingface.files import (
+    INDEX_NAME,
+    METADATA,
+    OUTPUT_NAME,
+    OutTensor,
+    check_unique_names,
+    file_names,
+    index_json,
+    normalized_prefix,
+    split_files,
+    written_dtype,
+)
 from shardwise.checkpoint.index import ObjectRecord, TensorRecord
 from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safetensors_dtype
 from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
@@ -46,63 +57,17 @@ from shardwise.cli._common import EXIT_OK, _count, _keys_text
 from shardwise.errors import CheckpointError, CheckpointKeyError
 from shardwise.metadata import dtype_name
 
-# Output file names, as transformers' save_pretrained writes them.
-_SINGLE_NAME = "model.safetensors"
-_INDEX_NAME = "model.safetensors.index.json"
 _CONFIG_NAME = "config.json"
-_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
-# The metadata transformers writes and requires ("pt": PyTorch tensors).
-_METADATA = {"format": "pt"}
 # The largest --config accepted (configs are a few KiB).
 _MAX_CONFIG_BYTES = 16 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class _OutTensor:
-    """One tensor to write.
-
-    Attributes:
-        name: Its key in the output (the checkpoint key, ``--prefix`` stripped).
-        source: The checkpoint key whose data it is.
-        dtype: The dtype written (``--dtype`` applied).
-        shape: Its shape.
-        nbytes: The bytes written.
-    """
-
-    name: str
-    source: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """What a consolidation writes, and the notes to print once it is done."""
 
-    tensors: list[_OutTensor]
+    tensors: list[OutTensor]
     notes: list[str]
-
-
-def _shard(tensors: list[_OutTensor], max_bytes: int) -> list[list[_OutTensor]]:
-    """Group tensors, in order, into files of at most ``max_bytes`` each, by Hugging Face's
-    rule: a tensor larger than the limit is put in a file of its own right away, while the
-    file being filled stays open for the tensors after it."""
-    shards: list[list[_OutTensor]] = []
-    current: list[_OutTensor] = []
-    current_bytes = 0
-    for tensor in tensors:
-        if tensor.nbytes > max_bytes:
-            shards.append([tensor])
-            continue
-        if current_bytes + tensor.nbytes > max_bytes:
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(tensor)
-        current_bytes += tensor.nbytes
-    if current:
-        shards.append(current)
-    return shards or [[]]
 
 
 def _top_level_parts(keys: list[str]) -> list[str]:
@@ -113,11 +78,6 @@ def _top_level_parts(keys: list[str]) -> list[str]:
         head, dot, _ = key.partition(".")
         parts[head + dot] = None
     return list(parts)
-
-
-def _normalized_prefix(prefix: str) -> str:
-    """``--prefix`` as whole key parts: ``model`` and ``model.`` both mean ``model.``."""
-    return prefix if prefix.endswith(".") else prefix + "."
 
 
 def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None) -> _Plan:
@@ -141,7 +101,7 @@ def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None)
         return shown[key][len(prefix) :] if prefix is not None else shown[key]
 
     chosen = set(selected)
-    tensors: list[_OutTensor] = []
+    tensors: list[OutTensor] = []
     notes: list[str] = []
     objects: list[str] = []
     tied: list[str] = []
@@ -154,7 +114,7 @@ def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None)
         if source != key and source in chosen:
             tied.append(f"{name_of(key)!r}, tied to {name_of(source)!r}")
             continue
-        dtype = cast if cast is not None and entry.dtype.is_floating_point else entry.dtype
+        dtype = written_dtype(entry.dtype, cast)
         if safetensors_dtype(dtype) is None:
             notes.append(
                 f"warning: skipping {name_of(key)!r}: safetensors cannot store dtype "
@@ -162,8 +122,8 @@ def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None)
             )
             continue
         nbytes = math.prod(entry.size) * dtype.itemsize
-        tensors.append(_OutTensor(name_of(key), source, dtype, entry.size, nbytes))
-    _check_unique_names(tensors)
+        tensors.append(OutTensor(name_of(key), source, dtype, entry.size, nbytes))
+    check_unique_names(tensors, "the checkpoint")
     if tied:
         one = len(tied) == 1
         notes.append(
@@ -180,20 +140,6 @@ def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None)
     if prefix is None:
         notes.extend(_prefix_hint(checkpoint, shown))
     return _Plan(tensors, notes)
-
-
-def _check_unique_names(tensors: list[_OutTensor]) -> None:
-    """Two keys of the checkpoint that differ only in the int-ness of a part (``{0: x}`` and
-    ``{"0": y}``) have the same dotted name: refuse, rather than write one over the other."""
-    names: set[str] = set()
-    for tensor in tensors:
-        if tensor.name in names:
-            raise CheckpointKeyError(
-                f"two tensors of the checkpoint would both be written as {tensor.name!r} "
-                "(keys that differ only in an int part and a str part, as {0: x} and "
-                '{"0": y}), and the names of a safetensors file are unique'
-            )
-        names.add(tensor.name)
 
 
 def _prefix_hint(checkpoint: _Checkpoint, shown: dict[str, str]) -> list[str]:
@@ -215,9 +161,7 @@ def _prefix_hint(checkpoint: _Checkpoint, shown: dict[str, str]) -> list[str]:
     ]
 
 
-def _write_tensor(
-    checkpoint: _Checkpoint, writer: Writer, tensor: _OutTensor, bar: ByteBar
-) -> None:
+def _write_tensor(checkpoint: _Checkpoint, writer: Writer, tensor: OutTensor, bar: ByteBar) -> None:
     """Stream ``tensor`` into ``writer``, read (every block verified first) and cast piece
     by piece: memory holds about ``TUNING.consolidate_piece_bytes`` of it at a time, never all
     of it."""
@@ -232,22 +176,16 @@ def _write_tensor(
 
 
 def _write_file(
-    checkpoint: _Checkpoint, writer: Writer, tensors: list[_OutTensor], bar: ByteBar
+    checkpoint: _Checkpoint, writer: Writer, tensors: list[OutTensor], bar: ByteBar
 ) -> None:
     """Stream a safetensors file of ``tensors`` into ``writer``: the header laid out by the
     format module (as shardwise's own data files: metadata ``{"format": "pt"}``, the data
     64-byte aligned, so 8-byte aligned as safetensors writes it), then one tensor at a
     time."""
     entries = [FileEntry(t.name, t.dtype, t.shape, t.nbytes) for t in tensors]
-    writer.write(layout_file(entries, _METADATA).header)
+    writer.write(layout_file(entries, METADATA).header)
     for tensor in tensors:
         _write_tensor(checkpoint, writer, tensor, bar)
-
-
-def _weight_map_text(files: dict[str, list[_OutTensor]], total: int) -> bytes:
-    weight_map = {tensor.name: name for name, shard in files.items() for tensor in shard}
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    return (json.dumps(index, indent=2) + "\n").encode()
 
 
 def _read_config(path: str) -> bytes:
@@ -335,19 +273,17 @@ class _Output:
         """Remove the weight files of an earlier consolidation that this one did not write:
         they would mix with the new ones."""
         for name in self.storage.listdir(self.storage.root):
-            if _OUTPUT_NAME.fullmatch(name) and name not in self._written:
+            if OUTPUT_NAME.fullmatch(name) and name not in self._written:
                 self.storage.remove(self.storage.join(name))
 
 
-def _file_names(num_files: int) -> list[str]:
-    if num_files == 1:
-        return [_SINGLE_NAME]
-    return [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
+def _nbytes(tensor: OutTensor) -> int:
+    return tensor.nbytes
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the tensors of checkpoint ``args.path`` as safetensors into ``args.out``."""
-    prefix = None if args.prefix is None else _normalized_prefix(args.prefix)
+    prefix = None if args.prefix is None else normalized_prefix(args.prefix)
     cast = None if args.dtype is None else getattr(torch, args.dtype)
     config = None if args.config is None else _read_config(args.config)
     check_url(args.out)
@@ -356,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
         # A missing, linked or wrongly sized data file fails here, before OUT is touched.
         checkpoint.check_files(tensor.source for tensor in plan.tensors)
         total = sum(tensor.nbytes for tensor in plan.tensors)
-        shards = _shard(plan.tensors, args.max_shard_size)
-        files = dict(zip(_file_names(len(shards)), shards, strict=True))
+        shards = split_files(plan.tensors, _nbytes, args.max_shard_size)
+        files = dict(zip(file_names(len(shards)), shards, strict=True))
         output = _Output(open_storage(args.out, args.storage_options))
         try:
             with ByteBar(total, f"consolidating into {args.out}") as bar:
@@ -365,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
                     with output.open(name) as writer:
                         _write_file(checkpoint, writer, tensors, bar)
             if len(files) > 1:
-                output.write(_INDEX_NAME, _weight_map_text(files, total))
+                weight_map = {
+                    tensor.name: name for name, shard in files.items() for tensor in shard
+                }
+                output.write(INDEX_NAME, index_json(weight_map, total))
             if config is not None:
                 output.write(_CONFIG_NAME, config)
             output.commit()

@@ -185,7 +185,11 @@ class ChunkLookup:
 
 
 def plan_reads(
-    target: Box, chunks: Sequence[SavedChunk], itemsize: int, lookup: Candidates | None = None
+    target: Box,
+    chunks: Sequence[SavedChunk],
+    itemsize: int,
+    lookup: Candidates | None = None,
+    read_cost: int | None = None,
 ) -> list[ChunkRead]:
     """The reads that fill ``target`` from ``chunks``, ordered by file and offset.
 
@@ -198,7 +202,8 @@ def plan_reads(
     Raises:
         ValueError: The chunks do not cover ``target``.
     """
-    read_cost = tuning.TUNING.read_cost_bytes
+    if read_cost is None:
+        read_cost = tuning.TUNING.read_cost_bytes
     if len(chunks) == 1:  # one chunk that is the whole target (the common case): one read
         only = chunks[0]
         if only.offsets == target[0] and only.sizes == target[1]:
