@@ -1,0 +1,94 @@
+"""Deleting a checkpoint of a series so that a kill at any point leaves nothing that looks
+committed, and what a killed deletion left is finished later (``docs/manager.md``, *Deletion*).
+
+The order: take the checkpoint's save lock (so no save writes it meanwhile, and a killed
+save's leftovers are ours to remove), remove the index (the checkpoint stops being committed at
+that instant), make that durable, remove the data files and the other files, release the lock,
+remove the directories. A kill after the first removal leaves an uncommitted step directory
+older than a committed one: :func:`finish_deletions` removes those.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterable
+
+from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
+from shardwise.checkpoint.manager.series import CheckpointInfo, step_name
+from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
+from shardwise.checkpoint.storage import Storage
+from shardwise.errors import CheckpointLockedError
+
+__all__ = ["delete_checkpoint", "finish_deletions"]
+
+logger = logging.getLogger("shardwise.checkpoint.manager")
+
+
+def _remove_files(storage: Storage, *parts: str, keep: Callable[[str], bool]) -> None:
+    """Remove the entries of directory ``parts`` (below the root) but those ``keep`` names."""
+    for name in storage.listdir(storage.join(*parts)):
+        if name != DATA_DIR and not keep(name):
+            storage.remove(storage.join(*parts, name))
+
+
+def delete_checkpoint(storage: Storage, step: int, open_step: Callable[[int], Storage]) -> bool:
+    """Delete the checkpoint of ``step`` from the series at ``storage``'s root.
+
+    Args:
+        open_step: The storage of a step's directory (for its save lock).
+
+    Returns:
+        False when a save holds the checkpoint's lock: it was left alone.
+
+    Raises:
+        OSError: The storage failed (what was removed stays removed; a later call finishes).
+    """
+    name = step_name(step)
+    lock = SaveLock(open_step(step), f"delete-{secrets.token_hex(4)}")
+    try:
+        lock.acquire()
+    except CheckpointLockedError:
+        logger.info("not deleting %s: a save to it is running", storage.url(storage.join(name)))
+        return False
+    try:
+        # The commit marker first: from here on nothing reads it as a checkpoint.
+        storage.remove(storage.join(name, INDEX_NAME))
+        storage.sync_dir(storage.join(name))
+        if DATA_DIR in storage.listdir(storage.join(name)):
+            _remove_files(storage, name, DATA_DIR, keep=lambda _: False)
+            storage.remove_directory(storage.join(name, DATA_DIR))
+        _remove_files(storage, name, keep=lambda entry: entry.startswith(LOCK_NAME))
+    finally:
+        lock.release()
+    # A save may have taken the lock since: then the directory is not empty, and stays.
+    storage.remove_directory(storage.join(name))
+    return True
+
+
+def finish_deletions(
+    storage: Storage,
+    listing: Iterable[CheckpointInfo],
+    open_step: Callable[[int], Storage],
+    *,
+    writing: int | None,
+) -> list[int]:
+    """Delete the uncommitted step directories older than the newest committed checkpoint:
+    deletions that a kill interrupted, and saves killed before their commit that no resumed run
+    will finish. ``writing`` (the step a save of this manager writes) is never touched.
+
+    Returns:
+        The steps deleted. A failure is logged and the rest go on (a later call retries).
+    """
+    listed = list(listing)
+    newest = max((info.step for info in listed if info.committed), default=None)
+    deleted = []
+    for info in listed:
+        if newest is None or info.committed or info.step >= newest or info.step == writing:
+            continue
+        try:
+            if delete_checkpoint(storage, info.step, open_step):
+                deleted.append(info.step)
+        except OSError as err:
+            logger.warning("could not finish deleting %s: %s; a later call retries", info.path, err)
+    return deleted

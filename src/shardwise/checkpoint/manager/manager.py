@@ -1,0 +1,433 @@
+"""``CheckpointManager``: a training run's checkpoints under one root (``docs/manager.md``).
+
+Every public method is collective over the manager's process group, like ``save`` and
+``load``: the decisions one rank takes (is this step due, which checkpoint is the latest) reach
+every rank in one exchange, and a failure anywhere is raised on every rank. Storage work of the
+series itself (step records, retention, deletion) is done by group rank 0 alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import time
+import warnings
+from collections.abc import Iterable, Mapping, MutableMapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise import collectives
+from shardwise.checkpoint.loading.load import load
+from shardwise.checkpoint.manager.deletion import delete_checkpoint, finish_deletions
+from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy, retained
+from shardwise.checkpoint.manager.preemption import PreemptionNotice
+from shardwise.checkpoint.manager.series import (
+    REJECTED_NAME,
+    STEP_RECORD_NAME,
+    list_series,
+    rejection_record,
+    step_name,
+    step_record,
+)
+from shardwise.checkpoint.metadata import Metadata
+from shardwise.checkpoint.saving.save import async_save as _async_save
+from shardwise.checkpoint.saving.save import save as _save
+from shardwise.checkpoint.storage import Storage, open_shared_storage, open_storage
+from shardwise.collectives.failures import bounded
+from shardwise.errors import (
+    CheckpointDataError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["CheckpointManager", "RestoreFallbackWarning"]
+
+logger = logging.getLogger("shardwise.checkpoint.manager")
+
+#: What makes a restore fall back to the checkpoint before: the checkpoint itself is bad
+#: (corrupt bytes, a missing or short data file, a malformed index, its index gone). Anything
+#: else (a key missing from the state dict, a storage outage) is the caller's to fix: raised.
+_FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError)
+# The flags of the agreement in save(), in the order of its tensor.
+_NOTICE, _FAILED, _DUE, _FORCE, _POLICY_FAILED = range(5)
+
+
+class RestoreFallbackWarning(UserWarning):
+    """A restore skipped a checkpoint it could not load and tried the one before it."""
+
+
+class CheckpointManager:
+    """Saves, keeps, deletes and restores the checkpoints of one training run under ``root``.
+
+    Each checkpoint is a directory ``root/step-NNNNNNNN`` written by :func:`async_save` (or
+    :func:`save`). Every method is collective over ``process_group``: call it on every rank,
+    :meth:`save` at every step.
+
+    Args:
+        root: Directory or fsspec URL of the series (``s3://bucket/run-7``).
+        save_policy: When :meth:`save` saves (default: every call).
+        retention: Which checkpoints are kept (default: all).
+        async_save: Write in the background (:func:`async_save`), at most one save in flight;
+            False saves synchronously.
+        preemption_signals: Signals (e.g. ``[signal.SIGTERM, signal.SIGUSR1]``) that make the
+            next :meth:`save` save on every rank, synchronously; then :attr:`preempted` is
+            True. The manager must be made in the main thread; :meth:`close` restores the
+            previous handlers.
+        process_group: The ranks saving together (default: the default group, if any).
+        storage_options: fsspec options for URLs (every rank must be given the same).
+        sync_files: As for :func:`save`.
+
+    Example:
+        >>> with CheckpointManager("ckpt", save_policy=SavePolicy(every_steps=100),
+        ...                        retention=RetentionPolicy(keep_last=3)) as manager:
+        ...     start = manager.restore(state) or 0
+        ...     for step in range(start + 1, 1001):
+        ...         train_one_step()
+        ...         manager.save(step, state, metrics={"loss": loss})
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        save_policy: SavePolicy | None = None,
+        retention: RetentionPolicy | None = None,
+        async_save: bool = True,
+        preemption_signals: Iterable[int | signal.Signals] = (),
+        process_group: ProcessGroup | None = None,
+        storage_options: dict[str, Any] | None = None,
+        sync_files: bool = True,
+    ) -> None:
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise TypeError(f"save_policy must be a SavePolicy, not {type(save_policy).__name__}")
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise TypeError(f"retention must be a RetentionPolicy, not {type(retention).__name__}")
+        self.root = os.path.expanduser(os.fspath(root))
+        self.save_policy = save_policy or SavePolicy()
+        self.retention = retention or RetentionPolicy()
+        self._async = async_save
+        self._process_group = process_group
+        self._storage_options = storage_options
+        self._sync_files = sync_files
+        self._comm = collectives.Comm(process_group, operation="CheckpointManager")
+        self._storage = open_shared_storage(self.root, storage_options, self._comm.world_size)
+        self._in_flight: concurrent.futures.Future[Metadata] | None = None
+        self._in_flight_step: int | None = None
+        self._untidy = False  # a save committed since rank 0 last applied the retention
+        self._tidied_after: concurrent.futures.Future[Metadata] | None = None
+        self._last_save = time.monotonic()
+        self._closed = False
+        #: True once a preemption notice made :meth:`save` save: stop training and exit.
+        self.preempted = False
+        self._notice = PreemptionNotice(preemption_signals)
+
+    # -- paths and listings --------------------------------------------------------------
+
+    def path(self, step: int) -> str:
+        """The checkpoint directory (or URL) of ``step``: ``root/step-00000100``."""
+        return self._storage.url(self._storage.join(step_name(step)))
+
+    def _open_step(self, step: int) -> Storage:
+        return open_storage(self.path(step), self._storage_options)
+
+    def steps(self) -> list[int]:
+        """The steps of the committed checkpoints that a restore may choose, oldest first.
+
+        One listing, on group rank 0, sent to every rank: all get the same answer.
+        """
+        self._check_open()
+
+        def listed() -> list[int]:
+            return [info.step for info in list_series(self._storage, records=False) if info.good]
+
+        return list(self._comm.broadcast_or_raise(listed, src=0))
+
+    def latest_step(self) -> int | None:
+        """The step of the newest committed checkpoint (None when there is none)."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _agree(self, flags: list[int]) -> list[int]:
+        """Each flag's maximum over the ranks: one all-reduce of a few integers."""
+        if self._comm.group is None:
+            return flags
+        tensor = torch.tensor(flags, dtype=torch.int64)
+        with bounded(self._comm.group, "CheckpointManager.save"):
+            collectives.all_reduce(tensor, "max", self._comm.group)
+        return [int(value) for value in tensor.tolist()]
+
+    def _local_flags(self, step: int, force: bool) -> tuple[list[int], BaseException | None]:
+        flags = [0] * 5
+        flags[_NOTICE] = int(self._notice.pending)
+        previous = self._in_flight
+        if previous is not None and previous.done() and not previous.cancelled():
+            flags[_FAILED] = int(previous.exception() is not None)
+        flags[_FORCE] = int(force)
+        policy_error: BaseException | None = None
+        if self._comm.rank == 0:  # the coordinator's clock and callable decide for all
+            try:
+                elapsed = time.monotonic() - self._last_save
+                flags[_DUE] = int(self.save_policy.wants(step, seconds_since_save=elapsed))
+            except Exception as err:  # the user's should_save: raised on every rank below
+                policy_error = err
+                flags[_POLICY_FAILED] = 1
+        return flags, policy_error
+
+    def save(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, object] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save ``state_dict`` as step ``step`` when it is due (collective: call it every step).
+
+        Due: the save policy fires on group rank 0, ``force`` is True on any rank, or a
+        preemption signal reached any rank. A due save first waits for the one in flight; it
+        then starts in the background (returns once the state is copied), or, when preempted
+        or not async, finishes before returning.
+
+        Args:
+            metrics: Numbers recorded with the checkpoint (``keep_best`` ranks by one); rank
+                0's are recorded.
+
+        Returns:
+            Whether it saved.
+
+        Raises:
+            CheckpointError: The save, or the background save before it, failed (on every
+                rank, at this call or the next).
+            TypeError: A metric is not a number.
+        """
+        self._check_open()
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an int >= 0, not {step!r}")
+        flags, policy_error = self._local_flags(step, force)
+        agreed = self._agree(flags)
+        if agreed[_FAILED]:
+            self._raise_background_failure()
+        if agreed[_POLICY_FAILED]:
+            if policy_error is not None:
+                raise policy_error
+            raise CheckpointError(
+                f"the save policy raised on rank 0 at step {step} (should_save); see rank 0's error"
+            )
+        preempting = bool(agreed[_NOTICE])
+        if not (agreed[_DUE] or agreed[_FORCE] or preempting):
+            self._tidy_if_done()
+            return False
+        path = self.path(step)
+        # 0-d tensors and NumPy numbers as Python numbers (step_record refuses anything else).
+        plain_metrics = {
+            name: value.item() if hasattr(value, "item") else value
+            for name, value in (metrics or {}).items()
+        }
+
+        def prepare() -> None:
+            self._finish_in_flight()  # at most one save in flight; its failure reaches all
+            if self._comm.rank == 0:
+                self._tidy()
+                record = step_record(step, plain_metrics, self.retention)
+                self._storage.makedirs(self._storage.join(step_name(step)))
+                # Before the save: its index is the commit, and the record must be there then.
+                self._storage.remove(self._storage.join(step_name(step), REJECTED_NAME))
+                self._storage.replace_small(
+                    self._storage.join(step_name(step), STEP_RECORD_NAME), record
+                )
+
+        self._comm.exchange_or_raise(prepare, lambda _: None)
+        self._last_save = time.monotonic()
+        options: dict[str, Any] = {
+            "process_group": self._process_group,
+            "storage_options": self._storage_options,
+            "sync_files": self._sync_files,
+        }
+        if self._async and not preempting:
+            self._in_flight = _async_save(state_dict, path, **options)
+            self._in_flight_step = step
+        else:
+            _save(state_dict, path, **options)
+            self._untidy = True
+            if self._comm.rank == 0:
+                self._tidy()
+        if preempting:
+            logger.warning("saved %s after a preemption notice; stop training now", path)
+            self.preempted = True
+            self._notice.clear()
+        return True
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the save in flight and raise its error (this rank's own)."""
+        future, self._in_flight, self._in_flight_step = self._in_flight, None, None
+        if future is not None:
+            future.result()
+            self._untidy = True
+
+    def _raise_background_failure(self) -> None:
+        """Raise the failure of the background save that some rank saw fail (every rank)."""
+        step = self._in_flight_step
+        future, self._in_flight, self._in_flight_step = self._in_flight, None, None
+        assert future is not None, "a rank reported a failed save that no rank started"
+        error = future.exception()  # waits: the save is collective, it ends on every rank
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"the background save of step {step} to {self.path(step or 0)} failed on another "
+            "rank (its error is raised there); this rank's part finished"
+        )
+
+    def wait(self) -> None:
+        """Finish the save in flight (collective); raise its failure on every rank."""
+        self._check_open()
+        self._comm.exchange_or_raise(self._finish_in_flight, lambda _: None)
+        if self._comm.rank == 0:
+            self._tidy()
+
+    # -- retention -------------------------------------------------------------------------
+
+    def _tidy_if_done(self) -> None:
+        """Rank 0: :meth:`_tidy` once the save in flight has committed (no waiting)."""
+        if self._comm.rank != 0:
+            return
+        future = self._in_flight
+        if future is not None and future is not self._tidied_after:
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                return  # running, or failed: reported to every rank at the next call
+            self._tidied_after = future
+            self._untidy = True
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Rank 0, after a commit: delete what the retention policy drops, and finish
+        interrupted deletions. Failures are logged: the next call tries again."""
+        if not self._untidy:
+            return
+        self._untidy = False
+        writing = self._in_flight_step
+        try:
+            listing = list_series(self._storage, records=self.retention.keep_best is not None)
+            good = {info.step: info.metrics for info in listing if info.good}
+            kept = retained(self.retention, good, () if writing is None else (writing,))
+            for step in sorted(set(good) - kept):
+                if delete_checkpoint(self._storage, step, self._open_step):
+                    logger.info("deleted %s (retention)", self.path(step))
+            finish_deletions(self._storage, listing, self._open_step, writing=writing)
+        except OSError as err:  # the storage failed: space is lost, not a checkpoint
+            self._untidy = True
+            logger.warning("could not apply the retention policy under %s: %s", self.root, err)
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def restore(
+        self, state_dict: MutableMapping[str, Any], step: int | None = None, **load_options: Any
+    ) -> int | None:
+        """Load the newest committed checkpoint (or ``step``'s) into ``state_dict``, in place.
+
+        A checkpoint that turns out corrupt or incomplete (:class:`ChecksumError`,
+        :class:`CheckpointDataError`, :class:`CheckpointFormatError`, its index gone) is
+        skipped with a :class:`RestoreFallbackWarning` on every rank naming it and why, marked
+        rejected (``shardwise ls`` shows it; it is no longer the latest), and the one before it
+        is loaded into the same state dict: every tensor is filled again from the start.
+
+        Args:
+            step: Restore exactly this step (no fallback).
+            load_options: Passed to :func:`load` (``strict``, ``verify``, ...).
+
+        Returns:
+            The step restored, or None when the series has no committed checkpoint.
+
+        Raises:
+            CheckpointError: ``step``'s checkpoint cannot be loaded, every checkpoint failed,
+                or a load failed for a reason that is not the checkpoint's (a missing key).
+        """
+        self.wait()
+        options = {
+            "process_group": self._process_group,
+            "storage_options": self._storage_options,
+            **load_options,
+        }
+        if step is not None:
+            load(state_dict, self.path(step), **options)
+            return step
+        failed: list[str] = []
+        for candidate in reversed(self.steps()):
+            path = self.path(candidate)
+            try:
+                result = load(state_dict, path, **options)
+            except _FALLBACK_ERRORS as err:
+                failed.append(f"{path}: {err}")
+                self._reject(candidate, str(err))
+                continue
+            if failed and result.missing_keys:
+                raise CheckpointError(
+                    f"restored {path} after skipping {len(failed)} checkpoint(s), but it lacks "
+                    f"keys {result.missing_keys[:5]} that a failed load may have partly "
+                    "filled; restore with strict=True, or from a checkpoint that has them"
+                )
+            return candidate
+        if failed:
+            raise CheckpointError(
+                f"no checkpoint under {self.root} could be restored: " + "; ".join(failed)
+            )
+        return None
+
+    def _reject(self, step: int, reason: str) -> None:
+        warnings.warn(
+            f"cannot restore {self.path(step)}: {reason}; restoring the checkpoint before it",
+            RestoreFallbackWarning,
+            stacklevel=3,
+        )
+        if self._comm.rank != 0:
+            return
+        try:
+            self._storage.replace_small(
+                self._storage.join(step_name(step), REJECTED_NAME), rejection_record(reason)
+            )
+        except OSError as err:
+            logger.warning("could not mark %s rejected: %s", self.path(step), err)
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the CheckpointManager of {self.root} is closed")
+
+    def close(self) -> None:
+        """Finish the save in flight (collective) and restore the signal handlers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._notice.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving on an error, maybe on this rank alone: no collective, only this rank's wait.
+        self._closed = True
+        self._notice.close()
+        future = self._in_flight
+        if future is not None:
+            concurrent.futures.wait([future])

@@ -1,0 +1,226 @@
+"""A series on storage: the step directories under its root, their record files, one listing.
+
+Layout (``docs/manager.md``)::
+
+    <root>/step-00000100/shardwise.json          the checkpoint's index: "committed"
+    <root>/step-00000100/shardwise-step.json     the step record (step, time, metrics), written
+                                                 before the save starts
+    <root>/step-00000100/shardwise-rejected.json a restore found it unusable (why, when)
+
+Only names that match :func:`step_name` exactly are the series' (``step-7``, ``step-0100`` or
+``step-00000100.old`` are not); anything else under the root is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
+from shardwise.checkpoint.manager.policy import RetentionPolicy
+from shardwise.checkpoint.storage import Storage, UnsafePathError
+
+__all__ = [
+    "REJECTED_NAME",
+    "STEP_RECORD_NAME",
+    "CheckpointInfo",
+    "checkpoint_bytes",
+    "list_series",
+    "parse_step_name",
+    "read_step_record",
+    "rejection_record",
+    "step_name",
+    "step_record",
+]
+
+#: The step record of a checkpoint: written by the manager before the save that commits it.
+STEP_RECORD_NAME = "shardwise-step.json"
+#: Written into a checkpoint that a restore found unusable.
+REJECTED_NAME = "shardwise-rejected.json"
+_RECORD_FORMAT = "shardwise-step"
+_RECORD_VERSION = 1
+_MAX_RECORD_BYTES = 1 << 20
+_STEP_DIGITS = 8
+_STEP_NAME = re.compile(r"step-([0-9]{8,19})")
+
+
+def step_name(step: int) -> str:
+    """The directory name of ``step``: ``step-00000100`` (8 digits, more past 99,999,999)."""
+    if type(step) is not int or step < 0:
+        raise ValueError(f"a step is an int >= 0, not {step!r}")
+    return f"step-{step:0{_STEP_DIGITS}d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step a directory name stands for, or None unless it is exactly ``step_name(step)``."""
+    match = _STEP_NAME.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_name(step) == name else None
+
+
+def _metric_json(value: object) -> float | int | None:
+    # JSON has no NaN or infinity: a diverged loss is recorded as null (never ranked best).
+    if type(value) is bool or not isinstance(value, (int, float)):
+        raise TypeError(f"a metric is an int or float, not {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return int(value) if isinstance(value, int) else float(value)
+
+
+def step_record(
+    step: int, metrics: Mapping[str, object] | None, retention: RetentionPolicy
+) -> bytes:
+    """The bytes of a step record: JSON, no pickle.
+
+    Raises:
+        TypeError: A metric name is not a str, or a value not a real number (NumPy and
+            0-d tensors are turned into Python numbers first by the caller).
+    """
+    converted: dict[str, float | int | None] = {}
+    for name, value in (metrics or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names are str, not {type(name).__name__} ({name!r})")
+        try:
+            converted[name] = _metric_json(value)
+        except TypeError as err:
+            raise TypeError(f"metric {name!r}: {err}") from None
+    record = {
+        "format": _RECORD_FORMAT,
+        "version": _RECORD_VERSION,
+        "step": step,
+        "time": time.time(),
+        "metrics": converted,
+        "retention": retention.to_json(),
+    }
+    return json.dumps(record, allow_nan=False).encode()
+
+
+def rejection_record(reason: str) -> bytes:
+    """The bytes of a rejection record."""
+    return json.dumps({"reason": reason, "time": time.time()}).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One step directory of a series, as one listing saw it."""
+
+    step: int
+    #: The directory's path (a URL on remote storage).
+    path: str
+    #: Whether its index exists: a save committed it.
+    committed: bool
+    #: Why a restore found it unusable (None: never rejected).
+    rejected: str | None = None
+    #: When its save started (seconds since the epoch; None without a step record).
+    time: float | None = None
+    #: The metrics given to ``save`` (a non-finite value is None).
+    metrics: dict[str, float | int | None] = field(default_factory=dict)
+    #: The retention policy of the manager that saved it (None without a step record).
+    retention: RetentionPolicy | None = None
+
+    @property
+    def good(self) -> bool:
+        """Committed and not rejected: a restore may choose it."""
+        return self.committed and self.rejected is None
+
+
+def read_step_record(storage: Storage, step: int) -> dict[str, Any] | None:
+    """The step record of ``step`` when it is there and well formed, else None."""
+    path = storage.join(step_name(step), STEP_RECORD_NAME)
+    try:
+        record = json.loads(storage.read_small(path, _MAX_RECORD_BYTES))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError):  # unreadable: as if absent
+        return None
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != _RECORD_FORMAT
+        or record.get("version") != _RECORD_VERSION
+        or record.get("step") != step
+        or type(record.get("time")) not in (int, float)
+        or not isinstance(record.get("metrics"), dict)
+    ):
+        return None
+    metrics = {
+        name: value
+        for name, value in record["metrics"].items()
+        if value is None or type(value) in (int, float)
+    }
+    retention: RetentionPolicy | None
+    try:
+        retention = RetentionPolicy.from_json(record.get("retention"))
+    except (ValueError, TypeError):
+        retention = None
+    return {"time": float(record["time"]), "metrics": metrics, "retention": retention}
+
+
+def _rejection(storage: Storage, step: int) -> str | None:
+    path = storage.join(step_name(step), REJECTED_NAME)
+    try:
+        data = storage.read_small(path, _MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"unreadable rejection record ({err})"
+    try:
+        reason = json.loads(data).get("reason")
+    except (ValueError, RecursionError, AttributeError):
+        reason = None
+    return reason if isinstance(reason, str) else "malformed rejection record"
+
+
+def list_series(storage: Storage, *, records: bool = True) -> list[CheckpointInfo]:
+    """The step directories under ``storage``'s root, oldest step first, from one listing.
+
+    Args:
+        records: Read each committed checkpoint's step record (one small read each); without,
+            its time and metrics are left unknown. A rejection record is always read (where
+            the listing shows one).
+    """
+    found = []
+    for name in storage.listdir(storage.root):
+        step = parse_step_name(name)
+        if step is None:
+            continue
+        try:
+            entries = storage.listdir(storage.join(name))
+        except UnsafePathError:  # a file or a link of that name: not the series'
+            continue
+        committed = INDEX_NAME in entries
+        info = CheckpointInfo(step, storage.url(storage.join(name)), committed)
+        if committed:
+            has_record = records and STEP_RECORD_NAME in entries
+            record = read_step_record(storage, step) if has_record else None
+            rejected = _rejection(storage, step) if REJECTED_NAME in entries else None
+            info = CheckpointInfo(
+                step,
+                info.path,
+                committed,
+                rejected,
+                None if record is None else record["time"],
+                {} if record is None else record["metrics"],
+                None if record is None else record["retention"],
+            )
+        found.append(info)
+    return sorted(found, key=lambda info: info.step)
+
+
+def checkpoint_bytes(storage: Storage, step: int) -> int:
+    """The bytes of the files of ``step``'s directory and of its ``data/``."""
+    name = step_name(step)
+    total = 0
+    for entry in storage.listdir(storage.join(name)):
+        if entry == DATA_DIR:
+            data = storage.listdir(storage.join(name, DATA_DIR))
+            total += sum(storage.size(storage.join(name, DATA_DIR, file)) for file in data)
+        else:
+            total += storage.size(storage.join(name, entry))
+    return total
