@@ -1,6 +1,12 @@
 """Distributed checkpoints: pickle-free, verified, atomic and reshardable save and load."""
 
 from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
+from shardwise.checkpoint.manager import (
+    CheckpointManager,
+    RestoreFallbackWarning,
+    RetentionPolicy,
+    SavePolicy,
+)
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -32,6 +38,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointKeyError",
     "CheckpointLockedError",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStorageError",
@@ -43,6 +50,9 @@ __all__ = [
     "Metadata",
     "MetadataIndex",
     "PickleNotAllowedError",
+    "RestoreFallbackWarning",
+    "RetentionPolicy",
+    "SavePolicy",
     "StorageMeta",
     "TensorStorageMetadata",
     "async_save",
