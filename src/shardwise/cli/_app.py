@@ -45,6 +45,7 @@ _HANDLERS = {
     "diff": "diff",
     "consolidate": "consolidate",
     "convert-dcp": "convert_dcp",
+    "ls": "ls",
 }
 # --dtype choices (names of torch dtypes; kept here as text so that --help needs no torch).
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -126,7 +127,8 @@ def _with_storage_options(parser: argparse.ArgumentParser, applies_to: str) -> N
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise",
-        description="Inspect, verify, compare, consolidate and convert shardwise checkpoints.",
+        description="Inspect, verify, compare, consolidate and convert shardwise checkpoints, "
+        "and list a series of them.",
         epilog="Exit codes: 0 success, 1 verification or comparison failed, 2 bad usage or "
         "unreadable input.",
     )
@@ -191,6 +193,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("out", help="output shardwise checkpoint directory or URL")
     _with_storage_options(sub, "DCP_DIR and OUT")
+
+    sub = commands.add_parser(
+        "ls", help="list the checkpoints of a series (a CheckpointManager's root)"
+    )
+    sub.add_argument("root", help="the series' root directory or fsspec URL")
+    sub.add_argument("--json", action="store_true", help="print a JSON summary")
+    _with_storage_options(sub, "ROOT")
     return parser
 
 

@@ -1,0 +1,92 @@
+"""``shardwise ls``: the checkpoints of a series that a ``CheckpointManager`` writes under ROOT."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from shardwise._progress import human_bytes
+from shardwise.checkpoint.manager.policy import RetentionPolicy, retained
+from shardwise.checkpoint.manager.series import CheckpointInfo, checkpoint_bytes, list_series
+from shardwise.checkpoint.storage import open_storage
+from shardwise.cli._common import EXIT_OK, _printable
+from shardwise.errors import CheckpointNotFoundError
+
+
+def _state(info: CheckpointInfo) -> str:
+    if not info.committed:
+        return "uncommitted"
+    return "rejected" if info.rejected is not None else "committed"
+
+
+def _newest_policy(listing: list[CheckpointInfo]) -> RetentionPolicy | None:
+    """The retention policy recorded by the newest step record that has one."""
+    return next((info.retention for info in reversed(listing) if info.retention), None)
+
+
+def _summary(root: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    storage = open_storage(root, storage_options)
+    if not storage.exists(storage.root):
+        raise CheckpointNotFoundError(f"no series at {root}: it does not exist")
+    listing = list_series(storage)
+    policy = _newest_policy(listing)
+    good = {info.step: info.metrics for info in listing if info.good}
+    kept = set(good) if policy is None else retained(policy, good)
+    checkpoints = [
+        {
+            "step": info.step,
+            "path": info.path,
+            "state": _state(info),
+            "bytes": checkpoint_bytes(storage, info.step),
+            "time": info.time,
+            "metrics": info.metrics,
+            # Only a good checkpoint is the policy's to keep; the others are never chosen.
+            "kept": (info.step in kept) if info.good else None,
+            "rejected": info.rejected,
+        }
+        for info in listing
+    ]
+    retention = None if policy is None else policy.to_json()
+    return {"root": root, "retention": retention, "checkpoints": checkpoints}
+
+
+def _text(summary: dict[str, Any]) -> str:
+    rows = summary["checkpoints"]
+    if not rows:
+        return f"no checkpoints under {summary['root']}"
+    table = [("step", "state", "size", "saved (UTC)", "kept", "metrics")]
+    for row in rows:
+        saved = row["time"]
+        when = "" if saved is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))
+        metrics = " ".join(f"{_printable(name)}={value}" for name, value in row["metrics"].items())
+        kept = {True: "yes", False: "no", None: ""}[row["kept"]]
+        table.append(
+            (str(row["step"]), row["state"], human_bytes(row["bytes"]), when, kept, metrics)
+        )
+    widths = [max(len(line[column]) for line in table) for column in range(len(table[0]) - 1)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False))
+        + "  "
+        + line[-1]
+        for line in table
+    ]
+    lines = [line.rstrip() for line in lines]
+    lines += [
+        f"step {row['step']} rejected: {_printable(row['rejected'])}"
+        for row in rows
+        if row["rejected"] is not None
+    ]
+    policy = summary["retention"]
+    if policy is not None:
+        rules = ", ".join(f"{name}={value}" for name, value in policy.items() if value is not None)
+        lines.append(f"retention (from the newest step record): {rules}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``shardwise ls ROOT [--json]``: one row per step directory, oldest first."""
+    summary = _summary(args.root, args.storage_options)
+    print(json.dumps(summary) if args.json else _text(summary))
+    return EXIT_OK
