@@ -28,6 +28,7 @@ __all__ = [
     "layout_file",
     "parse_header",
     "safetensors_dtype",
+    "torch_dtype",
 ]
 
 #: The data section of every data file starts at a multiple of this many bytes.
@@ -54,6 +55,7 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint32: "U32",
     torch.uint64: "U64",
 }
+_CODE_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _CODE_SIZES = {code: dtype.itemsize for dtype, code in _SAFETENSORS_DTYPES.items()}
 _LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
@@ -64,6 +66,11 @@ _ORIGIN_SUFFIXES: dict[int, str] = {}  # chunk_key's suffix of an origin, by num
 def safetensors_dtype(dtype: torch.dtype) -> str | None:
     """The safetensors code of ``dtype``, or ``None`` when it has none (stored as bytes)."""
     return _SAFETENSORS_DTYPES.get(dtype)
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    """The dtype of safetensors code ``code`` (one :func:`parse_header` accepts)."""
+    return _CODE_DTYPES[code]
 
 
 def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
