@@ -174,7 +174,7 @@ class CheckpointManager:
             flags[_FAILED] = int(previous.exception() is not None)
         flags[_FORCE] = int(force)
         policy_error: BaseException | None = None
-        if self._comm.rank == 0:  # the coordinator's clock and callable decide for all
+        if self._comm.rank == 0 and not force:  # its clock and callable decide for all
             try:
                 elapsed = time.monotonic() - self._last_save
                 flags[_DUE] = int(self.save_policy.wants(step, seconds_since_save=elapsed))
