@@ -111,3 +111,14 @@ def test_submodule_only_names_exist() -> None:
         name for module in _modules_imported_by_init() for name in getattr(module, "__all__", [])
     }
     assert exported >= SUBMODULE_ONLY
+
+
+def test_checkpoint_all_is_sorted_and_exports_the_hugging_face_functions() -> None:
+    import shardwise.checkpoint as checkpoint
+
+    names = list(checkpoint.__all__)
+    assert names == sorted(names)
+    assert len(names) == len(set(names))
+    for name in ("load_safetensors", "save_safetensors"):
+        assert name in names
+        assert callable(getattr(checkpoint, name))

@@ -1,5 +1,6 @@
 """Distributed checkpoints: pickle-free, verified, atomic and reshardable save and load."""
 
+from shardwise.checkpoint.huggingface import load_safetensors, save_safetensors
 from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
 from shardwise.checkpoint.manager import (
     CheckpointManager,
@@ -57,7 +58,9 @@ __all__ = [
     "TensorStorageMetadata",
     "async_save",
     "load",
+    "load_safetensors",
     "load_tensor",
     "read_metadata",
     "save",
+    "save_safetensors",
 ]

@@ -17,6 +17,7 @@ import torch
 from shardwise.errors import CheckpointFormatError, CheckpointKeyError
 
 __all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
     "MAX_INDEX_JSON_BYTES",
     "METADATA",
@@ -41,6 +42,8 @@ INDEX_NAME = "model.safetensors.index.json"
 OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 #: The header metadata transformers writes and requires ("pt": PyTorch tensors).
 METADATA = {"format": "pt"}
+#: The most bytes of tensors per file unless told otherwise (``shardwise consolidate``'s 5GB).
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 #: The largest index a reader accepts (one of a model of thousands of tensors is a few MiB).
 MAX_INDEX_JSON_BYTES = 64 << 20
 # A weight file an index may name: one plain name in the directory (no path, no hidden file).

@@ -12,7 +12,7 @@ from typing import Any
 
 from shardwise.checkpoint.storage._errors import describe_storage_error
 from shardwise.checkpoint.storage._fsspec import FsspecStorage
-from shardwise.checkpoint.storage._local import LocalStorage
+from shardwise.checkpoint.storage._local import LocalStorage, PartWriter
 from shardwise.checkpoint.storage._protocol import (
     Finish,
     RangeRequest,
@@ -28,6 +28,7 @@ __all__ = [
     "Finish",
     "FsspecStorage",
     "LocalStorage",
+    "PartWriter",
     "RangeRequest",
     "Reader",
     "Storage",

@@ -23,7 +23,7 @@ from shardwise.checkpoint.storage._protocol import (
 )
 from shardwise.checkpoint.storage._threads import run_concurrently
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "PartWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,31 @@ class _LocalWriter:
             self._storage.remove(self._path)
         except OSError as err:  # left for the next save's cleanup
             logger.warning("could not remove %s after a failed write: %s", self._path, err)
+
+
+class PartWriter:
+    """A local file written in parts at given offsets, by several processes at once (each its
+    own bytes): the bytes of a Hugging Face weight file come from every rank holding a part."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    def write_at(self, offset: int, parts: Sequence[memoryview | bytes | bytearray]) -> None:
+        """Write ``parts`` in order from byte ``offset`` (one ``pwritev``)."""
+        views = [memoryview(part).cast("B") for part in parts if len(part)]
+        expected = sum(map(len, views))
+        moved = _vectored(views, lambda buffers, done: os.pwritev(self._fd, buffers, offset + done))
+        if moved < expected:
+            raise OSError(errno.EIO, "pwritev wrote nothing", self.path)
+
+    def close(self, sync: bool) -> None:
+        """Close the file; with ``sync``, make what this process wrote durable first."""
+        try:
+            if sync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
 
 
 class _LocalReader:
@@ -225,6 +250,26 @@ class LocalStorage:
     def open_write(self, path: str) -> Writer:
         self._check_parents(path)
         return _LocalWriter(self, path)
+
+    def open_parts(self, path: str, size: int | None = None) -> PartWriter:
+        """``path`` for writes in parts: created (never an existing file) with ``size`` bytes
+        when ``size`` is given, else the regular file there, opened without following a link."""
+        self._check_parents(path)
+        if size is not None:
+            fd = os.open(path, _WRITE_FLAGS, 0o644)
+            try:
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                raise
+            return PartWriter(path, fd)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            _refuse_unless(os.fstat(fd).st_mode, path, directory=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        return PartWriter(path, fd)
 
     def read_ranges(
         self, requests: Sequence[RangeRequest], then: Finish | None = None
