@@ -128,7 +128,7 @@ def test_restore_raises_when_no_checkpoint_loads(tmp_path: Path) -> None:
         _flip_data_byte(root / "step-00000001")
         with (
             pytest.warns(ckpt.RestoreFallbackWarning),
-            pytest.raises(ckpt.CheckpointError, match="no checkpoint under .* could be restored"),
+            pytest.raises(ckpt.CheckpointError, match=r"no checkpoint under .* could be restored"),
         ):
             manager.restore(_blank())
         # A key missing from the state dict is the caller's mistake: no fallback.
