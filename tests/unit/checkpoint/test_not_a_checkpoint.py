@@ -275,11 +275,16 @@ def test_a_hugging_face_directory_is_named(
     path = _hugging_face(tmp_path / "gpt2")
     assert _refusal(path, capsys) == (
         f"{path} is a Hugging Face model directory (it has 'config.json', 'model.safetensors'), "
-        "not a shardwise checkpoint (a directory with shardwise.json and data/): load its files "
-        "with safetensors.torch.load_file (or the model with transformers' from_pretrained)"
+        "not a shardwise checkpoint (a directory with shardwise.json and data/): load its "
+        "weights into any state dict, sharded or not, with "
+        "shardwise.checkpoint.load_safetensors (or the model with transformers' from_pretrained)"
     )
     loaded = safetensors.torch.load_file(str(path / "model.safetensors"))
     assert loaded["wte.weight"].tolist() == [[1.0, 1.0]] * 4
+    # What the message points to loads it.
+    target = {"wte.weight": torch.zeros(4, 2)}
+    ckpt.load_safetensors(target, path)
+    assert target["wte.weight"].tolist() == [[1.0, 1.0]] * 4
 
 
 def test_a_sharded_hugging_face_directory_is_named(

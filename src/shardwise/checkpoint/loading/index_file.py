@@ -140,8 +140,9 @@ def _what_is_there(storage: Storage, path: str) -> str:
     if hugging_face:
         return (
             f"{path} is a Hugging Face model directory (it has {quoted(hugging_face)}), not a "
-            f"shardwise checkpoint (a directory with {INDEX_NAME} and data/): load its files "
-            "with safetensors.torch.load_file (or the model with transformers' from_pretrained)"
+            f"shardwise checkpoint (a directory with {INDEX_NAME} and data/): load its weights "
+            "into any state dict, sharded or not, with shardwise.checkpoint.load_safetensors "
+            "(or the model with transformers' from_pretrained)"
         )
     return (
         f"{path} is not a shardwise checkpoint: it has no {INDEX_NAME}; it holds {quoted(entries)}"
