@@ -35,6 +35,8 @@ ones given are kept as attributes and named at the end of the message, e.g.
 from __future__ import annotations
 
 import os
+import pickle
+from typing import Any
 
 __all__ = [
     "CheckpointDataError",
@@ -89,6 +91,29 @@ class CheckpointError(Exception):
         if context:
             message = f"{message} ({', '.join(context)})"
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (``async_save``'s writer process sends its errors to the training
+        # process): the keywords, the notes, and the cause, which pickle leaves out otherwise.
+        state = dict(self.__dict__)
+        if self.__cause__ is not None:
+            state["__cause__"] = _portable(self.__cause__)
+        return _rebuild, (type(self), self.bare_message, self.key, self.file, self.rank), state
+
+
+def _rebuild(
+    cls: type[CheckpointError], message: str, key: str | None, file: str | None, rank: int | None
+) -> CheckpointError:
+    return cls(message, key=key, file=file, rank=rank)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it pickles, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 class CheckpointFormatError(CheckpointError, MetadataFormatError):

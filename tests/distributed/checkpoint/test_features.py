@@ -32,7 +32,7 @@ from shardwise.checkpoint.storage._local import _LocalReader
 from tests.harness import distributed
 
 # The module, not the function the package exports under the same name.
-save_module = importlib.import_module("shardwise.checkpoint.saving.save")
+background = importlib.import_module("shardwise.checkpoint.saving.background")
 data_writer = importlib.import_module("shardwise.checkpoint.saving.writer")
 
 WORLD = 4
@@ -92,9 +92,10 @@ def test_async_save_snapshots_the_state_and_runs_one_at_a_time(tmp_path: Path) -
     with pytest.raises(TypeError, match=re.escape("cannot save state_dict['x'] of type object")):
         bad.result(timeout=60)
     assert not (tmp_path / "c" / "shardwise.json").exists()
-    # The writes ran over a gloo group of their own, not the default group.
-    groups = list(save_module._background_groups.values())
-    assert groups and all(group is not dist.group.WORLD for group in groups)
+    # The writes ran in a writer process of this rank's own, which lives on for the next save.
+    writers = list(background._writers.values())
+    assert writers and all(w.process.pid != os.getpid() for w in writers)
+    assert all(w.process.poll() is None and not w.dead for w in writers)
 
 
 # -- dedup, balance, safetensors -------------------------------------------------------------

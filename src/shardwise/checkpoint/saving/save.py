@@ -13,7 +13,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +35,7 @@ from shardwise.checkpoint.index import (
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.planning import tables as _save_tables
+from shardwise.checkpoint.saving import background as _background
 from shardwise.checkpoint.saving import build_index as _save_index
 from shardwise.checkpoint.saving import outcome as _save_outcome
 from shardwise.checkpoint.saving import writer as data_writer
@@ -114,23 +115,33 @@ def _remove_leftovers(storage: Storage, index: Index) -> None:
             logger.warning("could not remove %s: %s", path, err)
 
 
-def _group_rank_of(comm: collectives.Comm) -> Callable[[int], int]:
-    """The save group's rank of a global rank (-1 when it is not a member)."""
+def _members(comm: collectives.Comm) -> dict[int, int]:
+    """The save group's rank of each global rank of its members."""
     if comm.group is None:
-        return lambda rank: 0 if rank == 0 else -1
-    members = {rank: number for number, rank in enumerate(collectives.global_ranks(comm.group))}
-    return lambda rank: members.get(rank, -1)
+        return {0: 0}
+    return {rank: number for number, rank in enumerate(collectives.global_ranks(comm.group))}
 
 
-def _save_snapshot(
+def save_snapshot(
     snapshot: Snapshot,
     path: str,
     comm: collectives.Comm,
     options: SaveOptions,
     local_error: BaseException | None = None,
+    members: dict[int, int] | None = None,
 ) -> Metadata:
-    """Save ``snapshot`` on every rank of ``comm``; a ``local_error`` is raised on every rank."""
+    """Save ``snapshot`` on every rank of ``comm``; a ``local_error`` is raised on every rank.
+
+    Args:
+        members: The save group's rank of each global rank of its members (default: those of
+            ``comm``'s group; a writer process's own group numbers its ranks differently).
+    """
     started = time.monotonic()
+    ranks = _members(comm) if members is None else members
+
+    def group_rank_of(rank: int) -> int:
+        return ranks.get(rank, -1)
+
     coordinator_rank = options.coordinator_rank
     coordinating = comm.rank == coordinator_rank
     storage: Storage | None = None
@@ -139,7 +150,7 @@ def _save_snapshot(
     table_error: BaseException | None = local_error
     if coordinating and table_error is None:
         try:
-            table = _save_tables.rank_table(snapshot.tensors, comm.rank, _group_rank_of(comm))
+            table = _save_tables.rank_table(snapshot.tensors, comm.rank, group_rank_of)
         except Exception as err:
             table_error = err
     # Exchange 1a: the coordinator's digest (a rank whose table has it sends no table).
@@ -163,7 +174,7 @@ def _save_snapshot(
             raise table_error
         storage = open_shared_storage(path, options.storage_options, comm.world_size)
         if table is None:
-            table = _save_tables.rank_table(snapshot.tensors, comm.rank, _group_rank_of(comm))
+            table = _save_tables.rank_table(snapshot.tensors, comm.rank, group_rank_of)
         sent: dict[str, Any] = {"digest": table.digest, "local": table.local}
         if table.digest != coordinator_digest:
             sent["table"] = table.to_json()
@@ -350,8 +361,8 @@ def save(
     comm = collectives.Comm(process_group, operation="save")
     _check_coordinator(coordinator_rank, comm)
     with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
-        snapshot, error = describe_or_error(state_dict, allow_pickle, stage=False)
-        return _save_snapshot(snapshot, os.path.expanduser(os.fspath(path)), comm, options, error)
+        snapshot, error = describe_or_error(state_dict, allow_pickle)
+        return save_snapshot(snapshot, os.path.expanduser(os.fspath(path)), comm, options, error)
 
 
 def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
@@ -363,31 +374,6 @@ def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:
 
 
 _async_lock = threading.Lock()
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_in_flight: concurrent.futures.Future[Metadata] | None = None
-_background_groups: dict[tuple[int, ...], ProcessGroup | None] = {}
-
-
-def _background_group(process_group: ProcessGroup | None) -> ProcessGroup | None:
-    """The gloo group of ``process_group``'s ranks and timeout that background saves use."""
-    if not collectives.is_initialized():
-        return None
-    group = collectives.resolve_group(process_group)
-    key = tuple(collectives.global_ranks(group))
-    cached = _background_groups.get(key)
-    if cached is not None:
-        try:
-            collectives.global_ranks(cached)
-        except (KeyError, ValueError, RuntimeError):
-            # Destroyed since (destroy_process_group, a re-initialized job): make a new one.
-            cached = None
-    # Made for a group over the same ranks with another timeout: background saves must give
-    # up when this group would. Every rank sees the same timeouts, so all join the new_group.
-    if cached is not None and collectives.group_timeout(cached) != collectives.group_timeout(group):
-        cached = None
-    if cached is None:
-        cached = _background_groups[key] = collectives.new_gloo_group_like(group)
-    return cached
 
 
 def async_save(
@@ -401,28 +387,24 @@ def async_save(
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> concurrent.futures.Future[Metadata]:
-    """Like :func:`save`, but returns once the state dict is copied to CPU staging memory.
+    """Like :func:`save`, but returns once the state dict is copied to host staging memory.
 
-    A background thread writes it over a gloo group of the same ranks (made on the first call,
-    collectively over the default group), apart from the job's collectives; a call waits for
-    the previous ``async_save`` to finish. Errors surface from the future's ``result()``.
+    A writer process per rank (started on the first call, through the process group's
+    key-value store) writes it from memory it shares with this process, over a gloo group of
+    its own: the training process only hands over descriptors, so the save neither takes this
+    process's GIL nor interleaves with the job's collectives. A call waits for the previous
+    ``async_save`` to finish. Errors surface from the future's ``result()``; a writer process
+    that died while no save was in flight raises at the next call, on every rank.
 
     Returns:
         A future of the checkpoint's :class:`Metadata`.
     """
-    global _executor, _in_flight
     options = SaveOptions.of_call(locals())
     with _async_lock:
-        if _in_flight is not None:
-            concurrent.futures.wait([_in_flight])
-        comm = collectives.Comm(_background_group(process_group), operation="async_save")
+        concurrent.futures.wait(_background.in_flight())
+        comm = collectives.Comm(process_group, operation="async_save")
         _check_coordinator(coordinator_rank, comm)
-        snapshot, error = describe_or_error(state_dict, allow_pickle, stage=True)
-        if _executor is None:
-            _executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="shardwise-async-save"
-            )
-        _in_flight = _executor.submit(
-            _save_snapshot, snapshot, os.path.expanduser(os.fspath(path)), comm, options, error
-        )
-        return _in_flight
+        writer = _background.writer_for(comm.group)
+        with paused_gc():
+            snapshot, error = describe_or_error(state_dict, allow_pickle)
+            return writer.submit(snapshot, os.path.expanduser(os.fspath(path)), options, error)

@@ -1,5 +1,5 @@
 """Step 1 of a save: what a rank will write, described locally (no copies) and checked, with
-its tied keys; copied to CPU memory first for ``async_save``."""
+its tied keys (``async_save`` then copies it to its staging area, :mod:`.staging`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from shardwise.checkpoint.entries.items import (
-    LocalBox,
     ObjectValue,
     TensorValue,
     describe_object,
@@ -106,36 +103,11 @@ def _first_address(value: TensorValue) -> int | None:
 
 
 def describe_or_error(
-    state_dict: Mapping[str, Any], allow_pickle: bool, stage: bool
+    state_dict: Mapping[str, Any], allow_pickle: bool
 ) -> tuple[Snapshot, BaseException | None]:
-    """The local description (staged to CPU memory with ``stage``), or the error that stops
-    it, raised once every rank has shared its verdict."""
+    """The local description, or the error that stops it, raised once every rank has shared
+    its verdict."""
     try:
-        snapshot = _describe_state(state_dict, allow_pickle)
+        return _describe_state(state_dict, allow_pickle), None
     except Exception as err:
         return Snapshot({}, {}), err
-    try:
-        return (_stage(snapshot) if stage else snapshot), None
-    except Exception as err:  # e.g. out of memory while copying to staging memory
-        error = CheckpointError(f"cannot stage the state dict: {type(err).__name__}: {err}")
-        error.__cause__ = err
-        return Snapshot({}, {}), error
-
-
-def _stage(snapshot: Snapshot) -> Snapshot:
-    """A copy of every local box in CPU memory (pinned when an accelerator exists)."""
-    pin = torch.cuda.is_available()
-    tensors: dict[str, TensorValue] = {}
-    for fqn, value in snapshot.tensors.items():
-        target = snapshot.aliases.get(fqn)
-        if target is not None:  # the same local data as an earlier key: staged once
-            boxes = tensors[target].boxes
-        else:
-            boxes = []
-            for box in value.boxes:
-                source = box.tensor.detach()
-                staged = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
-                staged.copy_(source)
-                boxes.append(LocalBox(box.offsets, box.sizes, staged))
-        tensors[fqn] = TensorValue(value.size, value.dtype, value.properties, boxes, value.layout)
-    return Snapshot(tensors, dict(snapshot.objects), snapshot.aliases)

@@ -1,0 +1,187 @@
+"""The writer process of ``async_save``: one per training rank, started by
+:mod:`.background` as ``python -m shardwise.checkpoint.saving.writer_process SETUP``.
+
+It maps the staging buffer the training process fills, and runs the save itself
+(:func:`~shardwise.checkpoint.saving.save.save_snapshot`) over a gloo group of its own, made
+with the writer processes of the other ranks through the job's key-value store: the training
+process only hands over descriptors, and no GIL of its own is taken. The protocol, the abort
+key and the exits: ``docs/architecture.md``, *Async save*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+import torch
+
+#: Exit codes: the training process died; the writers' group was aborted.
+EXIT_ORPHANED = 4
+EXIT_ABORTED = 3
+_PARENT_POLL_SECONDS = 0.2
+
+
+class _Link:
+    """The connection to the training process; messages may come from two threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            try:
+                self.conn.send(message)
+            except Exception as err:  # e.g. an exception that does not pickle: sent as text
+                if message[0] != "error":
+                    raise
+                self.conn.send(("error", _plain(message[1], err), *message[2:]))
+
+
+def _plain(error: BaseException, why: BaseException) -> BaseException:
+    from shardwise.errors import CheckpointError
+
+    return CheckpointError(f"{type(error).__name__}: {error} (not picklable: {why})")
+
+
+class _Forward(logging.Handler):
+    """Log records of ``shardwise`` go to the training process, which logs them there."""
+
+    def __init__(self, link: _Link) -> None:
+        super().__init__()
+        self._link = link
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):  # the training process is gone: nowhere to log
+            self._link.send(("log", record.name, record.levelno, record.getMessage()))
+
+
+def _watch_parent(parent: int, abort: Any) -> None:
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_SECONDS)
+    abort("death", "its training process exited")
+    os._exit(EXIT_ORPHANED)
+
+
+def _watch_abort(store: Any, key: str, link: _Link, rank: int) -> None:
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(hours=1))
+            reason = store.get(key).decode("utf-8", "replace")
+            break
+        except Exception as err:
+            if "timeout" in str(err).lower() or "timed out" in str(err).lower():
+                continue
+            return  # the store is gone (the job ended): nothing to watch
+    try:
+        if json.loads(reason).get("rank") == rank:
+            return  # this writer's own abort: its main thread reports it, then exits
+    except (ValueError, AttributeError):
+        pass
+    try:
+        link.send(("aborted", reason))
+    finally:
+        os._exit(EXIT_ABORTED)
+
+
+def _breaks_group(error: BaseException) -> bool:
+    """Whether the writers' group is unusable after ``error``: every failure of a save is
+    shared with every rank in step, except a collective that failed or timed out."""
+    from shardwise.errors import CheckpointError, CheckpointTimeoutError
+
+    if isinstance(error, CheckpointTimeoutError):
+        return True
+    return not isinstance(error, CheckpointError | TypeError | ValueError)
+
+
+def main(setup: dict[str, Any]) -> int:
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+    from shardwise import collectives
+    from shardwise.checkpoint.saving.save import save_snapshot
+    from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
+
+    torch.set_num_threads(1)  # intra-op threads would only compete with the training loop
+    link = _Link(Connection(setup["fd"]))
+    rank, world = setup["rank"], setup["world_size"]
+    shardwise_logger = logging.getLogger("shardwise")
+    shardwise_logger.setLevel(setup["log_level"])
+    shardwise_logger.addHandler(_Forward(link))
+    shardwise_logger.propagate = False
+    timeout = datetime.timedelta(seconds=setup["timeout"])
+    store = None
+    abort_key = f"shardwise/async/{setup.get('token')}/abort"
+
+    def abort(kind: str, why: str) -> None:
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(abort_key, json.dumps({"kind": kind, "rank": rank, "reason": why}))
+
+    threading.Thread(target=_watch_parent, args=(setup["parent"], abort), daemon=True).start()
+    if world > 1:
+        try:
+            store = TCPStore(setup["host"], setup["port"], None, False, timeout)
+            watcher = TCPStore(setup["host"], setup["port"], None, False, timeout)
+            threading.Thread(
+                target=_watch_abort, args=(watcher, abort_key, link, rank), daemon=True
+            ).start()
+            group_store = PrefixStore(f"shardwise/async/{setup['token']}/group", store)
+            dist.init_process_group(
+                "gloo", store=group_store, rank=rank, world_size=world, timeout=timeout
+            )
+        except Exception as err:
+            abort("break", f"its writer could not join the writers' group: {err}")
+            link.send(("failed", f"{type(err).__name__}: {err}"))
+            return 1
+    link.send(("ready", os.getpid()))
+    buffer: SharedBuffer | None = None
+    members: dict[int, int] = {}
+    while True:
+        try:
+            message = link.conn.recv()
+        except (EOFError, OSError):  # the training process closed the link or died
+            break
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "buffer":
+            if buffer is not None:
+                buffer.close()
+            buffer = SharedBuffer(recv_handle(link.conn), message[1])
+            continue
+        _, snapshot, path, options, local_error, members = message
+        data = buffer.bytes if buffer is not None else torch.empty(0, dtype=torch.uint8)
+        comm = collectives.Comm(None, operation="async_save")
+        try:
+            snapshot = open_views(snapshot, data)
+            metadata = save_snapshot(snapshot, path, comm, options, local_error, members)
+        except BaseException as err:
+            broken = _breaks_group(err)
+            if broken:
+                abort("break", f"its save to {path} failed: {err}")
+            link.send(("error", err, broken))
+            if broken:
+                return 2
+            continue
+        finally:
+            snapshot = None
+        link.send(("done", metadata))
+    if buffer is not None:
+        buffer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))
