@@ -237,14 +237,15 @@ def test_train_py_saves_and_resumes_on_2_ranks(tmp_path: Path) -> None:
     uninterrupted = run_on_ranks(_train_py, 2, args=(str(tmp_path),))
     assert [result["start"] for result in uninterrupted] == [0, 0]
     checkpoints = tmp_path / "checkpoints"
+    # Saved every 5 steps, the last 3 kept.
     assert sorted(path.name for path in checkpoints.iterdir()) == [
-        f"step-{step:06d}" for step in (5, 10, 15, 20)
+        f"step-{step:08d}" for step in (10, 15, 20)
     ]
 
     # As if the run had died while saving step 15: step 20 never happened and step 15 was
     # never committed (no index), so the script resumes from step 10.
-    shutil.rmtree(checkpoints / "step-000020")
-    (checkpoints / "step-000015" / "shardwise.json").unlink()
+    shutil.rmtree(checkpoints / "step-00000020")
+    (checkpoints / "step-00000015" / "shardwise.json").unlink()
     resumed = run_on_ranks(_train_py, 2, args=(str(tmp_path),))
 
     assert [result["start"] for result in resumed] == [10, 10]
