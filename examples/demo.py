@@ -9,11 +9,16 @@
 4. The checkpoint story: the 4 ranks save a model state (ShardedTensor, DTensor, plain tensors,
    a step counter); 2 ranks reload it with a different sharding; a single process without any
    process group reloads it again; both check equality; a summary of the checkpoint is printed.
+5. A training run with a ``CheckpointManager`` on 2 ranks: saves every 4 steps in the
+   background, keeps the last 2; a SIGTERM to one rank (a preemption notice) saves on both and
+   stops the run; a second run resumes from that step and finishes with the same weights as an
+   uninterrupted run; ``shardwise ls`` lists the series.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -29,6 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from shardwise.cli import main as shardwise_cli
 
 WORLD_SIZE = 4
 
@@ -246,6 +252,69 @@ def reload_single_process(path: str) -> None:
     print(f"  data files: {files}")
 
 
+# -- 5. a training run with a CheckpointManager --------------------------------------------------
+
+TRAIN_STEPS = 12
+
+
+def train_run(rank: int, world_size: int, port: int, root: str, preempt_at: int | None) -> None:
+    """Train to TRAIN_STEPS (resuming from the newest checkpoint under ``root``); with
+    ``preempt_at``, rank 1 gets a SIGTERM at that step, as a scheduler's notice."""
+    _init(rank, world_size, port)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = {"model": model, "optim": optimizer}
+        manager = ckpt.CheckpointManager(
+            root,
+            save_policy=ckpt.SavePolicy(every_steps=4, last_step=TRAIN_STEPS),
+            retention=ckpt.RetentionPolicy(keep_last=2),
+            preemption_signals=[signal.SIGTERM],
+        )
+        with manager:
+            start = manager.restore(state) or 0
+            if rank == 0:
+                print(f"\nrun on {world_size} ranks: starts at step {start}")
+            for step in range(start + 1, TRAIN_STEPS + 1):
+                batch = torch.Generator().manual_seed(step)  # the same batch on every rank
+                x, y = torch.randn(16, 8, generator=batch), torch.randn(16, 1, generator=batch)
+                loss = F.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if step == preempt_at and rank == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 hears it
+                if manager.save(step, state, metrics={"loss": loss}) and rank == 0:
+                    print(f"  step {step:>2}: loss {loss.item():.4f}, saved")
+                if manager.preempted:
+                    if rank == 0:
+                        print(f"  preempted: every rank saved step {step} and stopped")
+                    break
+        if rank == 0 and not manager.preempted:
+            weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            torch.save(weights, os.path.join(root, "..", "weights.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def manager_story(tmp: str) -> None:
+    root = os.path.join(tmp, "series")
+    mp.spawn(train_run, args=(2, _free_port(), root, 6), nprocs=2, join=True)
+    mp.spawn(train_run, args=(2, _free_port(), root, None), nprocs=2, join=True)
+    resumed = torch.load(os.path.join(tmp, "weights.pt"))
+    other = os.path.join(tmp, "uninterrupted", "series")
+    mp.spawn(train_run, args=(2, _free_port(), other, None), nprocs=2, join=True)
+    uninterrupted = torch.load(os.path.join(tmp, "uninterrupted", "weights.pt"))
+    same = torch.equal(resumed, uninterrupted)
+    print(f"\nresumed run's weights equal the uninterrupted run's: {same}")
+    if not same:
+        raise SystemExit("the resumed run differs from the uninterrupted one")
+    print(f"\n$ shardwise ls {root}")
+    sys.stdout.flush()
+    shardwise_cli(["ls", root])
+
+
 # -- driver ----------------------------------------------------------------------------------
 
 
@@ -276,6 +345,9 @@ def main() -> None:
         mp.spawn(_four_rank_main, args=(_free_port(), path), nprocs=WORLD_SIZE, join=True)
         mp.spawn(reload_two_ranks, args=(2, _free_port(), path), nprocs=2, join=True)
         reload_single_process(path)
+        print("\n== 5. A training run with a CheckpointManager: preempted, resumed ==")
+        sys.stdout.flush()
+        manager_story(tmp)
     print("\ndemo finished")
 
 
