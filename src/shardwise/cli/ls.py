@@ -52,6 +52,13 @@ def _summary(root: str, storage_options: dict[str, Any] | None) -> dict[str, Any
     return {"root": root, "retention": retention, "checkpoints": checkpoints}
 
 
+def _number(value: float | int | None) -> str:
+    """A metric as text: 6 significant digits; ``nan`` for a non-finite one (stored as null)."""
+    if value is None:
+        return "nan"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 def _text(summary: dict[str, Any]) -> str:
     rows = summary["checkpoints"]
     if not rows:
@@ -60,7 +67,9 @@ def _text(summary: dict[str, Any]) -> str:
     for row in rows:
         saved = row["time"]
         when = "" if saved is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))
-        metrics = " ".join(f"{_printable(name)}={value}" for name, value in row["metrics"].items())
+        metrics = " ".join(
+            f"{_printable(name)}={_number(value)}" for name, value in row["metrics"].items()
+        )
         kept = {True: "yes", False: "no", None: ""}[row["kept"]]
         table.append(
             (str(row["step"]), row["state"], human_bytes(row["bytes"]), when, kept, metrics)
@@ -80,7 +89,10 @@ def _text(summary: dict[str, Any]) -> str:
     ]
     policy = summary["retention"]
     if policy is not None:
+        if policy["keep_best"] is None:
+            policy = {name: value for name, value in policy.items() if name != "best_mode"}
         rules = ", ".join(f"{name}={value}" for name, value in policy.items() if value is not None)
+        rules = rules or "keep all"
         lines.append(f"retention (from the newest step record): {rules}")
     return "\n".join(lines)
 

@@ -262,7 +262,8 @@ class CheckpointManager:
             if self._comm.rank == 0:
                 self._tidy()
         if preempting:
-            logger.warning("saved %s after a preemption notice; stop training now", path)
+            if self._comm.rank == 0:
+                logger.warning("saved %s after a preemption notice; stop training now", path)
             self.preempted = True
             self._notice.clear()
         return True
