@@ -37,6 +37,7 @@ import shardwise
 from shardwise import collectives
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
+from shardwise.checkpoint.saving.outcome import returned_metadata
 from shardwise.checkpoint.saving.snapshot import Snapshot
 from shardwise.checkpoint.saving.staging import SharedBuffer, StagingArea
 from shardwise.errors import CheckpointError
@@ -120,6 +121,7 @@ class Writer:
         self.staging = StagingArea()
         self.future: concurrent.futures.Future[Metadata] | None = None
         self.path = ""
+        self.storage_options: dict[str, Any] | None = None
         #: An error no future reported (the writers were aborted while idle).
         self.pending: CheckpointError | None = None
         self.dead = False
@@ -201,6 +203,7 @@ class Writer:
             payload = pickle.dumps(("save", Snapshot({}, {}), path, options, error, self.members))
         with self._lock:
             self.future, self.path = future, path
+            self.storage_options = options.storage_options
             if self.dead:  # died since the caller looked: fail like a save it was writing
                 self._fail_in_flight(self.pending or CheckpointError("the writer process died"))
                 return future
@@ -245,7 +248,7 @@ class Writer:
             if kind == "log":
                 logging.getLogger(message[1]).log(message[2], "%s", message[3])
             elif kind == "done":
-                self._settle(message[1], None)
+                self._settle(self._metadata(message[1], message[2]), None)
             elif kind == "error":
                 self._settle(None, message[1])
                 if message[2]:  # the writers' group broke: this writer exits now
@@ -265,6 +268,13 @@ class Writer:
             expected = self.dead  # stopped, aborted, or broken: already reported
         if not expected:
             self._died(_how(returncode), publish=True)
+
+    def _metadata(self, outcome: dict[str, Any], save_id: str) -> Metadata | None:
+        """The save's Metadata, decoded on first use (from the index sent with the outcome
+        when small, else from storage): a loop that ignores it pays nothing for it."""
+        with self._lock:
+            path, storage_options = self.path, self.storage_options
+        return returned_metadata(outcome, path, storage_options, save_id)
 
     def _settle(self, result: Metadata | None, error: BaseException | None) -> None:
         with self._lock:

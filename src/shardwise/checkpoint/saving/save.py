@@ -128,9 +128,25 @@ def save_snapshot(
     comm: collectives.Comm,
     options: SaveOptions,
     local_error: BaseException | None = None,
-    members: dict[int, int] | None = None,
 ) -> Metadata:
-    """Save ``snapshot`` on every rank of ``comm``; a ``local_error`` is raised on every rank.
+    """Save ``snapshot`` on every rank of ``comm``; a ``local_error`` is raised on every rank."""
+    outcome, save_id, metadata = save_outcome(snapshot, path, comm, options, local_error)
+    if metadata is not None:
+        return metadata
+    return _save_outcome.returned_metadata(outcome, path, options.storage_options, save_id)
+
+
+def save_outcome(
+    snapshot: Snapshot,
+    path: str,
+    comm: collectives.Comm,
+    options: SaveOptions,
+    local_error: BaseException | None = None,
+    members: dict[int, int] | None = None,
+) -> tuple[dict[str, Any], str, Metadata | None]:
+    """:func:`save_snapshot`, returning what the commit told every rank (``outcome.outcome``),
+    the save's id, and the coordinator's metadata (``None`` on other ranks): what a writer
+    process sends back is this small outcome, not a Metadata of thousands of entries.
 
     Args:
         members: The save group's rank of each global rank of its members (default: those of
@@ -304,7 +320,7 @@ def save_snapshot(
                 file=path,
             ) from err
         if built is None:
-            return _save_outcome.returned_metadata(outcome, path, options.storage_options, save_id)
+            return outcome, save_id, None
         data, index, metadata = built
         try:
             _remove_leftovers(storage, index)
@@ -315,7 +331,7 @@ def save_snapshot(
         count = len(index.files)
         files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
         log_done(logger, "saved", path, nbytes, time.monotonic() - started, files)
-        return metadata
+        return outcome, save_id, metadata
     finally:
         if lock is not None:
             lock.release()

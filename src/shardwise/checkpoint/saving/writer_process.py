@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import os
@@ -108,10 +109,13 @@ def main(setup: dict[str, Any]) -> int:
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
     from shardwise import collectives
-    from shardwise.checkpoint.saving.save import save_snapshot
+    from shardwise.checkpoint.saving.save import save_outcome
     from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
 
     torch.set_num_threads(1)  # intra-op threads would only compete with the training loop
+    # The collector would walk every tensor of a save, many times (see paused_gc): it runs
+    # once after each save instead, when the save's objects are garbage.
+    gc.disable()
     link = _Link(Connection(setup["fd"]))
     rank, world = setup["rank"], setup["world_size"]
     shardwise_logger = logging.getLogger("shardwise")
@@ -143,6 +147,7 @@ def main(setup: dict[str, Any]) -> int:
             abort("break", f"its writer could not join the writers' group: {err}")
             link.send(("failed", f"{type(err).__name__}: {err}"))
             return 1
+    gc.freeze()  # what the imports made lives for ever: the collections after saves skip it
     link.send(("ready", os.getpid()))
     buffer: SharedBuffer | None = None
     members: dict[int, int] = {}
@@ -164,7 +169,7 @@ def main(setup: dict[str, Any]) -> int:
         comm = collectives.Comm(None, operation="async_save")
         try:
             snapshot = open_views(snapshot, data)
-            metadata = save_snapshot(snapshot, path, comm, options, local_error, members)
+            outcome, save_id, _ = save_outcome(snapshot, path, comm, options, local_error, members)
         except BaseException as err:
             broken = _breaks_group(err)
             if broken:
@@ -172,10 +177,12 @@ def main(setup: dict[str, Any]) -> int:
             link.send(("error", err, broken))
             if broken:
                 return 2
+            gc.collect()
             continue
         finally:
             snapshot = None
-        link.send(("done", metadata))
+        link.send(("done", outcome, save_id))
+        gc.collect()  # after the reply: the caller does not wait for it
     if buffer is not None:
         buffer.close()
     if dist.is_initialized():

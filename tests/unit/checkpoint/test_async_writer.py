@@ -1,0 +1,218 @@
+"""``async_save`` in one process: the write runs in a writer process fed from a shared staging
+buffer that is reused across saves; a writer that dies fails the save in flight (or the next
+call) naming the rank; the training process never leaves a writer behind when it exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.saving import background
+from shardwise.checkpoint.saving.snapshot import describe_or_error
+from shardwise.checkpoint.saving.staging import StagingArea, open_views
+from shardwise.errors import CheckpointError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_writers():
+    background.shutdown_writers()
+    yield
+    background.shutdown_writers()
+
+
+def _writer() -> background.Writer:
+    (writer,) = background._writers.values()
+    return writer
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            state = file.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_gone(pid: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_write_runs_in_a_writer_process_that_maps_the_staged_bytes(tmp_path: Path) -> None:
+    state = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(5), "step": 7, "b": b"x"}
+    metadata = ckpt.async_save(state, tmp_path / "a").result(timeout=60)
+    writer = _writer()
+    assert writer.process.pid != os.getpid() and writer.process.poll() is None
+    assert metadata.planner_data["world_size"] == 1
+    assert metadata == ckpt.read_metadata(tmp_path / "a")
+    target = {"w": torch.zeros(3, 4), "t": torch.zeros(5, dtype=torch.int64), "step": 0, "b": b""}
+    ckpt.load(target, tmp_path / "a")
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["t"], state["t"])
+    assert target["step"] == 7 and target["b"] == b"x"
+
+
+def test_staging_lays_every_box_at_an_aligned_slot_and_stages_tied_data_once() -> None:
+    shared = torch.arange(6.0)
+    state = {
+        "a": shared,
+        "tied": shared,
+        "half": torch.ones(3, dtype=torch.float16),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+        "empty": torch.zeros(0, 2),
+        "scalar": torch.tensor(3, dtype=torch.int8),
+    }
+    snapshot, error = describe_or_error(state, allow_pickle=False)
+    assert error is None and snapshot.aliases == {"tied": "a"}
+    area = StagingArea()
+    staged, grown, events = area.stage(snapshot)
+    assert grown is area.buffer and not events
+    slots = [value.boxes[0].tensor for key, value in staged.tensors.items() if key != "tied"]
+    assert all(slot.offset % 64 == 0 for slot in slots)
+    filled = [slot for slot in slots if slot.shape != (0, 2)]
+    assert len({slot.offset for slot in filled}) == len(filled)  # the empty one takes no bytes
+    assert staged.tensors["tied"].boxes is staged.tensors["a"].boxes
+    viewed = open_views(staged, area.buffer.bytes)
+    for key, value in state.items():
+        assert torch.equal(viewed.tensors[key].boxes[0].tensor, value), key
+    state["a"].add_(100)  # the staged bytes are a copy
+    assert torch.equal(viewed.tensors["a"].boxes[0].tensor, torch.arange(6.0))
+    area.close()
+
+
+def test_the_staging_buffer_is_reused_and_grows_only_when_the_state_grows(tmp_path: Path) -> None:
+    ckpt.async_save({"w": torch.ones(1 << 20)}, tmp_path / "a").result(timeout=60)
+    first = _writer().staging.buffer
+    assert first is not None and first.size >= 4 << 20
+    ckpt.async_save({"w": torch.full((1 << 19,), 2.0)}, tmp_path / "b").result(timeout=60)
+    assert _writer().staging.buffer is first, "a smaller state reuses the buffer"
+    ckpt.async_save({"w": torch.full((3 << 20,), 3.0)}, tmp_path / "c").result(timeout=60)
+    grown = _writer().staging.buffer
+    assert grown is not first and grown is not None and grown.size >= 12 << 20
+    for name, value, numel in (("b", 2.0, 1 << 19), ("c", 3.0, 3 << 20)):
+        target = {"w": torch.zeros(numel)}
+        ckpt.load(target, tmp_path / name)
+        assert torch.equal(target["w"], torch.full((numel,), value)), name
+
+
+def test_resident_memory_does_not_grow_over_a_hundred_saves(tmp_path: Path) -> None:
+    state = {f"layer{i}.weight": torch.randn(16, 1024) for i in range(16)}  # 1 MiB
+    state["step"] = 0
+    for step in range(10):  # warm up: the writer, the buffer, the allocator's pools
+        state["step"] = step
+        ckpt.async_save(state, tmp_path / f"w{step % 2}", sync_files=False).result(timeout=60)
+    before = _rss_bytes()
+    for step in range(100):
+        state["step"] = step
+        for tensor in list(state.values())[:-1]:
+            tensor.add_(1.0)
+        ckpt.async_save(state, tmp_path / f"s{step % 2}", sync_files=False).result(timeout=60)
+    grown = _rss_bytes() - before
+    assert grown < 8 << 20, f"resident memory grew by {grown >> 20} MiB over 100 saves"
+    target = {key: torch.zeros_like(value) for key, value in state.items() if key != "step"}
+    target["step"] = -1
+    ckpt.load(target, tmp_path / "s1")
+    assert target["step"] == 99 and torch.equal(target["layer3.weight"], state["layer3.weight"])
+
+
+def test_a_writer_killed_while_idle_fails_the_next_call_then_a_new_one_starts(
+    tmp_path: Path,
+) -> None:
+    ckpt.async_save({"w": torch.ones(4)}, tmp_path / "a").result(timeout=60)
+    pid = _writer().process.pid
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_gone(pid)
+    deadline = time.monotonic() + 10
+    while not _writer().dead and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match=r"writer process of rank 0 was killed by SIGKILL"):
+        ckpt.async_save({"w": torch.ones(4)}, tmp_path / "b")
+    assert not (tmp_path / "b" / "shardwise.json").exists()
+    ckpt.async_save({"w": torch.full((4,), 2.0)}, tmp_path / "b").result(timeout=60)
+    assert _writer().process.pid != pid
+    target = {"w": torch.zeros(4)}
+    ckpt.load(target, tmp_path / "b")
+    assert torch.equal(target["w"], torch.full((4,), 2.0))
+
+
+def test_a_writer_killed_mid_save_fails_the_future_and_commits_nothing(tmp_path: Path) -> None:
+    ckpt.async_save({"w": torch.ones(4)}, tmp_path / "a").result(timeout=60)
+    pid = _writer().process.pid
+    os.kill(pid, signal.SIGSTOP)  # the save handed over below cannot progress
+    try:
+        future = ckpt.async_save({"w": torch.full((4,), 5.0)}, tmp_path / "a")
+        time.sleep(0.2)
+        assert not future.done()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(CheckpointError, match=r"rank 0 was killed by SIGKILL.*was not commit"):
+        future.result(timeout=30)
+    target = {"w": torch.zeros(4)}
+    ckpt.load(target, tmp_path / "a")  # the previous save to the same path still loads
+    assert torch.equal(target["w"], torch.ones(4))
+    ckpt.async_save({"w": torch.full((4,), 6.0)}, tmp_path / "a").result(timeout=60)
+    ckpt.load(target, tmp_path / "a")
+    assert torch.equal(target["w"], torch.full((4,), 6.0))
+
+
+_SCRIPT = """
+import os, sys, torch
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.saving import background
+state = {{"w": torch.arange(1 << 20, dtype=torch.float32)}}
+ckpt.async_save({{"w": torch.ones(1)}}, {path!r} + "-first").result()
+print(next(iter(background._writers.values())).process.pid, flush=True)
+future = ckpt.async_save(state, {path!r})  # never waited for by the script itself
+how = sys.argv[1]
+if how == "exception":
+    raise RuntimeError("the training loop failed")
+if how == "kill":
+    sys.stdin.read()  # wait to be killed
+"""
+
+
+@pytest.mark.parametrize("how", ["normal", "exception", "kill"])
+def test_no_writer_outlives_its_training_process(tmp_path: Path, how: str) -> None:
+    path = str(tmp_path / "c")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_SCRIPT.format(path=path)))
+    process = subprocess.Popen(
+        [sys.executable, str(script), how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    pid = int(process.stdout.readline())
+    if how == "kill":
+        process.kill()
+    _, stderr = process.communicate(timeout=60)
+    assert _wait_gone(pid), f"the writer process {pid} outlived its training process"
+    if how == "kill":
+        assert process.returncode == -signal.SIGKILL
+        return
+    # Exiting, normally or by an exception, first finishes the save in flight.
+    assert process.returncode == (0 if how == "normal" else 1), stderr
+    target = {"w": torch.zeros(1 << 20)}
+    ckpt.load(target, path)
+    assert torch.equal(target["w"], torch.arange(1 << 20, dtype=torch.float32))
