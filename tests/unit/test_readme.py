@@ -381,7 +381,7 @@ def test_command_line_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     local, remote = [], []
     for command in shardwise_commands(COMMAND_LINE):
         (remote if "s3://" in command else local).append(command)
-    commands = {"inspect", "verify", "diff", "consolidate", "convert-dcp"}
+    commands = {"inspect", "verify", "diff", "consolidate", "convert-dcp", "ls"}
     assert {shlex.split(c)[1] for c in local} == commands, "an example of every command"
     for command in local:
         assert _run_command(command) == 0, command
