@@ -5,6 +5,7 @@ next call, and a series on S3 (moto's server) with retention and ``shardwise ls`
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -129,11 +130,13 @@ def test_a_failed_background_save_raises_on_every_rank(tmp_path: Path) -> None:
         (root / "step-00000002").mkdir(parents=True)
         (root / "step-00000002" / "data").write_text("a file where data/ must be")
     dist.barrier()
-    manager = ckpt.CheckpointManager(root)
+    manager = ckpt.CheckpointManager(root, save_policy=ckpt.SavePolicy(every_steps=2))
     assert manager.save(2, _state(2))
+    if dist.get_rank() == 0:  # rank 0 has seen its save fail; rank 1 may not have yet
+        concurrent.futures.wait([manager._in_flight])  # type: ignore[list-item]
     with pytest.raises(ckpt.CheckpointDataError, match="not a real directory"):
-        # The next call that saves raises it, whether or not this rank saw it fail yet.
-        manager.save(3, _state(3), force=True)
+        # Step 3 is not due, but the failure is raised at this next call, on every rank.
+        manager.save(3, _state(3))
     assert manager.save(4, _state(4))
     manager.close()
     assert ckpt.CheckpointManager(root).steps() == [4]

@@ -228,17 +228,17 @@ class CheckpointManager:
             self._tidy_if_done()
             return False
         path = self.path(step)
-        # 0-d tensors and NumPy numbers as Python numbers (step_record refuses anything else).
-        plain_metrics = {
-            name: value.item() if hasattr(value, "item") else value
-            for name, value in (metrics or {}).items()
-        }
 
         def prepare() -> None:
             self._finish_in_flight()  # at most one save in flight; its failure reaches all
             if self._comm.rank == 0:
                 self._tidy()
-                record = step_record(step, plain_metrics, self.retention)
+                # 0-d tensors and NumPy numbers as Python numbers (step_record refuses others).
+                plain = {
+                    name: value.item() if hasattr(value, "item") else value
+                    for name, value in (metrics or {}).items()
+                }
+                record = step_record(step, plain, self.retention)
                 self._storage.makedirs(self._storage.join(step_name(step)))
                 # Before the save: its index is the commit, and the record must be there then.
                 self._storage.remove(self._storage.join(step_name(step), REJECTED_NAME))
