@@ -40,6 +40,7 @@ from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.saving.outcome import returned_metadata
 from shardwise.checkpoint.saving.snapshot import Snapshot
 from shardwise.checkpoint.saving.staging import SharedBuffer, StagingArea
+from shardwise.checkpoint.saving.writer_process import claim_abort
 from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -306,7 +307,7 @@ class Writer:
         if publish and self._store is not None:
             with contextlib.suppress(Exception):
                 reason = {"kind": "death", "rank": self.rank, "reason": f"its process {how}"}
-                self._store.set(self._abort_key, json.dumps(reason))
+                claim_abort(self._store, self._abort_key, reason)
         self._fail(error, report_later=True)
 
     def _fail(self, error: CheckpointError, report_later: bool) -> None:

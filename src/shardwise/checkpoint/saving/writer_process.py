@@ -29,6 +29,7 @@ import torch
 EXIT_ORPHANED = 4
 EXIT_ABORTED = 3
 _PARENT_POLL_SECONDS = 0.2
+_PEER_DEATH_SECONDS = 2.0
 
 
 class _Link:
@@ -64,6 +65,17 @@ class _Forward(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(Exception):  # the training process is gone: nowhere to log
             self._link.send(("log", record.name, record.levelno, record.getMessage()))
+
+
+def claim_abort(store: Any, key: str, reason: dict[str, Any]) -> dict[str, Any]:
+    """Abort the writers of ``key``'s generation for ``reason``, unless someone did first;
+    returns the reason that holds (the first one, which names the rank that failed first)."""
+    if store.add(f"{key}/claims", 1) == 1:
+        store.set(key, json.dumps(reason))
+        return reason
+    store.wait([key], datetime.timedelta(seconds=30))
+    found: dict[str, Any] = json.loads(store.get(key))
+    return found
 
 
 def _watch_parent(parent: int, abort: Any) -> None:
@@ -126,10 +138,19 @@ def main(setup: dict[str, Any]) -> int:
     store = None
     abort_key = f"shardwise/async/{setup.get('token')}/abort"
 
-    def abort(kind: str, why: str) -> None:
-        if store is not None:
-            with contextlib.suppress(Exception):
-                store.set(abort_key, json.dumps({"kind": kind, "rank": rank, "reason": why}))
+    def abort(kind: str, why: str) -> dict[str, Any] | None:
+        """Abort this generation's writers (the first reason holds), returned when another."""
+        if store is None:
+            return None
+        with contextlib.suppress(Exception):
+            if kind == "break":
+                # A peer that died fails this save too: its rank names the cause, if it is
+                # published soon (its training process does so as soon as it sees it die).
+                with contextlib.suppress(Exception):
+                    store.wait([abort_key], datetime.timedelta(seconds=_PEER_DEATH_SECONDS))
+            held = claim_abort(store, abort_key, {"kind": kind, "rank": rank, "reason": why})
+            return held if held.get("rank") != rank else None
+        return None
 
     threading.Thread(target=_watch_parent, args=(setup["parent"], abort), daemon=True).start()
     if world > 1:
@@ -173,7 +194,10 @@ def main(setup: dict[str, Any]) -> int:
         except BaseException as err:
             broken = _breaks_group(err)
             if broken:
-                abort("break", f"its save to {path} failed: {err}")
+                cause = abort("break", f"its save to {path} failed: {err}")
+                if cause is not None:  # another writer failed first: that is the cause
+                    link.send(("aborted", json.dumps(cause)))
+                    return 2
             link.send(("error", err, broken))
             if broken:
                 return 2
