@@ -9,8 +9,12 @@ from typing import Any
 
 from shardwise._progress import human_bytes
 from shardwise.checkpoint.manager.policy import RetentionPolicy, retained
-from shardwise.checkpoint.manager.series import CheckpointInfo, checkpoint_bytes, list_series
-from shardwise.checkpoint.storage import open_storage
+from shardwise.checkpoint.manager.series import (
+    CheckpointInfo,
+    checkpoint_bytes,
+    list_series,
+    open_series,
+)
 from shardwise.cli._common import EXIT_OK, _printable
 from shardwise.errors import CheckpointNotFoundError
 
@@ -27,7 +31,7 @@ def _newest_policy(listing: list[CheckpointInfo]) -> RetentionPolicy | None:
 
 
 def _summary(root: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    storage = open_storage(root, storage_options)
+    storage = open_series(root, storage_options)
     if not storage.exists(storage.root):
         raise CheckpointNotFoundError(f"no series at {root}: it does not exist")
     listing = list_series(storage)

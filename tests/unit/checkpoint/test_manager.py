@@ -291,3 +291,21 @@ def test_ls_lists_the_series(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert code == 2 and out == "" and err.startswith("shardwise ls: error: no series at")
     assert len(err.splitlines()) == 1
     assert (root / "step-00000002" / STEP_RECORD_NAME).is_file()
+
+
+def test_a_linked_root_works_and_no_link_below_it_is_followed(tmp_path: Path) -> None:
+    real, outside = tmp_path / "real", tmp_path / "outside"
+    real.mkdir()
+    (outside / "data").mkdir(parents=True)
+    (outside / "data" / "precious.bin").write_bytes(b"not the series'")
+    (tmp_path / "run").symlink_to(real)  # the user chose the link: it is followed
+    (real / "step-00000003").symlink_to(outside)  # below the root: never followed
+    retention = ckpt.RetentionPolicy(keep_last=1)
+    with ckpt.CheckpointManager(tmp_path / "run", retention=retention) as manager:
+        for step in (1, 2, 4):
+            manager.save(step, _state(step))
+        manager.wait()
+        assert manager.steps() == [4]
+    assert _steps_on_disk(real) == ["step-00000003", "step-00000004"]
+    assert (real / "step-00000003").is_symlink()
+    assert (outside / "data" / "precious.bin").read_bytes() == b"not the series'"

@@ -29,6 +29,7 @@ from shardwise.checkpoint.manager.series import (
     REJECTED_NAME,
     STEP_RECORD_NAME,
     list_series,
+    open_series,
     rejection_record,
     step_name,
     step_record,
@@ -36,7 +37,7 @@ from shardwise.checkpoint.manager.series import (
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.saving.save import async_save as _async_save
 from shardwise.checkpoint.saving.save import save as _save
-from shardwise.checkpoint.storage import Storage, open_shared_storage, open_storage
+from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.collectives.failures import bounded
 from shardwise.errors import (
     CheckpointDataError,
@@ -118,7 +119,7 @@ class CheckpointManager:
         self._storage_options = storage_options
         self._sync_files = sync_files
         self._comm = collectives.Comm(process_group, operation="CheckpointManager")
-        self._storage = open_shared_storage(self.root, storage_options, self._comm.world_size)
+        self._storage = open_series(self.root, storage_options, self._comm.world_size)
         self._in_flight: concurrent.futures.Future[Metadata] | None = None
         self._in_flight_step: int | None = None
         self._untidy = False  # a save committed since rank 0 last applied the retention

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -23,7 +24,12 @@ from typing import Any
 
 from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
 from shardwise.checkpoint.manager.policy import RetentionPolicy
-from shardwise.checkpoint.storage import Storage, UnsafePathError
+from shardwise.checkpoint.storage import (
+    LocalStorage,
+    Storage,
+    UnsafePathError,
+    open_shared_storage,
+)
 
 __all__ = [
     "REJECTED_NAME",
@@ -31,6 +37,7 @@ __all__ = [
     "CheckpointInfo",
     "checkpoint_bytes",
     "list_series",
+    "open_series",
     "parse_step_name",
     "read_step_record",
     "rejection_record",
@@ -47,6 +54,16 @@ _RECORD_VERSION = 1
 _MAX_RECORD_BYTES = 1 << 20
 _STEP_DIGITS = 8
 _STEP_NAME = re.compile(r"step-([0-9]{8,19})")
+
+
+def open_series(root: str, storage_options: dict[str, Any] | None, world_size: int = 1) -> Storage:
+    """The storage of the series at ``root`` (refused where ``world_size`` processes would not
+    share it). A local root that is a symbolic link is opened where it points: the user chose
+    it, and nothing below it is followed."""
+    storage = open_shared_storage(root, storage_options, world_size)
+    if isinstance(storage, LocalStorage) and os.path.islink(storage.root):
+        storage = LocalStorage(os.path.realpath(storage.root))
+    return storage
 
 
 def step_name(step: int) -> str:
