@@ -216,3 +216,20 @@ def test_no_writer_outlives_its_training_process(tmp_path: Path, how: str) -> No
     target = {"w": torch.zeros(1 << 20)}
     ckpt.load(target, path)
     assert torch.equal(target["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_are_staged_on_a_side_stream_before_a_later_update(tmp_path: Path) -> None:
+    n = 1 << 22
+    state = {"w": torch.arange(n, device="cuda", dtype=torch.float32), "b": torch.ones(3).cuda()}
+    future = ckpt.async_save(state, tmp_path / "a")
+    state["w"].add_(1)  # queued on the training stream: it must not overtake the copy
+    state["b"].zero_()
+    future.result(timeout=60)
+    buffer = _writer().staging.buffer
+    assert buffer is not None and buffer.pinned
+    target = {"w": torch.zeros(n), "b": torch.zeros(3)}
+    ckpt.load(target, tmp_path / "a")
+    assert torch.equal(target["w"], torch.arange(n, dtype=torch.float32))
+    assert torch.equal(target["b"], torch.ones(3))
