@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -309,3 +310,15 @@ def test_a_linked_root_works_and_no_link_below_it_is_followed(tmp_path: Path) ->
     assert _steps_on_disk(real) == ["step-00000003", "step-00000004"]
     assert (real / "step-00000003").is_symlink()
     assert (outside / "data" / "precious.bin").read_bytes() == b"not the series'"
+
+
+def test_every_seconds_counts_from_the_last_save(tmp_path: Path) -> None:
+    policy = ckpt.SavePolicy(every_seconds=0.5)
+    with ckpt.CheckpointManager(tmp_path / "run", save_policy=policy, async_save=False) as manager:
+        assert not manager.save(1, _state(1))  # 0.5 s have not passed since it was made
+        time.sleep(0.55)
+        assert manager.save(2, _state(2))
+        assert not manager.save(3, _state(3))  # counted again from that save
+        time.sleep(0.55)
+        assert manager.save(4, _state(4))
+        assert manager.steps() == [2, 4]
