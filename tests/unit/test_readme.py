@@ -51,6 +51,7 @@ FSDP2 = "FSDP2 and DTensor"
 TRAINING = "Training with sharded parameters"
 COMMAND_LINE = "Command line"
 EXPORT_HF = "Export to Hugging Face"
+HF_IN_OUT = "Hugging Face weights in and out of a sharded job"
 #: The heading of every section with Python blocks, and the test that runs them.
 RUN = {
     SHARDED_TENSORS: "test_sharded_tensor_tour_on_4_ranks",
@@ -59,6 +60,7 @@ RUN = {
     FSDP2: "test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4",
     TRAINING: "test_training_tour_on_4_ranks",
     EXPORT_HF: "test_export_to_hugging_face_in_one_process",
+    HF_IN_OUT: "test_hugging_face_in_and_out_in_one_process",
 }
 
 
@@ -416,3 +418,19 @@ def test_export_to_hugging_face_in_one_process(
     for key, value in model.state_dict().items():
         assert loaded[key].dtype == torch.bfloat16, key
         assert torch.equal(loaded[key], value.to(torch.bfloat16)), key
+
+
+def test_hugging_face_in_and_out_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace = run_blocks(section_blocks(HF_IN_OUT))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "LoadResult(missing_keys=[], unexpected_keys=[])"
+    )
+    names = sorted(path.name for path in (tmp_path / "hf_direct").iterdir())
+    assert "config.json" in names and "model.safetensors.index.json" in names
+    assert len([name for name in names if name.startswith("model-")]) > 1
+    model, fresh = namespace["model"], namespace["fresh"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
