@@ -322,3 +322,20 @@ def test_every_seconds_counts_from_the_last_save(tmp_path: Path) -> None:
         time.sleep(0.55)
         assert manager.save(4, _state(4))
         assert manager.steps() == [2, 4]
+
+
+def test_a_relative_root_stays_where_it_was_when_the_directory_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with ckpt.CheckpointManager("run") as manager:
+        manager.save(1, _state(1))
+        monkeypatch.chdir(tmp_path / "b")  # a training script may chdir (a data loader...)
+        manager.save(2, _state(2))
+        manager.wait()
+        assert manager.steps() == [1, 2]
+        assert manager.path(2) == str(tmp_path / "a" / "run" / "step-00000002")
+    assert _steps_on_disk(tmp_path / "a" / "run") == ["step-00000001", "step-00000002"]
+    assert not (tmp_path / "b" / "run").exists()

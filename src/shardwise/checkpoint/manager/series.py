@@ -58,11 +58,15 @@ _STEP_NAME = re.compile(r"step-([0-9]{8,19})")
 
 def open_series(root: str, storage_options: dict[str, Any] | None, world_size: int = 1) -> Storage:
     """The storage of the series at ``root`` (refused where ``world_size`` processes would not
-    share it). A local root that is a symbolic link is opened where it points: the user chose
-    it, and nothing below it is followed."""
+    share it). A local root is made absolute, so that a later change of the working directory
+    moves nothing; one that is a symbolic link is opened where it points: the user chose it,
+    and nothing below it is followed."""
     storage = open_shared_storage(root, storage_options, world_size)
-    if isinstance(storage, LocalStorage) and os.path.islink(storage.root):
-        storage = LocalStorage(os.path.realpath(storage.root))
+    if isinstance(storage, LocalStorage):
+        local = storage.root
+        storage = LocalStorage(
+            os.path.realpath(local) if os.path.islink(local) else os.path.abspath(local)
+        )
     return storage
 
 
