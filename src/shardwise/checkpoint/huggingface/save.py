@@ -251,11 +251,9 @@ def _write_box(writer: PartWriter, box: LocalBox, tensor: OutTensor, start: int)
     itemsize = tensor.dtype.itemsize
     written = 0
     for slab in _slabs(box, tuning.TUNING.read_batch_bytes):
-        source = slab.tensor.detach()
-        if source.dtype != tensor.dtype or not source.is_cpu or not source.is_contiguous():
-            source = source.to("cpu", tensor.dtype).contiguous()
-        elif source.is_conj() or source.is_neg():
-            source = source.resolve_conj().resolve_neg()
+        # A contiguous CPU slab of the written dtype is written from its own memory.
+        source = slab.tensor.detach().to("cpu", tensor.dtype).contiguous()
+        source = source.resolve_conj().resolve_neg()
         data = byte_view(source)
         strides = [math.prod(slab.sizes[d + 1 :]) for d in range(len(slab.sizes))]
         for run in planner.plan_reads(slab.box, [chunk], itemsize, read_cost=0):
@@ -353,7 +351,7 @@ def save_safetensors(
             try:
                 writer.write_at(0, [file.header])
             finally:
-                writer.close(sync=False)
+                writer.close(sync=sync_files)
 
     mine = [
         (key, box)
