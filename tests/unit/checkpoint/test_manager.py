@@ -88,7 +88,7 @@ def test_only_exact_step_names_are_the_series(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("damage", ["flip a data byte", "truncate the index"])
+@pytest.mark.parametrize("damage", ["flip a data byte", "truncate the index", "lose a data file"])
 def test_restore_falls_back_past_a_corrupt_latest(tmp_path: Path, damage: str) -> None:
     root = tmp_path / "run"
     with ckpt.CheckpointManager(root, async_save=False) as manager:
@@ -98,10 +98,14 @@ def test_restore_falls_back_past_a_corrupt_latest(tmp_path: Path, damage: str) -
     if damage == "flip a data byte":
         _flip_data_byte(latest)
         expected: type[ckpt.CheckpointError] = ckpt.ChecksumError
-    else:
+    elif damage == "truncate the index":
         index = latest / "shardwise.json"
         index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
         expected = ckpt.CheckpointFormatError
+    else:
+        for data_file in (latest / "data").iterdir():
+            data_file.unlink()
+        expected = ckpt.CheckpointDataError
     manager = ckpt.CheckpointManager(root, async_save=False)
     state = _blank()
     with pytest.warns(ckpt.RestoreFallbackWarning, match=r"step-00000003") as caught:
