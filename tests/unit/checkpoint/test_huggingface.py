@@ -351,3 +351,17 @@ def test_save_replaces_an_earlier_save_and_writes_what_load_file_reads(tmp_path:
     for key, value in tensors.items():
         expected = value.half() if value.is_floating_point() else value
         assert torch.equal(got[key], expected), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_targets_and_sources(tmp_path: Path) -> None:
+    # Staged through pinned host memory on load (cast on the way), written from device memory.
+    path = _directory(tmp_path / "hf")
+    reference = _tensors()
+    target = {"model.norm.weight": torch.zeros(8, device="cuda")}  # bf16 in the file
+    _load_part(target, path, allow_dtype_cast=True)
+    assert torch.equal(target["model.norm.weight"].cpu(), reference["model.norm.weight"].float())
+    on_device = {k: v.cuda() for k, v in reference.items()}
+    ckpt.save_safetensors(on_device, tmp_path / "out")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    h.assert_same_values(got, reference)
