@@ -12,6 +12,8 @@ interleaved in the same run, it measures:
   same state (target: <= 1.2x).
 
 States: 512 MiB in 32 tensors, and 20,000 small tensors (an optimizer state's shape).
+Then an FSDP2 training step on 2 gloo ranks (a decoder and its AdamW state, as torchtitan
+checkpoints it): its steps per second while each method's async save writes, against idle.
 Saves go to tmpfs (``--dir``, default /dev/shm). ``--quick`` runs smaller states once.
 
     python bench/async_interference.py [--quick] [--reps N] [--dir /dev/shm]
@@ -20,6 +22,7 @@ Saves go to tmpfs (``--dir``, default /dev/shm). ``--quick`` runs smaller states
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import shutil
@@ -35,6 +38,9 @@ from typing import Any
 import torch
 
 import shardwise.checkpoint as ckpt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import run_rank, run_world
 
 _LOOP_WIDTH = 256
 
@@ -94,19 +100,23 @@ def _shardwise_async(state: dict[str, Any], path: str) -> Future[Any]:
     return ckpt.async_save(state, path)
 
 
+_DCP_GROUP: Any = None  # DCP's background thread needs a group of its own beside training's
+
+
 def _dcp_async(state: dict[str, Any], path: str) -> Future[Any]:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return dcp.async_save(state, checkpoint_id=path)  # type: ignore[return-value]
+        return dcp.async_save(  # type: ignore[return-value]
+            state, checkpoint_id=path, process_group=_DCP_GROUP
+        )
 
 
 def _one(method: str, state: dict[str, Any], path: str, idle: float) -> dict[str, float]:
-    start = _shardwise_async if method == "shardwise" else _dcp_async
     gc.collect()
     called = time.perf_counter()
-    future = start(state, path)
+    future = _start(method, state, path)
     blocked = time.perf_counter() - called
     rate = _rate_while(future.done, least=0.05)
     future.result()
@@ -119,6 +129,121 @@ def _sync_seconds(state: dict[str, Any], path: str) -> float:
     started = time.perf_counter()
     ckpt.save(state, path)
     return time.perf_counter() - started
+
+
+@dataclasses.dataclass(frozen=True)
+class _FsdpConfig:
+    port: int
+    results: str
+    root: str
+    quick: bool
+    reps: int
+
+
+def _fsdp_rank(rank: int, config: _FsdpConfig) -> None:
+    run_rank(rank, config, 2, 300, lambda: _fsdp_body(rank, config))
+
+
+def _fsdp_body(rank: int, config: _FsdpConfig) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _training.model import ModelShape
+    from _training.state import build
+
+    shape = (
+        ModelShape(vocab=4000, dim=128, layers=4, heads=4, hidden=352)
+        if config.quick
+        else ModelShape(vocab=16000, dim=384, layers=8, heads=6, hidden=1024)
+    )
+    global _DCP_GROUP
+    _DCP_GROUP = dist.new_group(backend="gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    training = build(shape, mesh, per_layer=True, steps=1)
+    generator = torch.Generator().manual_seed(2)
+    flag = torch.zeros(1)
+
+    def step() -> None:
+        tokens = torch.randint(0, shape.vocab, (1, 16), generator=generator)
+        logits = training.model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, shape.vocab), tokens[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        training.optim.step()
+        training.optim.zero_grad(set_to_none=True)
+
+    def steps_per_second(done: Callable[[], bool], least: float) -> float:
+        count, started = 0, time.perf_counter()
+        while True:
+            step()
+            count += 1
+            elapsed = time.perf_counter() - started
+            flag.fill_(float(done() and elapsed >= least))
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank stops at the same step
+            if flag.item() == 1.0:
+                return count / elapsed
+
+    state = training.state
+    nbytes = sum(leaf.numel() * leaf.element_size() for leaf in _tensors(state))
+    for method in ("shardwise", "dcp"):  # warm up: writers start, DCP imports
+        _start(method, state, f"{config.root}/warm-{method}").result()
+    shares: dict[str, list[float]] = {"shardwise": [], "dcp": []}
+    for rep in range(config.reps):
+        idle = _idle_steps(steps_per_second)
+        order = ["shardwise", "dcp"] if rep % 2 == 0 else ["dcp", "shardwise"]
+        for method in order:
+            future = _start(method, state, f"{config.root}/{method}-{rep}")
+            shares[method].append(steps_per_second(future.done, 0.2) / idle)
+            future.result()
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(f"{config.root}/{method}-{rep}", ignore_errors=True)
+    return {"shares": shares, "bytes_per_rank": nbytes, "params": shape.num_params()}
+
+
+def _idle_steps(steps_per_second: Callable[[Callable[[], bool], float], float]) -> float:
+    """Steps per second over 2 s without a save."""
+    return steps_per_second(lambda: True, 2.0)
+
+
+def _tensors(node: Any) -> list[torch.Tensor]:
+    if isinstance(node, torch.Tensor):
+        local = getattr(node, "_local_tensor", node)
+        return [local]
+    if isinstance(node, dict):
+        return [t for child in node.values() for t in _tensors(child)]
+    if isinstance(node, (list, tuple)):
+        return [t for child in node for t in _tensors(child)]
+    return []
+
+
+def _start(method: str, state: dict[str, Any], path: str) -> Future[Any]:
+    return _shardwise_async(state, path) if method == "shardwise" else _dcp_async(state, path)
+
+
+def _fsdp(args: argparse.Namespace, root: str) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = f"{root}/fsdp-results.json"
+    reps = 1 if args.quick else args.reps
+    config = _FsdpConfig(port, results, f"{root}/fsdp", args.quick, reps)
+    found = run_world(_fsdp_rank, config, 2)
+    print(
+        f"\nFSDP2 training step on 2 ranks ({found['params'] / 1e6:.0f}M parameters, "
+        f"{found['bytes_per_rank'] >> 20} MiB of state per rank): steps/s while saving"
+    )
+    ok = True
+    for method, shares in found["shares"].items():
+        share = statistics.median(shares)
+        print(f"  {method:<10} {share:>9.0%} of idle")
+        if method == "shardwise":
+            ok = share >= 0.9
+            print(f"  {'PASS' if ok else 'MISS'} training step >= 90% of idle: {share:.0%}")
+    return ok
 
 
 def main() -> None:
@@ -172,6 +297,7 @@ def main() -> None:
             ):
                 ok &= good
                 print(f"  {'PASS' if good else 'MISS'} {label}: {value}")
+        ok &= _fsdp(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     sys.exit(0 if ok else 1)

@@ -233,3 +233,22 @@ def test_gpu_tensors_are_staged_on_a_side_stream_before_a_later_update(tmp_path:
     ckpt.load(target, tmp_path / "a")
     assert torch.equal(target["w"], torch.arange(n, dtype=torch.float32))
     assert torch.equal(target["b"], torch.ones(3))
+
+
+def test_a_relative_path_is_where_the_caller_is_when_it_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    ckpt.async_save({"w": torch.ones(2)}, "first").result(timeout=60)  # the writer starts here
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    metadata = ckpt.async_save({"w": torch.full((2,), 2.0)}, "second").result(timeout=60)
+    assert (tmp_path / "elsewhere" / "second" / "shardwise.json").is_file()
+    assert not (tmp_path / "second").exists()
+    assert metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id == "second"
+
+
+def test_a_store_private_to_this_process_is_refused_before_anything_is_staged() -> None:
+    with pytest.raises(CheckpointError, match=r"only this process sees \(memory://\).*use save"):
+        ckpt.async_save({"w": torch.ones(2)}, "memory://async/c")
+    assert not background._writers

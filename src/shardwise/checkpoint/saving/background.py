@@ -40,7 +40,6 @@ from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.saving.outcome import returned_metadata
 from shardwise.checkpoint.saving.snapshot import Snapshot
 from shardwise.checkpoint.saving.staging import SharedBuffer, StagingArea
-from shardwise.checkpoint.saving.writer_process import claim_abort
 from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -103,6 +102,17 @@ def _rendezvous(group: ProcessGroup | None, rank: int, number: int) -> _Rendezvo
     token = secrets.token_hex(8)
     group_store.set(key, json.dumps({"token": token, "host": address[0], "port": address[1]}))
     return _Rendezvous(token, address[0], address[1], served)
+
+
+def claim_abort(store: Any, key: str, reason: dict[str, Any]) -> dict[str, Any]:
+    """Abort the writers of ``key``'s generation for ``reason``, unless someone did first;
+    returns the reason that holds (the first one, which names the rank that failed first)."""
+    if store.add(f"{key}/claims", 1) == 1:
+        store.set(key, json.dumps(reason))
+        return reason
+    store.wait([key], datetime.timedelta(seconds=30))
+    found: dict[str, Any] = json.loads(store.get(key))
+    return found
 
 
 class Writer:
@@ -194,14 +204,16 @@ class Writer:
                 )
                 local_error.__cause__ = err
         options = dataclasses.replace(options, process_group=None)
-        message = ("save", staged, path, options, local_error, self.members)
+        # The writer resolves a relative path where this process would: in its directory now.
+        message = ("save", staged, path, options, local_error, self.members, os.getcwd())
         try:
             payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:  # e.g. storage_options holding a live object
             error = CheckpointError(
                 f"cannot hand the save to the writer process: {type(err).__name__}: {err}"
             )
-            payload = pickle.dumps(("save", Snapshot({}, {}), path, options, error, self.members))
+            empty = Snapshot({}, {})
+            payload = pickle.dumps(("save", empty, path, options, error, self.members, os.getcwd()))
         with self._lock:
             self.future, self.path = future, path
             self.storage_options = options.storage_options

@@ -42,7 +42,12 @@ from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
-from shardwise.checkpoint.storage import Storage, UnsafePathError, open_shared_storage
+from shardwise.checkpoint.storage import (
+    Storage,
+    UnsafePathError,
+    open_shared_storage,
+    open_storage,
+)
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTimeoutError
 
 if TYPE_CHECKING:
@@ -416,6 +421,14 @@ def async_save(
         A future of the checkpoint's :class:`Metadata`.
     """
     options = SaveOptions.of_call(locals())
+    path = os.path.expanduser(os.fspath(path))
+    if open_storage(path, storage_options).process_local:  # the same verdict on every rank
+        raise CheckpointError(
+            f"{path} is in a store that only this process sees (memory://), but async_save "
+            "writes from a writer process of its own, which would write its own copy; use "
+            "save, or a file system or object store",
+            file=path,
+        )
     with _async_lock:
         concurrent.futures.wait(_background.in_flight())
         comm = collectives.Comm(process_group, operation="async_save")
@@ -423,4 +436,4 @@ def async_save(
         writer = _background.writer_for(comm.group)
         with paused_gc():
             snapshot, error = describe_or_error(state_dict, allow_pickle)
-            return writer.submit(snapshot, os.path.expanduser(os.fspath(path)), options, error)
+            return writer.submit(snapshot, path, options, error)

@@ -67,17 +67,6 @@ class _Forward(logging.Handler):
             self._link.send(("log", record.name, record.levelno, record.getMessage()))
 
 
-def claim_abort(store: Any, key: str, reason: dict[str, Any]) -> dict[str, Any]:
-    """Abort the writers of ``key``'s generation for ``reason``, unless someone did first;
-    returns the reason that holds (the first one, which names the rank that failed first)."""
-    if store.add(f"{key}/claims", 1) == 1:
-        store.set(key, json.dumps(reason))
-        return reason
-    store.wait([key], datetime.timedelta(seconds=30))
-    found: dict[str, Any] = json.loads(store.get(key))
-    return found
-
-
 def _watch_parent(parent: int, abort: Any) -> None:
     while os.getppid() == parent:
         time.sleep(_PARENT_POLL_SECONDS)
@@ -121,6 +110,7 @@ def main(setup: dict[str, Any]) -> int:
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
     from shardwise import collectives
+    from shardwise.checkpoint.saving.background import claim_abort
     from shardwise.checkpoint.saving.save import save_outcome
     from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
 
@@ -185,10 +175,11 @@ def main(setup: dict[str, Any]) -> int:
                 buffer.close()
             buffer = SharedBuffer(recv_handle(link.conn), message[1])
             continue
-        _, snapshot, path, options, local_error, members = message
+        _, snapshot, path, options, local_error, members, directory = message
         data = buffer.bytes if buffer is not None else torch.empty(0, dtype=torch.uint8)
         comm = collectives.Comm(None, operation="async_save")
         try:
+            os.chdir(directory)
             snapshot = open_views(snapshot, data)
             outcome, save_id, _ = save_outcome(snapshot, path, comm, options, local_error, members)
         except BaseException as err:
