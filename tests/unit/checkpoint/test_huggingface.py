@@ -337,6 +337,10 @@ def test_save_refusals(tmp_path: Path) -> None:
             {"v": torch.ones(1), "w": torch.ones(1)}, tmp_path / "c", key_map=lambda key: "x"
         )
     assert not any((tmp_path / name).exists() for name in "abc")
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ckpt.CheckpointStorageError, match="cannot create the files in"):
+        ckpt.save_safetensors({"w": torch.ones(2)}, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "not a directory"
 
 
 def test_save_replaces_an_earlier_save_and_writes_what_load_file_reads(tmp_path: Path) -> None:

@@ -20,9 +20,9 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -56,7 +56,7 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.tiling import check_tiling
 from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.storage import LocalStorage, PartWriter, open_shared_storage
-from shardwise.errors import CheckpointError, CheckpointMismatchError
+from shardwise.errors import CheckpointError, CheckpointMismatchError, CheckpointStorageError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 __all__ = ["FilePlan", "SavePlan", "plan_files", "save_safetensors"]
 
 logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +311,8 @@ def save_safetensors(
     Raises:
         CheckpointError: (a subclass) an object-store URL, ranks that disagree on a tensor,
             shards that do not make up their tensor, a dtype safetensors cannot store, two
-            keys of one name, a write that fails. Every rank raises the same error.
+            keys of one name; ``CheckpointStorageError`` for a write that fails. Every rank
+            raises the same error.
 
     Example:
         >>> shardwise.checkpoint.save_safetensors(model.state_dict(), "/out/model")
@@ -362,7 +365,7 @@ def save_safetensors(
     file_of = {key: file for file in plan.files for key in file.starts}
     bar = None
     try:
-        comm.exchange_or_raise(create)
+        comm.exchange_or_raise(_in_words(create, "create the files in", path_text))
         if tables[0][1]:  # every byte of every tensor is written once, by one rank
             bar = job_bar(comm, plan.total, f"saving {path_text}", f"save/{shared_token}")
 
@@ -383,7 +386,7 @@ def save_safetensors(
                 for writer in writers.values():
                     writer.close(sync=sync_files)
 
-        exchange_with_bar(comm, write, bar)
+        exchange_with_bar(comm, _in_words(write, "write", path_text), bar)
 
         def commit() -> list[str]:
             for file in plan.files:
@@ -402,7 +405,7 @@ def save_safetensors(
                 storage.sync_dir(storage.root)
             return written
 
-        written: list[str] = comm.broadcast_or_raise(commit, src=0)
+        written: list[str] = comm.broadcast_or_raise(_in_words(commit, "commit", path_text), src=0)
     except BaseException:
         if comm.rank == 0:
             for temp in temporary.values():
@@ -412,6 +415,23 @@ def save_safetensors(
     if comm.rank == 0:
         log_done(logger, "saved", path_text, plan.total, time.monotonic() - started)
     return written
+
+
+def _in_words(step: Callable[[], T], doing: str, path: str) -> Callable[[], T]:
+    """``step``, its file-system errors raised as one-line ``CheckpointStorageError``s."""
+
+    def run() -> T:
+        try:
+            return step()
+        except CheckpointError:
+            raise
+        except OSError as err:
+            where = err.filename if err.filename is not None else path
+            raise CheckpointStorageError(
+                f"cannot {doing} {path}: {err.strerror or err}", file=where
+            ) from err
+
+    return run
 
 
 def _local_box(value: TensorValue, box: Box) -> LocalBox:
