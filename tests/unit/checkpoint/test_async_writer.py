@@ -4,6 +4,8 @@ call) naming the rank; the training process never leaves a writer behind when it
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import signal
 import subprocess
@@ -71,7 +73,7 @@ def test_the_write_runs_in_a_writer_process_that_maps_the_staged_bytes(tmp_path:
     assert target["step"] == 7 and target["b"] == b"x"
 
 
-def test_staging_lays_every_box_at_an_aligned_slot_and_stages_tied_data_once() -> None:
+def test_staging_packs_every_box_at_a_slot_its_dtype_can_view_and_stages_tied_data_once() -> None:
     shared = torch.arange(6.0)
     state = {
         "a": shared,
@@ -86,12 +88,17 @@ def test_staging_lays_every_box_at_an_aligned_slot_and_stages_tied_data_once() -
     area = StagingArea()
     staged, grown, events = area.stage(snapshot)
     assert grown is area.buffer and not events
-    slots = [value.boxes[0].tensor for key, value in staged.tensors.items() if key != "tied"]
-    assert all(slot.offset % 64 == 0 for slot in slots)
-    filled = [slot for slot in slots if slot.shape != (0, 2)]
-    assert len({slot.offset for slot in filled}) == len(filled)  # the empty one takes no bytes
-    assert staged.tensors["tied"].boxes is staged.tensors["a"].boxes
+    rows = {row[0]: row for row in staged.tensors}
+    assert rows["tied"][5] == ()  # staged once: its target's box is its box
+    slots = [(row[2], row[5][0][2], row[5][0][3]) for key, row in rows.items() if key != "tied"]
+    assert all(offset % dtype.itemsize == 0 for dtype, offset, _ in slots)  # any dtype views it
+    spans = sorted(
+        (offset, offset + dtype.itemsize * math.prod(shape)) for dtype, offset, shape in slots
+    )
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    assert spans[-1][1] == 6 * 4 + 3 * 2 + 12 * 4 + 1  # packed tight: no byte between them
     viewed = open_views(staged, area.buffer.bytes)
+    assert viewed.tensors["tied"].boxes is viewed.tensors["a"].boxes
     for key, value in state.items():
         assert torch.equal(viewed.tensors[key].boxes[0].tensor, value), key
     state["a"].add_(100)  # the staged bytes are a copy

@@ -39,7 +39,7 @@ from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.saving.outcome import returned_metadata
 from shardwise.checkpoint.saving.snapshot import Snapshot
-from shardwise.checkpoint.saving.staging import SharedBuffer, StagingArea
+from shardwise.checkpoint.saving.staging import SharedBuffer, Staged, StagingArea
 from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class Writer:
         """Stage ``snapshot`` and hand it to the writer; returns the save's future."""
         future: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
-        staged, grown = Snapshot({}, {}), None
+        staged, grown = Staged([], {}, {}), None
         events: list[Any] = []
         if local_error is None:
             try:
@@ -212,7 +212,7 @@ class Writer:
             error = CheckpointError(
                 f"cannot hand the save to the writer process: {type(err).__name__}: {err}"
             )
-            empty = Snapshot({}, {})
+            empty = Staged([], {}, {})
             payload = pickle.dumps(("save", empty, path, options, error, self.members, os.getcwd()))
         with self._lock:
             self.future, self.path = future, path

@@ -5,7 +5,7 @@ The buffer is an anonymous memory file (``memfd``; an unlinked temporary file wh
 none), mapped by both processes: no name in ``/dev/shm`` (whose size containers cap), nothing
 left behind when either process dies. It is allocated once, grown when a state no longer fits,
 and reused by every save (``docs/architecture.md``, *Async save*). Tensors travel as
-:class:`Slot` descriptors (where in the buffer, which dtype and shape), never as bytes.
+:class:`Staged` descriptors (where in the buffer, which dtype and shape), never as bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +22,23 @@ import torch
 from shardwise.checkpoint.entries.items import LocalBox, TensorValue
 from shardwise.checkpoint.saving.snapshot import Snapshot
 
-__all__ = ["SharedBuffer", "Slot", "StagingArea", "open_views"]
+__all__ = ["SharedBuffer", "Slot", "Staged", "StagingArea", "open_views"]
 
 _ALIGN = 64  # every slot starts at a multiple: any dtype may view it, and copies stay fast
 _GROWTH = 1.25  # a grown buffer leaves room for a state that grows a little more
 _ROUND = 2 << 20
+
+
+@dataclass(slots=True)
+class Staged:
+    """A snapshot as it travels to the writer: per tensor ``(key, size, dtype, properties,
+    layout, boxes)``, each box ``(offsets, sizes, offset in the buffer, shape)`` (a tied key
+    has none: its target's are its), plus the objects and tied keys. Plain tuples: pickling
+    20,000 of them costs a few milliseconds, dataclasses five times more."""
+
+    tensors: list[tuple[Any, ...]]
+    objects: dict[str, Any]
+    aliases: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,25 +134,36 @@ class StagingArea:
     def __init__(self) -> None:
         self.buffer: SharedBuffer | None = None
 
-    def stage(self, snapshot: Snapshot) -> tuple[Snapshot, SharedBuffer | None, list[Any]]:
-        """Copy every local box of ``snapshot`` into the buffer; returns its description in
-        :class:`Slot` form, the new buffer when it had to grow (the writer must map it), and
-        the CUDA events to wait for before the bytes are there (none for CPU tensors).
+    def stage(self, snapshot: Snapshot) -> tuple[Staged, SharedBuffer | None, list[Any]]:
+        """Copy every local box of ``snapshot`` into the buffer; returns its description as
+        :class:`Staged`, the new buffer when it had to grow (the writer must map it), and the
+        CUDA events to wait for before the bytes are there (none for CPU tensors).
 
         Copies from a GPU are issued on a side stream that waits for the current stream's work;
         the current stream then waits for the copies, so a later in-place update of a parameter
         cannot run before its bytes were copied, and the host does not wait for either.
         """
-        sizes: dict[str, list[int]] = {}
-        total = 0
+        # Where each box goes: host boxes packed tight, largest element size first (so each
+        # starts at a multiple of its own), and copied by one concatenation (per-tensor copies
+        # cost ~10 us each: 0.2 s for 20,000 small tensors); GPU boxes one aligned slot each.
+        host: list[tuple[str, int, torch.Tensor]] = []
+        device: list[tuple[str, int, torch.Tensor]] = []
         for fqn, value in snapshot.tensors.items():
-            if fqn in snapshot.aliases:
-                continue
-            offsets = []
-            for box in value.boxes:
-                offsets.append(total)
-                total += _aligned(box.tensor.numel() * box.tensor.element_size())
-            sizes[fqn] = offsets
+            if fqn not in snapshot.aliases:
+                for number, box in enumerate(value.boxes):
+                    found = device if box.tensor.device.type == "cuda" else host
+                    found.append((fqn, number, box.tensor))
+        host.sort(key=lambda item: -item[2].element_size())
+        offsets: dict[tuple[str, int], int] = {}
+        total = 0
+        for fqn, number, tensor in host:
+            offsets[fqn, number] = total
+            total += tensor.numel() * tensor.element_size()
+        packed = total
+        for fqn, number, tensor in device:
+            total = _aligned(total)
+            offsets[fqn, number] = total
+            total += tensor.numel() * tensor.element_size()
         grown = None
         if self.buffer is None or self.buffer.size < total:
             old = self.buffer
@@ -149,28 +172,25 @@ class StagingArea:
             if old is not None:
                 old.close()
         buffer = self.buffer
-        described: dict[str, TensorValue] = {}
+        if packed:
+            parts = [_as_bytes(tensor) for _, _, tensor in host if tensor.numel()]
+            torch.cat(parts, out=buffer.bytes[:packed])
         events: list[Any] = []
-        with _copy_stream(snapshot, buffer, events) as copy:
-            for fqn, value in snapshot.tensors.items():
-                target = snapshot.aliases.get(fqn)
-                if target is not None:  # the same local data as an earlier key: staged once
-                    boxes = described[target].boxes
-                else:
-                    boxes = []
-                    for box, offset in zip(value.boxes, sizes[fqn], strict=True):
-                        source = box.tensor
-                        slot = Slot(offset, source.dtype, tuple(source.shape))
-                        copy(_view(buffer.bytes, slot), source)
-                        boxes.append(LocalBox(box.offsets, box.sizes, slot))  # type: ignore[arg-type]
-                described[fqn] = TensorValue(
-                    value.size,
-                    value.dtype,
-                    value.properties,
-                    boxes,
-                    _portable_layout(value.layout),
+        with _copy_stream(device, buffer, events) as copy:
+            for fqn, number, tensor in device:
+                slot = Slot(offsets[fqn, number], tensor.dtype, tuple(tensor.shape))
+                copy(_view(buffer.bytes, slot), tensor)
+        rows = []
+        for fqn, value in snapshot.tensors.items():
+            boxes: tuple[Any, ...] = ()
+            if fqn not in snapshot.aliases:  # a tied key's boxes are its target's
+                boxes = tuple(
+                    (box.offsets, box.sizes, offsets[fqn, number], tuple(box.tensor.shape))
+                    for number, box in enumerate(value.boxes)
                 )
-        return Snapshot(described, dict(snapshot.objects), dict(snapshot.aliases)), grown, events
+            layout = _portable_layout(value.layout)
+            rows.append((fqn, value.size, value.dtype, value.properties, layout, boxes))
+        return Staged(rows, dict(snapshot.objects), dict(snapshot.aliases)), grown, events
 
     def close(self) -> None:
         if self.buffer is not None:
@@ -192,28 +212,30 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements of ``tensor`` in row-major order, as bytes (a view when contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_conj() or flat.is_neg():
+        flat = flat.resolve_conj().resolve_neg()
+    return flat.view(torch.uint8)
+
+
 @contextlib.contextmanager
-def _copy_stream(snapshot: Snapshot, buffer: SharedBuffer, events: list[Any]) -> Any:
-    devices = {
-        box.tensor.device
-        for value in snapshot.tensors.values()
-        for box in value.boxes
-        if box.tensor.device.type == "cuda"
-    }
+def _copy_stream(
+    boxes: list[tuple[str, int, torch.Tensor]], buffer: SharedBuffer, events: list[Any]
+) -> Any:
+    devices = {tensor.device for _, _, tensor in boxes}
     if not devices:
-        yield lambda target, source: target.copy_(source.detach())
+        yield None
         return
     buffer.pin()
-    streams = {}
+    streams: dict[torch.device, Any] = {}
     for device in devices:  # each copy stream first waits for the work already queued
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(device))
         streams[device] = stream
 
     def copy(target: torch.Tensor, source: torch.Tensor) -> None:
-        if source.device.type != "cuda":
-            target.copy_(source.detach())
-            return
         with torch.cuda.stream(streams[source.device]):
             target.copy_(source.detach(), non_blocking=True)
             source.record_stream(streams[source.device])
@@ -224,16 +246,18 @@ def _copy_stream(snapshot: Snapshot, buffer: SharedBuffer, events: list[Any]) ->
         events.append(stream.record_event())
 
 
-def open_views(snapshot: Snapshot, data: torch.Tensor) -> Snapshot:
-    """``snapshot`` (in :class:`Slot` form, as :meth:`StagingArea.stage` returns it) with
-    every slot replaced by a view of ``data``, the writer's mapping of the buffer."""
-    views: dict[Slot, torch.Tensor] = {}
-    for value in snapshot.tensors.values():
-        for box in value.boxes:
-            slot: Any = box.tensor
-            if isinstance(slot, Slot):
-                view = views.get(slot)
-                if view is None:
-                    view = views[slot] = _view(data, slot)
-                box.tensor = view
-    return snapshot
+def open_views(staged: Staged, data: torch.Tensor) -> Snapshot:
+    """The snapshot ``staged`` describes, each box a view of ``data`` (the writer's mapping
+    of the buffer)."""
+    tensors: dict[str, TensorValue] = {}
+    for fqn, size, dtype, properties, layout, rows in staged.tensors:
+        target = staged.aliases.get(fqn)
+        if target is not None:
+            boxes = tensors[target].boxes
+        else:
+            boxes = [
+                LocalBox(offsets, sizes, _view(data, Slot(offset, dtype, shape)))
+                for offsets, sizes, offset, shape in rows
+            ]
+        tensors[fqn] = TensorValue(size, dtype, properties, boxes, layout)
+    return Snapshot(tensors, staged.objects, staged.aliases)
