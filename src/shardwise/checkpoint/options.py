@@ -40,6 +40,20 @@ class SaveOptions:
     progress: bool = False
     """Show a progress bar on rank 0 (stderr) of the bytes every rank writes."""
 
+    incremental: bool = False
+    """Record a content digest (xxh3_128) of every chunk (index version 5), so that a later
+    save can build on this checkpoint (``docs/format.md``, *Incremental checkpoints*)."""
+
+    base: str | None = None
+    """The checkpoint beside ``path`` (same parent directory: the series root) this save
+    builds on: a chunk whose bytes equal the base's chunk of the same key and box is not
+    written but referenced. Implies ``incremental``."""
+
+    @property
+    def records_digests(self) -> bool:
+        """Whether the save is incremental (writes an index of version 5)."""
+        return self.incremental or self.base is not None
+
     @classmethod
     def of_call(cls, arguments: Mapping[str, Any]) -> SaveOptions:
         """The options among ``arguments`` (``locals()`` on entry of ``save``/``async_save``)."""

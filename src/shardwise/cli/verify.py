@@ -19,6 +19,7 @@ from shardwise.checkpoint.index.data_file import (
     header_length,
     parse_header,
 )
+from shardwise.checkpoint.index.names import parse_reference
 from shardwise.checkpoint.loading.read import audit
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.planning.planner import SavedChunk
@@ -132,7 +133,8 @@ def _header_problem(
         return f"BAD HEADER data file {name}: {err}"
     except OSError as err:
         return f"UNREADABLE data file {name}: cannot read its header: {err}"
-    reasons = compare_header(header, [header_entry(i.entry, i.chunk.begin) for i in items])
+    expected = [header_entry(i.entry, i.chunk.begin) for i in items]
+    reasons = compare_header(header, expected, referenced=parse_reference(name) is not None)
     if not reasons:
         return None
     more = len(reasons) - _MAX_REASONS

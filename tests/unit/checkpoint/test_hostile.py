@@ -739,7 +739,8 @@ EDITS: dict[str, tuple[Edit, str]] = {
     "version-true": (_set(["format_version"], True), "unsupported checkpoint format version"),
     "version-float": (_set(["format_version"], 2.0), "unsupported checkpoint format version"),
     "version-string": (_set(["format_version"], "2"), "unsupported checkpoint format version"),
-    "version-5": (_set(["format_version"], 5), "unsupported checkpoint format version"),
+    "version-6": (_set(["format_version"], 6), "unsupported checkpoint format version"),
+    "version-5-no-digests": (_set(["format_version"], 5), "must have exactly the keys"),
     # The development formats of the unreleased 0.1: unknown versions like any other.
     "version-1": (_set(["format_version"], 1), "unsupported checkpoint format version 1"),
     "version-2": (_set(["format_version"], 2), "unsupported checkpoint format version 2"),

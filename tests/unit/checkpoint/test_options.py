@@ -32,6 +32,8 @@ def test_save_signatures_list_the_fields_of_save_options(function: object) -> No
         "allow_pickle",
         "storage_options",
         "progress",
+        "incremental",
+        "base",
     ]
 
 

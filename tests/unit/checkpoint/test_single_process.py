@@ -525,6 +525,9 @@ def test_signatures_are_the_specified_ones() -> None:
         ("allow_pickle", "KEYWORD_ONLY", False),
         ("storage_options", "KEYWORD_ONLY", None),
         ("progress", "KEYWORD_ONLY", False),
+        # Incremental saves (issue 28): SPEC.md's keywords, then these two.
+        ("incremental", "KEYWORD_ONLY", False),
+        ("base", "KEYWORD_ONLY", None),
     ]
     positional = "POSITIONAL_OR_KEYWORD"
     head = [("state_dict", positional, "required"), ("path", positional, "required")]

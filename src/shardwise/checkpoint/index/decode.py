@@ -32,11 +32,13 @@ from shardwise.checkpoint.index.layouts import FileOrder, Grid, LayoutChunks, fi
 from shardwise.checkpoint.index.names import (
     CHECKSUM_ALGORITHM,
     DATA_DIR,
+    DIGEST_HEX,
     ENCODINGS,
     FIRST_DATA_BYTE,
     FORMAT,
     FORMAT_VERSION,
     HEX,
+    INCREMENTAL_VERSION,
     MAX_BLOCK,
     MAX_DIMS,
     MAX_INDEX_BYTES,
@@ -46,8 +48,10 @@ from shardwise.checkpoint.index.names import (
     SEAL_KEY,
     SEAL_LENGTH,
     TEXT_ENCODINGS,
+    VERSIONS,
     is_data_file_name,
     num_blocks,
+    parse_reference,
     paused_gc,
 )
 from shardwise.checkpoint.index.records import Index, ObjectRecord, SaveFacts, TensorRecord
@@ -95,16 +99,17 @@ def decode_index(data: bytes) -> Index:
             )
         # Checked first: another version may have other fields (docs/format.md, *Versioning*).
         version = document.get("format_version")
-        if type(version) is not int or version != FORMAT_VERSION:
+        if type(version) is not int or version not in VERSIONS:
             fail(
                 f"unsupported checkpoint format version {version!r}; this shardwise reads "
-                f"version {FORMAT_VERSION} (a newer shardwise may read it)"
+                f"version {FORMAT_VERSION} and version {INCREMENTAL_VERSION} (incremental "
+                "checkpoints) (a newer shardwise may read it)"
             )
         if not sealed:
             fail("the checkpoint index is corrupt: its checksum (index_checksum) is missing")
         if b"\\u" in data and has_surrogate_escape(data):
             fail("the checkpoint index holds a lone surrogate, which is not text")
-        return _decode(document)
+        return _decode(document, version)
 
 
 @dataclass(slots=True, eq=False)
@@ -133,16 +138,18 @@ class FileOrders:
         return order
 
 
-def _decode(document: dict[str, Any]) -> Index:
-    """A parsed, sealed index of this version, every field checked (but grid cell packing)."""
+def _decode(document: dict[str, Any], version: int) -> Index:
+    """A parsed, sealed index of ``version``, every field checked (but grid cell packing)."""
+    incremental = version == INCREMENTAL_VERSION
     ties = ("aliases",) if "aliases" in document else ()  # an index with ties, before the seal
-    expected = (*_KEYS, "objects", *ties, "index_checksum")
+    digests_key = ("digests",) if incremental else ()
+    expected = (*_KEYS, "objects", *ties, *digests_key, "index_checksum")
     if tuple(document) != expected:
         fail(f"the checkpoint index must have exactly the keys {list(expected)} in order")
     facts = _save_facts(document["save"])
     block_size = _block_size(document["checksum"])
 
-    files, names, starts, sums = _files(document["files"], block_size)
+    files, names, starts, sums = _files(document["files"], block_size, incremental)
     properties = _properties(document["properties"])
     ranges = Ranges(files, starts)
     tensors: dict[str, TensorRecord] = {}
@@ -159,6 +166,8 @@ def _decode(document: dict[str, Any]) -> Index:
         itemsize = props.dtype.itemsize
         kind = layout[0] if type(layout) is list and layout else None
         chunks: Sequence[SavedChunk]
+        if kind == "grid" and incremental:
+            fail("an incremental index (version 5) lists chunks: it has no grid layouts", fqn)
         if kind == "grid":
             grid = _known_grid(layout, size, names, fqn, known_grids)
             grids.append((fqn, grid, itemsize))
@@ -189,15 +198,19 @@ def _decode(document: dict[str, Any]) -> Index:
     for name, nbytes in files.items():
         first = ranges.first_begin(name)
         ends[name] = nbytes if first is None else first
+    digests = _digests(document["digests"], tensors) if incremental else {}
     aliases = _aliases(document["aliases"], tensors, objects) if "aliases" in document else {}
-    return Index(FORMAT_VERSION, block_size, files, tensors, objects, facts, aliases, starts, sums)
+    return Index(
+        version, block_size, files, tensors, objects, facts, aliases, starts, sums, digests
+    )
 
 
 def _files(
-    rows: object, block_size: int
+    rows: object, block_size: int, references: bool
 ) -> tuple[dict[str, int], list[str | None], dict[str, int], dict[str, str]]:
     """The ``files`` rows (``[name, size, data_start, block checksums]``, or ``null``): each
-    file's size, each file number's name (``None`` for a null), data starts and checksums."""
+    file's size, each file number's name (``None`` for a null), data starts and checksums.
+    With ``references`` (version 5), a name may be a sibling checkpoint's data file."""
     if type(rows) is not list:
         fail("files must be a list")
     files: dict[str, int] = {}
@@ -209,7 +222,7 @@ def _files(
             names.append(None)
             continue
         name, size, start, checksums = row_of(row, 4, "a files entry")
-        name = _file_name(name, files)
+        name = _file_name(name, files, references)
         size = int_of(size, f"the size of {name}")
         start = int_of(start, f"the data start of {name}")
         if not FIRST_DATA_BYTE <= start <= size:
@@ -362,11 +375,14 @@ def _block_size(checksum: object) -> int:
     return block_size
 
 
-def _file_name(name: object, files: Mapping[str, int]) -> str:
-    """A data file's name: the writer's pattern, not listed before."""
+def _file_name(name: object, files: Mapping[str, int], references: bool) -> str:
+    """A data file's name: the writer's pattern (or, with ``references``, a sibling
+    checkpoint's data file, ``../<checkpoint>/data/rank-*.safetensors``), not listed before."""
     name = text_of(name, "a data file name")
-    if not name.startswith(f"{DATA_DIR}/") or not is_data_file_name(name[len(DATA_DIR) + 1 :]):
-        fail(f"{name!r} is not a data file name of this format (data/rank-*.safetensors)")
+    own = name.startswith(f"{DATA_DIR}/") and is_data_file_name(name[len(DATA_DIR) + 1 :])
+    if not own and not (references and parse_reference(name) is not None):
+        also = ", or ../<checkpoint>/data/rank-*.safetensors" if references else ""
+        fail(f"{name!r} is not a data file name of this format (data/rank-*.safetensors{also})")
     if name in files:
         fail(f"the data file {name!r} is listed twice")
     return name
@@ -475,6 +491,24 @@ def _objects(
         ranges.add(blob, fqn)
         objects[fqn] = ObjectRecord(fqn, encoding, blob=blob)
     return objects
+
+
+def _digests(rows: object, tensors: Mapping[str, TensorRecord]) -> dict[str, str]:
+    """The ``digests`` list (version 5): per ``tensors`` row, in order, the xxh3_128 of each of
+    its chunks as 32 lowercase hex digits, concatenated."""
+    if type(rows) is not list or len(rows) != len(tensors):
+        fail("digests must be a list of one string per tensors entry")
+    digests: dict[str, str] = {}
+    for (fqn, record), row in zip(tensors.items(), rows, strict=True):
+        text = text_of(row, "the chunk digests", fqn)
+        if len(text) != DIGEST_HEX * len(record.chunks) or HEX_DIGITS.fullmatch(text) is None:
+            fail(
+                f"malformed chunk digests (expected {len(record.chunks)} of {DIGEST_HEX} "
+                "lowercase hex digits)",
+                fqn,
+            )
+        digests[fqn] = text
+    return digests
 
 
 def _aliases(

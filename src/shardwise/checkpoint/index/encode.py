@@ -16,6 +16,7 @@ from shardwise.checkpoint.index.names import (
     CHECKSUM_ALGORITHM,
     FORMAT,
     FORMAT_VERSION,
+    INCREMENTAL_VERSION,
     SEAL_KEY,
     paused_gc,
 )
@@ -55,16 +56,23 @@ def encode_index(
     objects: Iterable[ObjectRecord],
     block_size: int = BLOCK_SIZE,
     aliases: Mapping[str, str] | None = None,
+    digests: Mapping[str, str] | None = None,
 ) -> bytes:
     """The sealed index (see ``docs/format.md``): ``files`` by number (``None``: a rank that
     wrote no file); grid cells packed in each file as :class:`~.layouts.FileOrder` says, the
-    other entries at their begins; ``aliases`` (alias -> tied tensor key) not in ``tensors``."""
+    other entries at their begins; ``aliases`` (alias -> tied tensor key) not in ``tensors``.
+    With ``digests`` (tensor key -> its chunks' digests, in their order), an incremental index
+    (version 5): chunk layouts only, and files that may name sibling checkpoints' files."""
     with paused_gc():
         numbers = {entry[0]: number for number, entry in enumerate(files) if entry is not None}
         properties = PropertyTable()
         rows = []
+        digest_rows = []
         last: tuple[TensorProperties | None, int] = (None, -1)  # most rows share the last's
         for tensor in tensors:
+            if digests is not None:
+                assert not isinstance(tensor.layout, Grid), "an incremental index has no grids"
+                digest_rows.append(digests[tensor.fqn])
             if tensor.properties is not last[0]:
                 last = (tensor.properties, properties.number(tensor.properties))
             rows.append([tensor.fqn, last[1], list(tensor.size), _layout_row(tensor, numbers)])
@@ -72,7 +80,7 @@ def encode_index(
         checksum = {"algorithm": CHECKSUM_ALGORITHM, "block_size": block_size, "scope": "file"}
         document: dict[str, Any] = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if digests is None else INCREMENTAL_VERSION,
             "save": asdict(save),
             "checksum": checksum,
             "files": file_rows,
@@ -82,6 +90,8 @@ def encode_index(
         }
         if aliases:
             document["aliases"] = [[alias, aliases[alias]] for alias in sorted(aliases)]
+        if digests is not None:
+            document["digests"] = digest_rows
         return seal(document)
 
 

@@ -17,8 +17,16 @@ from shardwise.checkpoint.entries import pyjson as _json
 INDEX_NAME = "shardwise.json"
 #: Directory of the data files, relative to the checkpoint.
 DATA_DIR = "data"
-#: The only index format version a reader reads (``docs/format.md``, *Versioning*).
+#: The version of a self-contained checkpoint's index (``docs/format.md``, *Versioning*).
 FORMAT_VERSION = 4
+#: The version of an incremental checkpoint's index: version 4 with a content digest per chunk,
+#: and data files that may be references to files of sibling checkpoints (*Incremental*).
+INCREMENTAL_VERSION = 5
+#: The versions a reader reads.
+VERSIONS = (FORMAT_VERSION, INCREMENTAL_VERSION)
+#: A chunk's content digest in version 5: xxh3_128, as 32 lowercase hex digits.
+DIGEST_ALGORITHM = "xxh3_128"
+DIGEST_HEX = 32
 #: The block checksum (xxh3, 64 bits, hex). Chosen by measurement: see docs/format.md.
 CHECKSUM_ALGORITHM = "xxh3_64"
 #: Bytes per checksummed block. Chosen by measurement: see docs/format.md.
@@ -44,6 +52,10 @@ SEAL_KEY = b'"index_checksum":"'
 SEAL_LENGTH = len(SEAL_KEY) + HEX + 2  # the key, 16 hex digits, '"}'
 _DATA_FILE = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors")
 _TEMPORARY = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors\.tmp")
+# ``../<checkpoint>/data/<data file>``: one component, no separator, NUL or control character.
+_REFERENCE = re.compile(
+    r"\.\./([^/\\\x00-\x1f]{1,255})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)"
+)
 
 
 def data_file_name(rank: int, save_id: str) -> str:
@@ -59,6 +71,20 @@ def is_data_file_name(name: str) -> bool:
 def is_temporary_name(name: str) -> bool:
     """Whether ``name`` (inside ``data/``) is the writer's temporary name for a data file."""
     return _TEMPORARY.fullmatch(name) is not None
+
+
+def reference_name(checkpoint: str, file: str) -> str:
+    """The index's name of data file ``file`` (``data/rank-*``) of the sibling ``checkpoint``."""
+    return f"../{checkpoint}/{file}"
+
+
+def parse_reference(name: str) -> tuple[str, str] | None:
+    """``(checkpoint, "data/<file>")`` of a reference name ``../<checkpoint>/data/<file>``
+    (the checkpoint one path component, neither ``.`` nor ``..``), else None."""
+    match = _REFERENCE.fullmatch(name)
+    if match is None or match.group(1) in (".", ".."):
+        return None
+    return match.group(1), f"{DATA_DIR}/{match.group(2)}"
 
 
 def num_blocks(nbytes: int, block_size: int) -> int:

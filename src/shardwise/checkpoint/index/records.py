@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from shardwise.checkpoint.entries.state_dict import display_key
-from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM, HEX
+from shardwise.checkpoint.index.names import CHECKSUM_ALGORITHM, DATA_DIR, HEX
 from shardwise.checkpoint.metadata import (
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -79,6 +79,9 @@ class Index:
             ``tensors`` holds each alias too, with its target's chunks.
         data_starts: Per file, the first byte of its data section (where blocks count from).
         file_checksums: Per file, its data section's block checksums, concatenated.
+        digests: Version 5: per saved tensor key (not an alias), the content digest of each
+            of its chunks in the order of ``chunks``, concatenated (``docs/format.md``,
+            *Incremental checkpoints*); empty in version 4.
     """
 
     format_version: int
@@ -90,6 +93,12 @@ class Index:
     aliases: dict[str, str] = field(default_factory=dict)
     data_starts: dict[str, int] = field(default_factory=dict)
     file_checksums: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def references(self) -> list[str]:
+        """The data files this index names that belong to sibling checkpoints."""
+        return [name for name in self.files if not name.startswith(f"{DATA_DIR}/")]
 
     def blocks_of(self, file: str, begin: int, end: int) -> tuple[int, list[str]]:
         """The first byte of the first block of ``file`` that ``[begin, end)`` touches, and the

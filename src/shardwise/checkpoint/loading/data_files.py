@@ -4,10 +4,12 @@ and :class:`DataFiles`, those of one checkpoint."""
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Callable, Sequence
 
 from shardwise.checkpoint.index import Index, is_data_file_name
+from shardwise.checkpoint.index.names import parse_reference
 from shardwise.checkpoint.storage import RangeRequest, Reader, Storage, UnsafePathError
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointStorageError
 
@@ -148,16 +150,56 @@ class SourceFiles:
 
 
 class DataFiles(SourceFiles):
-    """The data files of a checkpoint whose index is ``index``, for reads by ``rank``."""
+    """The data files of a checkpoint whose index is ``index``, for reads by ``rank``: its
+    own, and (an incremental checkpoint) those of sibling checkpoints it references, opened
+    below the series root (the checkpoint's parent) one component at a time, no link followed."""
 
     def __init__(self, storage: Storage, index: Index, rank: int | None) -> None:
         super().__init__(storage, rank)
         self.index = index
+        self._series: Storage | None = None
+
+    def series(self) -> Storage:
+        """The series root: the directory holding the checkpoint."""
+        if self._series is None:
+            self._series = self.storage.parent()
+        return self._series
 
     def path(self, name: str) -> str:
-        """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``)."""
+        """The storage path of data file ``name`` (validated: ``data/rank-*.safetensors``, or
+        ``../<checkpoint>/data/rank-*.safetensors``)."""
+        reference = parse_reference(name)
+        if reference is not None:
+            return self.series().join(*reference)
         assert name.startswith("data/") and is_data_file_name(name[5:]), name
         return self.storage.join("data", name[5:])
+
+    def open(self, name: str) -> Reader:
+        reference = parse_reference(name)
+        if reference is None:
+            return super().open(name)
+        try:
+            series = self.series()
+        except ValueError as err:
+            raise FileNotFoundError(errno.ENOENT, str(err), name) from err
+        return series.open_below("/".join(reference))
+
+    def shown(self, name: str) -> str:
+        if parse_reference(name) is None:
+            return super().shown(name)
+        try:
+            return self.series().url(self.path(name))
+        except ValueError:
+            return name
+
+    def error(self, message: str, file: str, key: str | None) -> CheckpointDataError:
+        if parse_reference(file) is not None and "missing" in message:
+            message += (
+                " (a file of an earlier checkpoint of the series that this incremental checkpoint "
+                "reads: was it deleted, or the checkpoint copied away from its series? Copy a "
+                "checkpoint alone only after `shardwise materialize`)"
+            )
+        return super().error(message, file, key)
 
     def declared_size(self, name: str) -> int:
         """The size the index gives data file ``name``."""

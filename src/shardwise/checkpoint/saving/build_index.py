@@ -37,29 +37,42 @@ def build_index(
     objects: Mapping[str, ObjectValue],
     written: Sequence[Mapping[str, Any]],
     facts: SaveFacts,
+    base: Mapping[str, FileFacts] | None = None,
 ) -> tuple[bytes, Index]:
     """The sealed index of this save and the index it reads back as.
 
     Args:
         objects: The coordinator's objects (blobs are in its file).
-        written: Each rank's file facts (:func:`~.writer.write_data_file`), in group-rank order.
+        written: Each rank's file facts (:func:`~.writer.write_data_file`), in group-rank order;
+            in an incremental save also its chunks' ``digests`` and ``references``.
         facts: Who wrote the checkpoint.
+        base: An incremental save's (version 5): the facts of every data file of the
+            checkpoint it builds on, by the name the new index gives them (``{}``: none).
 
     Raises:
         CheckpointError: The index does not read back as built, or the ranks' files do not
             hold the grid cells the plan gives them (a bug, never committed).
     """
     plan = planned.plan
-    files = [
+    incremental = base is not None
+    files: list[tuple[str, FileFacts] | None] = [
         (part["file"][0], FileFacts(part["file"][1], part["data_start"], part["checksums"]))
-        if part
+        if "file" in part
         else None
         for part in written
     ]
     where: dict[str, tuple[str, int]] = {}
+    digests: dict[str, str] = {}
     for part in written:
         for key, begin in part.get("begins", {}).items():
             where[key] = (part["file"][0], begin)
+        for key, (file, begin) in part.get("references", {}).items():
+            where[key] = (file, begin)
+        digests.update(part.get("digests", {}))
+    if base is not None:
+        used = sorted({file for file, _ in where.values()}.difference(e[0] for e in files if e))
+        files += [(name, base[name]) for name in used]
+    tensor_digests: dict[str, str] = {}
 
     def stored(
         key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int
@@ -78,18 +91,21 @@ def build_index(
             continue
         layout: Grid | tuple[SavedChunk, ...]
         grid = grids.get(key)
-        if grid is not None:
+        if grid is not None and not incremental:
             layout = grid
             grid_bytes += math.prod(row.size) * row.itemsize
         else:
-            boxes = (
-                [(origin(len(row.size)), row.size)]
-                if key in whole
-                else sorted(box for box, _ in plan.chunks[key])
-            )
+            if grid is not None:  # an incremental index lists every chunk
+                boxes = [grid.box(grid.cell_at(n)) for n in range(grid.num_cells)]
+            elif key in whole:
+                boxes = [(origin(len(row.size)), row.size)]
+            else:
+                boxes = sorted(box for box, _ in plan.chunks[key])
             layout = tuple(
                 stored(chunk_key(key, o), o, s, math.prod(s) * row.itemsize) for o, s in boxes
             )
+            if incremental:
+                tensor_digests[key] = "".join(digests[chunk_key(key, o)] for o, _ in boxes)
         if row.properties == last[0]:
             props = last[1]
         else:
@@ -113,9 +129,18 @@ def build_index(
         raise CheckpointError(
             "the data files of this save do not hold the grid cells its plan gives them"
         )
-    data = encode_index(facts, files, records, object_records, aliases=planned.aliases)
+    data = encode_index(
+        facts,
+        files,
+        records,
+        object_records,
+        aliases=planned.aliases,
+        digests=tensor_digests if incremental else None,
+    )
     index = decode_index(data)
     _check_read_back(index, files, records, object_records, planned.aliases, written)
+    if index.digests != tensor_digests:
+        raise CheckpointError("the index of this save does not read back as built")
     return data, index
 
 
@@ -141,7 +166,7 @@ def _check_read_back(
     equal: set[tuple[int, int]] = set()
     same = same and all(_same(index.tensors.get(record.fqn), record, equal) for record in records)
     for part in written:
-        if part:
+        if "file" in part:
             begins = part["begins"].values()
             end = min(begins) if begins else part["file"][1]
             same = same and part["data_start"] + part["grid_bytes"] == end

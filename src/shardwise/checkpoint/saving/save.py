@@ -26,6 +26,7 @@ from shardwise.checkpoint.index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
     TEXT_ENCODINGS,
+    FileFacts,
     Index,
     SaveFacts,
     is_data_file_name,
@@ -37,6 +38,7 @@ from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.planning import tables as _save_tables
 from shardwise.checkpoint.saving import background as _background
 from shardwise.checkpoint.saving import build_index as _save_index
+from shardwise.checkpoint.saving import incremental as _incremental
 from shardwise.checkpoint.saving import outcome as _save_outcome
 from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
@@ -120,6 +122,22 @@ def _remove_leftovers(storage: Storage, index: Index) -> None:
             logger.warning("could not remove %s: %s", path, err)
 
 
+def _base_files(
+    base: _incremental.Base | None, options: SaveOptions
+) -> dict[str, FileFacts] | None:
+    """An incremental save's base files by the name the new index gives them (None: a save
+    that is not incremental)."""
+    if not options.records_digests:
+        return None
+    if base is None:
+        return {}
+    index = base.index
+    return {
+        base.file_name(name): FileFacts(size, index.data_starts[name], index.file_checksums[name])
+        for name, size in index.files.items()
+    }
+
+
 def _members(comm: collectives.Comm) -> dict[int, int]:
     """The save group's rank of each global rank of its members."""
     if comm.group is None:
@@ -186,14 +204,17 @@ def save_outcome(
         table_error.add_note(f"It was not shared with the other ranks: {failure}")
         raise table_error from None
     save_id = ""
+    base: _incremental.Base | None = None
     objects = snapshot.objects if coordinating else {}
     blobs = [(fqn, obj) for fqn, obj in objects.items() if obj.encoding not in TEXT_ENCODINGS]
 
     def envelope() -> dict[str, Any]:
-        nonlocal storage, lock, table, save_id
+        nonlocal storage, lock, table, save_id, base
         if table_error is not None:
             raise table_error
         storage = open_shared_storage(path, options.storage_options, comm.world_size)
+        if options.base is not None:  # every rank reads it: each compares its own chunks
+            base = _incremental.open_base(path, options.base, options.storage_options)
         if table is None:
             table = _save_tables.rank_table(snapshot.tensors, comm.rank, group_rank_of)
         sent: dict[str, Any] = {"digest": table.digest, "local": table.local}
@@ -245,6 +266,11 @@ def save_outcome(
         mine, grid_cells = _save_tables.own_file_writes(
             table, snapshot.tensors, assignment, comm.rank
         )
+        digests: dict[str, str] = {}
+        references: dict[str, list[Any]] = {}
+        if options.records_digests:  # every chunk listed with its begin: no grid cells
+            mine, digests, references = _incremental.split_writes(mine, snapshot.tensors, base)
+            grid_cells = 0
 
         def write() -> dict[str, Any]:
             data_dir = storage.join(DATA_DIR)
@@ -258,7 +284,7 @@ def save_outcome(
                     rank=comm.rank,
                 ) from err
             try:
-                return data_writer.write_data_file(
+                facts = data_writer.write_data_file(
                     storage,
                     comm.rank,
                     save_id,
@@ -269,6 +295,9 @@ def save_outcome(
                     bar,
                     grid_cells=grid_cells,
                 )
+                if options.records_digests:
+                    facts.update(digests=digests, references=references)
+                return facts
             except CheckpointError:
                 raise
             except OSError as err:  # a full disk, a lost mount: named, on every rank
@@ -292,7 +321,9 @@ def save_outcome(
             assert planned is not None and written is not None
             try:
                 facts = _save_facts(comm.world_size, save_id, path)
-                data, index = _save_index.build_index(planned, objects, written, facts)
+                data, index = _save_index.build_index(
+                    planned, objects, written, facts, _base_files(base, options)
+                )
             except (KeyError, IndexError, TypeError, AttributeError) as err:
                 # Building raises CheckpointError only: these are facts of another shardwise.
                 raise CheckpointError(
@@ -352,6 +383,8 @@ def save(
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
+    incremental: bool = False,
+    base: str | os.PathLike[str] | None = None,
 ) -> Metadata:
     """Save ``state_dict`` to the checkpoint directory (or URL) ``path`` (collective).
 
@@ -367,6 +400,13 @@ def save(
         allow_pickle: Pickle values that are not otherwise storable.
         storage_options: fsspec options for URLs.
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank writes.
+        incremental: Record a content digest of every chunk (an index of version 5), so that
+            a later save can build on this checkpoint.
+        base: A checkpoint beside ``path`` (the same parent directory: the series root) to
+            build on: each chunk whose bytes equal the base's chunk of the same key and box
+            is referenced, not written. Implies ``incremental``. The new checkpoint then reads
+            files of the base (or of the checkpoints it references): keep them, or
+            materialize it (``shardwise materialize``) before copying it alone.
 
     Returns:
         The checkpoint's :class:`Metadata` (the same on every rank).
@@ -378,6 +418,7 @@ def save(
     Example:
         >>> shardwise.checkpoint.save({"model": model.state_dict(), "step": 10}, "/ckpt/100")
     """
+    base = None if base is None else os.path.expanduser(os.fspath(base))
     options = SaveOptions.of_call(locals())
     comm = collectives.Comm(process_group, operation="save")
     _check_coordinator(coordinator_rank, comm)
@@ -407,6 +448,8 @@ def async_save(
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
+    incremental: bool = False,
+    base: str | os.PathLike[str] | None = None,
 ) -> concurrent.futures.Future[Metadata]:
     """Like :func:`save`, but returns once the state dict is copied to host staging memory.
 
@@ -420,6 +463,7 @@ def async_save(
     Returns:
         A future of the checkpoint's :class:`Metadata`.
     """
+    base = None if base is None else os.path.expanduser(os.fspath(base))
     options = SaveOptions.of_call(locals())
     path = os.path.expanduser(os.fspath(path))
     if open_storage(path, storage_options).process_local:  # the same verdict on every rank

@@ -263,10 +263,9 @@ def check_visible(storage: Storage, index: Index, path: str) -> None:
     Raises:
         CheckpointDataError: A data file is not there.
     """
-    present = set(storage.listdir(storage.join(DATA_DIR)))
-    missing = sorted(
-        name for name in index.files if name.removeprefix(f"{DATA_DIR}/") not in present
-    )
+    present = {f"{DATA_DIR}/{name}" for name in storage.listdir(storage.join(DATA_DIR))}
+    own = (name for name in index.files if name.startswith(f"{DATA_DIR}/"))  # not references
+    missing = sorted(name for name in own if name not in present)
     if missing:
         writers = sorted(int(name.split("rank-")[1].split(".")[0]) for name in missing)
         raise CheckpointDataError(

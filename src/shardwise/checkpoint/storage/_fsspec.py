@@ -140,6 +140,7 @@ class FsspecStorage:
             raise ImportError(
                 f"reading or writing {url!r} needs fsspec: pip install 'shardwise[remote]'"
             ) from err
+        self._options = storage_options
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
         self._url = url.rstrip("/")
@@ -156,6 +157,12 @@ class FsspecStorage:
         if path == self.root or path.startswith(f"{self.root}/"):
             return self._url + path[len(self.root) :]
         return str(self.fs.unstrip_protocol(path))
+
+    def parent(self) -> FsspecStorage:
+        head, _, name = self._url.rpartition("/")
+        if not name or "/" not in self.root or head.endswith(("/", ":")):
+            raise ValueError(f"{self._url} has no parent directory")
+        return FsspecStorage(head, self._options)
 
     @contextlib.contextmanager
     def errors(self, doing: str, path: str) -> Iterator[None]:

@@ -215,6 +215,12 @@ class LocalStorage:
     def url(self, path: str) -> str:
         return path
 
+    def parent(self) -> LocalStorage:
+        absolute = os.path.abspath(self.root)
+        if os.path.dirname(absolute) == absolute:
+            raise ValueError(f"{self.root} has no parent directory")
+        return LocalStorage(os.path.dirname(absolute))
+
     def _check_parents(self, path: str) -> None:
         """Check that every directory between the root and ``path`` is real."""
         relative = os.path.relpath(path, self.root)

@@ -89,6 +89,10 @@ class Storage(Protocol):
     def url(self, path: str) -> str:
         """``path`` as the user would write it (with its protocol, for messages)."""
 
+    def parent(self) -> Storage:
+        """The storage of the directory holding ``root`` (a checkpoint's series root), as the
+        user reached ``root``: lexically, no link resolved (``ValueError`` at the top)."""
+
     def exists(self, path: str) -> bool:
         """Whether ``path`` exists."""
 
