@@ -14,14 +14,17 @@ from shardwise.checkpoint.manager.series import (
     checkpoint_bytes,
     list_series,
     open_series,
+    referenced_files,
+    step_name,
 )
 from shardwise.cli._common import EXIT_OK, _printable
 from shardwise.errors import CheckpointNotFoundError
 
 
-def _state(info: CheckpointInfo) -> str:
+def _state(info: CheckpointInfo, read: set[str]) -> str:
+    """``read``: the step directories whose data files committed checkpoints reference."""
     if not info.committed:
-        return "uncommitted"
+        return "retired" if step_name(info.step) in read else "uncommitted"
     return "rejected" if info.rejected is not None else "committed"
 
 
@@ -38,12 +41,18 @@ def _summary(root: str, storage_options: dict[str, Any] | None) -> dict[str, Any
     policy = _newest_policy(listing)
     good = {info.step: info.metrics for info in listing if info.good}
     kept = set(good) if policy is None else retained(policy, good)
+    references = {
+        info.step: referenced_files(storage, info.step) for info in listing if info.committed
+    }
+    read = {owner for files in references.values() for owner, _ in files}
     checkpoints = [
         {
             "step": info.step,
             "path": info.path,
-            "state": _state(info),
+            "state": _state(info, read),
             "bytes": checkpoint_bytes(storage, info.step),
+            # Bytes of other checkpoints' data files it reads (an incremental checkpoint).
+            "shared_bytes": sum(references.get(info.step, {}).values()),
             "time": info.time,
             "metrics": info.metrics,
             # Only a good checkpoint is the policy's to keep; the others are never chosen.
@@ -67,7 +76,7 @@ def _text(summary: dict[str, Any]) -> str:
     rows = summary["checkpoints"]
     if not rows:
         return f"no checkpoints under {summary['root']}"
-    table = [("step", "state", "size", "saved (UTC)", "kept", "metrics")]
+    table = [("step", "state", "own", "shared", "saved (UTC)", "kept", "metrics")]
     for row in rows:
         saved = row["time"]
         when = "" if saved is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))
@@ -75,8 +84,17 @@ def _text(summary: dict[str, Any]) -> str:
             f"{_printable(name)}={_number(value)}" for name, value in row["metrics"].items()
         )
         kept = {True: "yes", False: "no", None: ""}[row["kept"]]
+        shared = human_bytes(row["shared_bytes"]) if row["shared_bytes"] else "-"
         table.append(
-            (str(row["step"]), row["state"], human_bytes(row["bytes"]), when, kept, metrics)
+            (
+                str(row["step"]),
+                row["state"],
+                human_bytes(row["bytes"]),
+                shared,
+                when,
+                kept,
+                metrics,
+            )
         )
     widths = [max(len(line[column]) for line in table) for column in range(len(table[0]) - 1)]
     lines = [

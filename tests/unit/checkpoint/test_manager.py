@@ -285,7 +285,16 @@ def test_ls_lists_the_series(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     code, out, _ = _ls(capsys, str(root))
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "state", "size", "saved", "(UTC)", "kept", "metrics"]
+    assert lines[0].split() == [
+        "step",
+        "state",
+        "own",
+        "shared",
+        "saved",
+        "(UTC)",
+        "kept",
+        "metrics",
+    ]
     assert lines[1].split()[:2] == ["2", "committed"] and "loss=0.5" in lines[1]
     assert lines[3].split()[:2] == ["9", "uncommitted"]
     assert "step 3 rejected:" in out and "keep_last=1, keep_every=2" in out

@@ -6,6 +6,11 @@ save's leftovers are ours to remove), remove the index (the checkpoint stops bei
 that instant), make that durable, remove the data files and the other files, release the lock,
 remove the directories. A kill after the first removal leaves an uncommitted step directory
 older than a committed one: :func:`finish_deletions` removes those.
+
+Retention by reference: a data file that an incremental checkpoint which stays references
+(:func:`protected_files`, computed from every committed index before anything is removed) is
+never removed; its step directory stays, uncommitted, holding only such files, until no
+committed checkpoint references them.
 """
 
 from __future__ import annotations
@@ -13,14 +18,15 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 
 from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
-from shardwise.checkpoint.manager.series import CheckpointInfo, step_name
+from shardwise.checkpoint.manager.series import CheckpointInfo, referenced_files, step_name
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.storage import Storage
 from shardwise.errors import CheckpointLockedError
 
-__all__ = ["delete_checkpoint", "finish_deletions"]
+__all__ = ["delete_checkpoint", "finish_deletions", "protected_files"]
 
 logger = logging.getLogger("shardwise.checkpoint.manager")
 
@@ -32,8 +38,32 @@ def _remove_files(storage: Storage, *parts: str, keep: Callable[[str], bool]) ->
             storage.remove(storage.join(*parts, name))
 
 
-def delete_checkpoint(storage: Storage, step: int, open_step: Callable[[int], Storage]) -> bool:
-    """Delete the checkpoint of ``step`` from the series at ``storage``'s root.
+def protected_files(
+    storage: Storage, listing: Iterable[CheckpointInfo], deleting: Iterable[int] = ()
+) -> set[tuple[str, str]]:
+    """``(step directory, "data/<file>")`` of every data file that a committed checkpoint of
+    ``listing``, but those of ``deleting``, references: what no deletion may remove.
+
+    Raises:
+        OSError: An index could not be read (then nothing may be deleted: it may reference
+            anything).
+    """
+    skip = set(deleting)
+    protected: set[tuple[str, str]] = set()
+    for info in listing:
+        if info.committed and info.step not in skip:
+            protected.update(referenced_files(storage, info.step))
+    return protected
+
+
+def delete_checkpoint(
+    storage: Storage,
+    step: int,
+    open_step: Callable[[int], Storage],
+    protected: AbstractSet[tuple[str, str]] = frozenset(),
+) -> bool:
+    """Delete the checkpoint of ``step`` from the series at ``storage``'s root, but the data
+    files of ``protected`` (:func:`protected_files`), which stay in its ``data/``.
 
     Args:
         open_step: The storage of a step's directory (for its save lock).
@@ -55,12 +85,16 @@ def delete_checkpoint(storage: Storage, step: int, open_step: Callable[[int], St
         # The commit marker first: from here on nothing reads it as a checkpoint.
         storage.remove(storage.join(name, INDEX_NAME))
         storage.sync_dir(storage.join(name))
+        kept = {file.removeprefix(f"{DATA_DIR}/") for owner, file in protected if owner == name}
         if DATA_DIR in storage.listdir(storage.join(name)):
-            _remove_files(storage, name, DATA_DIR, keep=lambda _: False)
-            storage.remove_directory(storage.join(name, DATA_DIR))
+            _remove_files(storage, name, DATA_DIR, keep=kept.__contains__)
+            if not kept.intersection(storage.listdir(storage.join(name, DATA_DIR))):
+                storage.remove_directory(storage.join(name, DATA_DIR))
         _remove_files(storage, name, keep=lambda entry: entry.startswith(LOCK_NAME))
     finally:
         lock.release()
+    if DATA_DIR in storage.listdir(storage.join(name)):
+        return True  # later checkpoints read files of it: the directory stays for them
     # A save may have taken the lock since: then the directory is not empty, and stays.
     storage.remove_directory(storage.join(name))
     return True
@@ -72,10 +106,12 @@ def finish_deletions(
     open_step: Callable[[int], Storage],
     *,
     writing: int | None,
+    protected: AbstractSet[tuple[str, str]] = frozenset(),
 ) -> list[int]:
     """Delete the uncommitted step directories older than the newest committed checkpoint:
     deletions that a kill interrupted, and saves killed before their commit that no resumed run
-    will finish. ``writing`` (the step a save of this manager writes) is never touched.
+    will finish. ``writing`` (the step a save of this manager writes) is never touched, nor a
+    data file of ``protected``.
 
     Returns:
         The steps deleted. A failure is logged and the rest go on (a later call retries).
@@ -87,7 +123,7 @@ def finish_deletions(
         if newest is None or info.committed or info.step >= newest or info.step == writing:
             continue
         try:
-            if delete_checkpoint(storage, info.step, open_step):
+            if delete_checkpoint(storage, info.step, open_step, protected):
                 deleted.append(info.step)
         except OSError as err:
             logger.warning("could not finish deleting %s: %s; a later call retries", info.path, err)

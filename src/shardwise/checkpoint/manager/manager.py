@@ -22,7 +22,11 @@ import torch
 
 from shardwise import collectives
 from shardwise.checkpoint.loading.load import load
-from shardwise.checkpoint.manager.deletion import delete_checkpoint, finish_deletions
+from shardwise.checkpoint.manager.deletion import (
+    delete_checkpoint,
+    finish_deletions,
+    protected_files,
+)
 from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy, retained
 from shardwise.checkpoint.manager.preemption import PreemptionNotice
 from shardwise.checkpoint.manager.series import (
@@ -85,6 +89,9 @@ class CheckpointManager:
         process_group: The ranks saving together (default: the default group, if any).
         storage_options: fsspec options for URLs (every rank must be given the same).
         sync_files: As for :func:`save`.
+        incremental: Each save builds on the checkpoint before it (the last one this manager
+            saved or restored, else the newest of the series): a chunk whose bytes did not
+            change is referenced, not written (``docs/manager.md``, *Incremental saves*).
 
     Example:
         >>> with CheckpointManager("ckpt", save_policy=SavePolicy(every_steps=100),
@@ -106,6 +113,7 @@ class CheckpointManager:
         process_group: ProcessGroup | None = None,
         storage_options: dict[str, Any] | None = None,
         sync_files: bool = True,
+        incremental: bool = False,
     ) -> None:
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a SavePolicy, not {type(save_policy).__name__}")
@@ -118,6 +126,9 @@ class CheckpointManager:
         self._process_group = process_group
         self._storage_options = storage_options
         self._sync_files = sync_files
+        self.incremental = incremental
+        #: The step an incremental save builds on (the last saved or restored; None: unknown).
+        self._base_step: int | None = None
         self._comm = collectives.Comm(process_group, operation="CheckpointManager")
         self._storage = open_series(self.root, storage_options, self._comm.world_size)
         self._in_flight: concurrent.futures.Future[Metadata] | None = None
@@ -254,6 +265,12 @@ class CheckpointManager:
             "storage_options": self._storage_options,
             "sync_files": self._sync_files,
         }
+        if self.incremental:
+            options["incremental"] = True
+            base = self._base_step if self._base_step is not None else self.latest_step()
+            if base is not None and base != step:
+                options["base"] = self.path(base)
+        self._base_step = None  # until this save is known to have started (or committed)
         if self._async and not preempting:
             self._in_flight = _async_save(state_dict, path, **options)
             self._in_flight_step = step
@@ -262,6 +279,7 @@ class CheckpointManager:
             self._untidy = True
             if self._comm.rank == 0:
                 self._tidy()
+        self._base_step = step
         if preempting:
             if self._comm.rank == 0:
                 logger.warning("saved %s after a preemption notice; stop training now", path)
@@ -273,13 +291,18 @@ class CheckpointManager:
         """Wait for the save in flight and raise its error (this rank's own)."""
         future, self._in_flight, self._in_flight_step = self._in_flight, None, None
         if future is not None:
-            future.result()
+            try:
+                future.result()
+            except BaseException:
+                self._base_step = None  # it did not commit: the next save asks the series
+                raise
             self._untidy = True
 
     def _raise_background_failure(self) -> None:
         """Raise the failure of the background save that some rank saw fail (every rank)."""
         step = self._in_flight_step
         future, self._in_flight, self._in_flight_step = self._in_flight, None, None
+        self._base_step = None  # it did not commit: the next save asks the series
         assert future is not None, "a rank reported a failed save that no rank started"
         error = future.exception()  # waits: the save is collective, it ends on every rank
         if error is not None:
@@ -321,10 +344,15 @@ class CheckpointManager:
             listing = list_series(self._storage, records=self.retention.keep_best is not None)
             good = {info.step: info.metrics for info in listing if info.good}
             kept = retained(self.retention, good, () if writing is None else (writing,))
-            for step in sorted(set(good) - kept):
-                if delete_checkpoint(self._storage, step, self._open_step):
+            dropped = sorted(set(good) - kept)
+            # Before anything is removed: the files that the checkpoints staying reference.
+            protected = protected_files(self._storage, listing, dropped)
+            for step in dropped:
+                if delete_checkpoint(self._storage, step, self._open_step, protected):
                     logger.info("deleted %s (retention)", self.path(step))
-            finish_deletions(self._storage, listing, self._open_step, writing=writing)
+            finish_deletions(
+                self._storage, listing, self._open_step, writing=writing, protected=protected
+            )
         except OSError as err:  # the storage failed: space is lost, not a checkpoint
             self._untidy = True
             logger.warning("could not apply the retention policy under %s: %s", self.root, err)
@@ -361,6 +389,7 @@ class CheckpointManager:
         }
         if step is not None:
             load(state_dict, self.path(step), **options)
+            self._base_step = step
             return step
         failed: list[str] = []
         for candidate in reversed(self.steps()):
@@ -377,6 +406,7 @@ class CheckpointManager:
                     f"keys {result.missing_keys[:5]} that a failed load may have partly "
                     "filled; restore with strict=True, or from a checkpoint that has them"
                 )
+            self._base_step = candidate
             return candidate
         if failed:
             raise CheckpointError(

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
+from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME, MAX_INDEX_BYTES
 from shardwise.checkpoint.manager.policy import RetentionPolicy
 from shardwise.checkpoint.storage import (
     LocalStorage,
@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointInfo",
     "checkpoint_bytes",
     "list_series",
+    "referenced_files",
     "open_series",
     "parse_step_name",
     "read_step_record",
@@ -54,6 +55,12 @@ _RECORD_VERSION = 1
 _MAX_RECORD_BYTES = 1 << 20
 _STEP_DIGITS = 8
 _STEP_NAME = re.compile(r"step-([0-9]{8,19})")
+# A reference to a step's data file in an index's raw bytes, with the size the index declares
+# (``docs/format.md``, *Incremental checkpoints*): found without decoding, so that an index
+# too damaged to decode still protects what it references.
+_REFERENCE = re.compile(
+    rb'"\.\./(step-[0-9]{8,19})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)",([0-9]+),'
+)
 
 
 def open_series(root: str, storage_options: dict[str, Any] | None, world_size: int = 1) -> Storage:
@@ -245,3 +252,17 @@ def checkpoint_bytes(storage: Storage, step: int) -> int:
         else:
             total += storage.size(storage.join(name, entry))
     return total
+
+
+def referenced_files(storage: Storage, step: int) -> dict[tuple[str, str], int]:
+    """The data files of other step directories that the index of ``step`` references:
+    ``(step directory, "data/<file>") -> declared size``; empty when it has no index (any
+    other failure to read it raises ``OSError``)."""
+    try:
+        data = storage.read_small(storage.join(step_name(step), INDEX_NAME), MAX_INDEX_BYTES)
+    except FileNotFoundError:
+        return {}
+    return {
+        (match[1].decode(), f"{DATA_DIR}/{match[2].decode()}"): int(match[3])
+        for match in _REFERENCE.finditer(data)
+    }
