@@ -35,6 +35,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 import shardwise
 from shardwise import collectives
+from shardwise.checkpoint import tuning
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.saving.outcome import returned_metadata
@@ -155,6 +156,7 @@ class Writer:
             "timeout": timeout.total_seconds(),
             "parent": os.getpid(),
             "log_level": logging.getLogger("shardwise").getEffectiveLevel(),
+            "nice": min(19, tuning.TUNING.async_writer_nice),
         }
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(shardwise.__file__)))
         env = dict(os.environ)

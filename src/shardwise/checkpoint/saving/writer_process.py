@@ -114,6 +114,7 @@ def main(setup: dict[str, Any]) -> int:
     from shardwise.checkpoint.saving.save import save_outcome
     from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
 
+    os.nice(setup["nice"])  # on busy cores the training step comes first (tuning.py)
     torch.set_num_threads(1)  # intra-op threads would only compete with the training loop
     # The collector would walk every tensor of a save, many times (see paused_gc): it runs
     # once after each save instead, when the save's objects are garbage.
