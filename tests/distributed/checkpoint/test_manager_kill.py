@@ -22,11 +22,14 @@ WORLD = 2
 RUN_TIMEOUT = 120.0
 
 
-def _run(root: Path, last_step: int, logs: Path, kill_at: str | None = None) -> list[str]:
+def _run(
+    root: Path, last_step: int, logs: Path, kill_at: str | None = None, *options: str
+) -> list[str]:
     """One run of every rank; with ``kill_at``, rank 0 kills itself there and the test kills
-    the other rank (the job dies). Returns rank 0's stdout lines."""
+    the other rank (the job dies). ``options``: more of the worker's. Returns rank 0's stdout
+    lines."""
     port = _free_port()
-    command = [sys.executable, "-m", "tests._manager_worker", str(root), str(last_step)]
+    command = [sys.executable, "-m", "tests._manager_worker", str(root), str(last_step), *options]
     if kill_at is not None:
         command += ["--kill-at", kill_at]
     procs, logs_of = [], []
