@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,11 +99,11 @@ def test_staging_packs_every_box_at_a_slot_its_dtype_can_view_and_stages_tied_da
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     assert spans[-1][1] == 6 * 4 + 3 * 2 + 12 * 4 + 1  # packed tight: no byte between them
     viewed = open_views(staged, area.buffer.bytes)
-    assert viewed.tensors["tied"].boxes is viewed.tensors["a"].boxes
+    assert viewed["tied"].boxes is viewed["a"].boxes
     for key, value in state.items():
-        assert torch.equal(viewed.tensors[key].boxes[0].tensor, value), key
+        assert torch.equal(viewed[key].boxes[0].tensor, value), key
     state["a"].add_(100)  # the staged bytes are a copy
-    assert torch.equal(viewed.tensors["a"].boxes[0].tensor, torch.arange(6.0))
+    assert torch.equal(viewed["a"].boxes[0].tensor, torch.arange(6.0))
     area.close()
 
 
@@ -259,3 +260,33 @@ def test_a_store_private_to_this_process_is_refused_before_anything_is_staged() 
     with pytest.raises(CheckpointError, match=r"only this process sees \(memory://\).*use save"):
         ckpt.async_save({"w": torch.ones(2)}, "memory://async/c")
     assert not background._writers
+
+
+def test_a_save_of_the_same_layout_sends_no_tensor_description_and_writes_the_new_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[Any] = []
+    real_dumps = background.pickle.dumps
+
+    def spy(message: Any, *args: Any, **kwargs: Any) -> bytes:
+        sent.append(message[1].tensors)
+        return real_dumps(message, *args, **kwargs)
+
+    monkeypatch.setattr(background.pickle, "dumps", spy)
+    state = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(50)}
+    state["step"] = 1
+    ckpt.async_save(state, tmp_path / "a").result(timeout=60)
+    for value in list(state.values())[:-1]:
+        value.add_(100)  # same layout, new bytes
+    state["step"] = 2
+    ckpt.async_save(state, tmp_path / "b").result(timeout=60)
+    state["new"] = torch.ones(3)  # a new key: the description is sent again
+    ckpt.async_save(state, tmp_path / "c").result(timeout=60)
+    assert sent[0] is not None and sent[1] is None and sent[2] is not None
+    for name, shift, step in (("a", 0.0, 1), ("b", 100.0, 2), ("c", 100.0, 2)):
+        target: dict[str, Any] = {f"t{i}": torch.zeros(i + 1) for i in range(50)}
+        target["step"] = 0
+        ckpt.load(target, tmp_path / name)
+        assert target["step"] == step, name
+        for i in range(50):
+            assert torch.equal(target[f"t{i}"], torch.full((i + 1,), i + shift)), (name, i)

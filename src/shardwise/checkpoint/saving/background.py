@@ -134,6 +134,9 @@ class Writer:
         self.future: concurrent.futures.Future[Metadata] | None = None
         self.path = ""
         self.storage_options: dict[str, Any] | None = None
+        # What the writer was last sent of the staged tensors (it keeps its views of them).
+        self._last_tensors: list[tuple[Any, ...]] | None = None
+        self._last_aliases: dict[str, str] = {}
         #: An error no future reported (the writers were aborted while idle).
         self.pending: CheckpointError | None = None
         self.dead = False
@@ -206,8 +209,18 @@ class Writer:
                 )
                 local_error.__cause__ = err
         options = dataclasses.replace(options, process_group=None)
+        sent = staged
+        if (
+            local_error is None
+            and grown is None
+            and staged.tensors == self._last_tensors
+            and staged.aliases == self._last_aliases
+        ):  # the writer has them: a state of 20,000 tensors saves ~0.1 s sooner
+            sent = Staged(None, staged.objects, staged.aliases)
+        self._last_tensors = staged.tensors if local_error is None else None
+        self._last_aliases = staged.aliases
         # The writer resolves a relative path where this process would: in its directory now.
-        message = ("save", staged, path, options, local_error, self.members, os.getcwd())
+        message = ("save", sent, path, options, local_error, self.members, os.getcwd())
         try:
             payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:  # e.g. storage_options holding a live object
@@ -215,6 +228,7 @@ class Writer:
                 f"cannot hand the save to the writer process: {type(err).__name__}: {err}"
             )
             empty = Staged([], {}, {})
+            self._last_tensors = None
             payload = pickle.dumps(("save", empty, path, options, error, self.members, os.getcwd()))
         with self._lock:
             self.future, self.path = future, path
@@ -297,6 +311,7 @@ class Writer:
         if future is None or future.done():
             return
         if error is not None:
+            self._last_tensors = None  # what the writer kept is unknown now
             future.set_exception(error)
         else:
             future.set_result(result)  # type: ignore[arg-type]

@@ -36,7 +36,8 @@ class Staged:
     has none: its target's are its), plus the objects and tied keys. Plain tuples: pickling
     20,000 of them costs a few milliseconds, dataclasses five times more."""
 
-    tensors: list[tuple[Any, ...]]
+    #: ``None``: the same as the previous save's (the writer keeps its views of them).
+    tensors: list[tuple[Any, ...]] | None
     objects: dict[str, Any]
     aliases: dict[str, str]
 
@@ -246,9 +247,10 @@ def _copy_stream(
         events.append(stream.record_event())
 
 
-def open_views(staged: Staged, data: torch.Tensor) -> Snapshot:
-    """The snapshot ``staged`` describes, each box a view of ``data`` (the writer's mapping
+def open_views(staged: Staged, data: torch.Tensor) -> dict[str, TensorValue]:
+    """The tensors ``staged`` describes, each box a view of ``data`` (the writer's mapping
     of the buffer)."""
+    assert staged.tensors is not None
     tensors: dict[str, TensorValue] = {}
     for fqn, size, dtype, properties, layout, rows in staged.tensors:
         target = staged.aliases.get(fqn)
@@ -260,4 +262,4 @@ def open_views(staged: Staged, data: torch.Tensor) -> Snapshot:
                 for offsets, sizes, offset, shape in rows
             ]
         tensors[fqn] = TensorValue(size, dtype, properties, boxes, layout)
-    return Snapshot(tensors, staged.objects, staged.aliases)
+    return tensors

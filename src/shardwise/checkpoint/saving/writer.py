@@ -23,7 +23,7 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.storage import Storage, UnsafePathError, Writer
 from shardwise.errors import CheckpointDataError
 
-__all__ = ["check_visible", "open_fresh", "write_data_file"]
+__all__ = ["FileBlocks", "check_visible", "open_fresh", "write_data_file"]
 
 
 def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
@@ -43,7 +43,7 @@ def open_fresh(storage: Storage, path: str, rank: int | None) -> Writer:
         ) from err
 
 
-class _FileBlocks:
+class FileBlocks:
     """The block checksums of a stream of bytes: xxh3_64 of each ``block_size`` bytes, hashed
     as they go by (one block of zero bytes when none did)."""
 
@@ -88,7 +88,7 @@ class _ChecksummingWriter:
         self._tiny = bytearray()  # the tiny entries after the last part
         self._held: list[torch.Tensor] = []
         self._pending = 0  # bytes waiting
-        self.file_blocks = _FileBlocks()
+        self.file_blocks = FileBlocks()
         self._unsummed = 0  # leading bytes waiting that no checksum covers (the header)
 
     def header(self, data: bytes) -> None:

@@ -112,7 +112,9 @@ def main(setup: dict[str, Any]) -> int:
     from shardwise import collectives
     from shardwise.checkpoint.saving.background import claim_abort
     from shardwise.checkpoint.saving.save import save_outcome
+    from shardwise.checkpoint.saving.snapshot import Snapshot
     from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
+    from shardwise.errors import CheckpointError
 
     os.nice(setup["nice"])  # on busy cores the training step comes first (tuning.py)
     torch.set_num_threads(1)  # intra-op threads would only compete with the training loop
@@ -162,7 +164,7 @@ def main(setup: dict[str, Any]) -> int:
     gc.freeze()  # what the imports made lives for ever: the collections after saves skip it
     link.send(("ready", os.getpid()))
     buffer: SharedBuffer | None = None
-    members: dict[int, int] = {}
+    tensors: dict[str, Any] | None = None  # the last save's, as views of the buffer
     while True:
         try:
             message = link.conn.recv()
@@ -172,16 +174,23 @@ def main(setup: dict[str, Any]) -> int:
         if kind == "stop":
             break
         if kind == "buffer":
+            tensors = None  # views of the old buffer
             if buffer is not None:
                 buffer.close()
             buffer = SharedBuffer(recv_handle(link.conn), message[1])
             continue
-        _, snapshot, path, options, local_error, members, directory = message
+        _, staged, path, options, local_error, members, directory = message
         data = buffer.bytes if buffer is not None else torch.empty(0, dtype=torch.uint8)
         comm = collectives.Comm(None, operation="async_save")
+        snapshot: Snapshot | None = None
         try:
             os.chdir(directory)
-            snapshot = open_views(snapshot, data)
+            if staged.tensors is not None:  # else the same tensors as last time, restaged
+                tensors = None
+                tensors = open_views(staged, data)
+            if tensors is None:
+                raise CheckpointError("the writer lost the layout of the staged tensors")
+            snapshot = Snapshot(tensors, staged.objects, staged.aliases)
             outcome, save_id, _ = save_outcome(snapshot, path, comm, options, local_error, members)
         except BaseException as err:
             broken = _breaks_group(err)
@@ -196,7 +205,7 @@ def main(setup: dict[str, Any]) -> int:
             gc.collect()
             continue
         finally:
-            snapshot = None
+            snapshot = staged = None  # the views go; the buffer stays
         link.send(("done", outcome, save_id))
         gc.collect()  # after the reply: the caller does not wait for it
     if buffer is not None:
