@@ -7,6 +7,7 @@ from shardwise.checkpoint.manager import (
     RestoreFallbackWarning,
     RetentionPolicy,
     SavePolicy,
+    materialize,
 )
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -60,6 +61,7 @@ __all__ = [
     "load",
     "load_safetensors",
     "load_tensor",
+    "materialize",
     "read_metadata",
     "save",
     "save_safetensors",

@@ -46,6 +46,7 @@ _HANDLERS = {
     "consolidate": "consolidate",
     "convert-dcp": "convert_dcp",
     "ls": "ls",
+    "materialize": "materialize",
 }
 # --dtype choices (names of torch dtypes; kept here as text so that --help needs no torch).
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -193,6 +194,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("out", help="output shardwise checkpoint directory or URL")
     _with_storage_options(sub, "DCP_DIR and OUT")
+
+    sub = commands.add_parser(
+        "materialize",
+        help="copy a checkpoint into a self-contained one (an incremental one reads files of "
+        "earlier checkpoints of its series)",
+    )
+    sub.add_argument("path", help="checkpoint directory or fsspec URL")
+    sub.add_argument("out", help="new checkpoint directory or URL (must not hold a checkpoint)")
+    _with_storage_options(sub, "PATH and OUT")
 
     sub = commands.add_parser(
         "ls", help="list the checkpoints of a series (a CheckpointManager's root)"

@@ -129,6 +129,12 @@ def test_a_series_resharded_from_4_to_2_ranks_loads_like_a_full_save(tmp_path: P
         incremental = ckpt.load_tensor(_step(root, 10), key)
         assert torch.equal(incremental, ckpt.load_tensor(full_save, key)), key
     assert torch.equal(ckpt.load_tensor(_step(root, 10), "model.frozen"), _frozen())
+    # Materialized (the incremental one, and the full one of grids), they load alike.
+    for source in (_step(root, 10), full_save):
+        copy = tmp_path / f"copy-of-{source.name}"
+        assert ckpt.materialize(source, copy).format_version == 4
+        for key in keys:
+            assert torch.equal(ckpt.load_tensor(copy, key), ckpt.load_tensor(full_save, key))
 
     # Hostile references: a missing file, then a name outside the root, on every rank alike.
     document = json.loads((_step(root, 10) / "shardwise.json").read_bytes())

@@ -321,3 +321,41 @@ def test_any_sequence_of_changes_loads_back_exactly(
     out = {key: torch.zeros(4, 6) for key in state}
     ckpt.load(out, previous)
     assert all(torch.equal(out[key], state[key]) for key in state)
+
+
+# -- materialize -----------------------------------------------------------------------------
+
+
+def test_materialize_makes_a_self_contained_copy(tmp_path: Path) -> None:
+    state, paths = _series(tmp_path)
+    before = {path: (path / "shardwise.json").read_bytes() for path in paths}
+    out = tmp_path / "elsewhere" / "copy"
+    assert cli_main(["materialize", str(paths[-1]), str(out)]) == 0
+    assert {path: (path / "shardwise.json").read_bytes() for path in paths} == before
+    document = _document(out)
+    assert document["format_version"] == 4 and "digests" not in document
+    assert all(name.startswith("data/") for name, *_ in document["files"])
+    # It holds exactly its entries (not the whole referenced files) and moves anywhere.
+    assert _own_bytes(out) < _own_bytes(paths[0]) + _own_bytes(paths[-1])
+    moved = tmp_path / "moved"
+    shutil.move(out, moved)
+    loaded = _blank(state)
+    ckpt.load(loaded, moved)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    assert (loaded["step"], loaded["blob"]) == (3, b"abc")
+    assert cli_main(["verify", str(moved)]) == 0
+    with pytest.raises(CheckpointError, match="holds a checkpoint already"):
+        ckpt.materialize(paths[-1], moved)
+
+
+def test_materialize_verifies_every_byte_and_commits_nothing_on_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    _, paths = _series(tmp_path, saves=2)
+    (file,) = (paths[0] / "data").iterdir()
+    data = bytearray(file.read_bytes())
+    data[-20] ^= 0xFF
+    file.write_bytes(bytes(data))
+    with pytest.raises(ckpt.ChecksumError):
+        ckpt.materialize(paths[-1], tmp_path / "copy")
+    assert not (tmp_path / "copy" / "shardwise.json").exists()

@@ -200,15 +200,15 @@ def test_file_blocks_hash_a_stream_as_one_buffer() -> None:
     data = torch.randint(0, 256, (20_000,), generator=generator, dtype=torch.uint8).numpy()
     data = data.tobytes()
     for cuts in ([], [1, 4096, 4097, 9000], list(range(0, 20_000, 333)), [8192, 12288]):
-        blocks = data_writer._FileBlocks(block_size=4096)
+        blocks = data_writer.FileBlocks(block_size=4096)
         edges = [0, *cuts, len(data)]
         for start, end in itertools.pairwise(edges):
             blocks.update(memoryview(data)[start:end])
         assert blocks.checksums() == block_checksums(data, 4096), cuts
-    exact = data_writer._FileBlocks(block_size=4096)
+    exact = data_writer.FileBlocks(block_size=4096)
     exact.update(data[:8192])
     assert exact.checksums() == block_checksums(data[:8192], 4096)
-    assert data_writer._FileBlocks().checksums() == xxhash.xxh3_64_hexdigest(b"")
+    assert data_writer.FileBlocks().checksums() == xxhash.xxh3_64_hexdigest(b"")
 
 
 def test_own_file_writes_order_the_other_entries_by_key() -> None:

@@ -3,10 +3,12 @@ fallback, preemption (``docs/manager.md``).
 
 Modules by concept: :mod:`.policy` (the save and retention rules, pure), :mod:`.series` (step
 directories, their records, one listing), :mod:`.deletion` (crash-safe deletion),
-:mod:`.preemption` (the signal flag), :mod:`.manager` (``CheckpointManager``).
+:mod:`.preemption` (the signal flag), :mod:`.manager` (``CheckpointManager``),
+:mod:`.materialize` (a self-contained copy of an incremental checkpoint).
 """
 
 from shardwise.checkpoint.manager.manager import CheckpointManager, RestoreFallbackWarning
+from shardwise.checkpoint.manager.materialize import materialize
 from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
 from shardwise.checkpoint.manager.series import CheckpointInfo, list_series
 
@@ -17,4 +19,5 @@ __all__ = [
     "RetentionPolicy",
     "SavePolicy",
     "list_series",
+    "materialize",
 ]

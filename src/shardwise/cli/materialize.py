@@ -1,0 +1,45 @@
+"""``shardwise materialize``: a self-contained copy of a checkpoint (an incremental one reads
+files of earlier checkpoints of its series; its copy holds every byte it needs), every byte
+verified as it is copied (:mod:`shardwise.checkpoint.manager.materialize`)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+from shardwise._progress import ByteBar, human_bytes
+from shardwise.checkpoint.index import Index
+from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.manager.materialize import materialize
+from shardwise.cli._checkpoint import check_url
+from shardwise.cli._common import EXIT_OK, _count
+
+
+def _stored(index: Index) -> Iterator[int]:
+    """The bytes of every stored entry of ``index`` (tensor chunks, blobs)."""
+    for fqn, record in index.tensors.items():
+        if fqn not in index.aliases:
+            yield from (chunk.nbytes for chunk in record.chunks)
+    yield from (item.blob.nbytes for item in index.objects.values() if item.blob is not None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Copy ``args.path`` into a self-contained checkpoint at ``args.out``."""
+    check_url(args.path)
+    check_url(args.out)
+    with CheckpointReader.open(args.path, args.storage_options) as reader:
+        total = sum(_stored(reader.index))
+    bar = ByteBar(total, f"materializing {args.path}")
+    try:
+        index = materialize(
+            args.path, args.out, storage_options=args.storage_options, progress=bar.update
+        )
+    finally:
+        bar.close()
+    nbytes = sum(_stored(index))
+    print(
+        f"wrote {_count(len(index.tensors) - len(index.aliases), 'tensor')} "
+        f"({human_bytes(nbytes)}) and {_count(len(index.objects), 'object')} to {args.out} "
+        f"in {_count(len(index.files), 'data file')}: it reads no other checkpoint"
+    )
+    return EXIT_OK
