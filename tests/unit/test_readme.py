@@ -383,12 +383,13 @@ def test_command_line_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     local, remote = [], []
     for command in shardwise_commands(COMMAND_LINE):
         (remote if "s3://" in command else local).append(command)
-    commands = {"inspect", "verify", "diff", "consolidate", "convert-dcp", "ls"}
+    commands = {"inspect", "verify", "diff", "consolidate", "convert-dcp", "ls", "materialize"}
     assert {shlex.split(c)[1] for c in local} == commands, "an example of every command"
     for command in local:
         assert _run_command(command) == 0, command
     assert (tmp_path / "hf_out" / "model.safetensors").is_file()
     assert (tmp_path / "converted" / "shardwise.json").is_file()
+    assert (tmp_path / "alone" / "shardwise.json").is_file()
     # The s3:// examples need a bucket; their arguments at least parse.
     for command in remote:
         args = cli._app._parser().parse_args(shlex.split(command)[1:])
