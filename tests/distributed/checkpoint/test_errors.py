@@ -105,13 +105,14 @@ def test_unknown_format_version(tmp_path: Path) -> None:
     def bump() -> None:
         index = json.loads((path / "shardwise.json").read_text())
         del index["index_checksum"]
-        index["format_version"] = 5
+        index["format_version"] = 6
         (path / "shardwise.json").write_bytes(seal(index))
 
     _on_rank0_then_barrier(bump)
     message = (
-        "unsupported checkpoint format version 5; this shardwise reads version 4 "
-        f"(a newer shardwise may read it) (file '{path / 'shardwise.json'}')"
+        "unsupported checkpoint format version 6; this shardwise reads version 4 and version 5 "
+        "(incremental checkpoints) (a newer shardwise may read it) "
+        f"(file '{path / 'shardwise.json'}')"
     )
     state = _target()
     with pytest.raises(ckpt.CheckpointFormatError, match=re.escape(message)):
