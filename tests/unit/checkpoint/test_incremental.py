@@ -359,3 +359,20 @@ def test_materialize_verifies_every_byte_and_commits_nothing_on_a_mismatch(
     with pytest.raises(ckpt.ChecksumError):
         ckpt.materialize(paths[-1], tmp_path / "copy")
     assert not (tmp_path / "copy" / "shardwise.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_chunks_are_hashed_through_the_host(tmp_path: Path) -> None:
+    state = {
+        "frozen": torch.randn(300, 1000, device="cuda"),
+        "adapter": torch.randn(8, 1000, device="cuda"),
+    }
+    ckpt.save(state, tmp_path / "a", incremental=True)
+    state["adapter"].add_(1.0)
+    ckpt.save(state, tmp_path / "b", base=tmp_path / "a")
+    index = decode_index((tmp_path / "b" / "shardwise.json").read_bytes())
+    assert index.tensors["frozen"].chunks[0].file.startswith("../a/")
+    assert index.tensors["adapter"].chunks[0].file.startswith("data/")
+    out = {key: torch.zeros_like(value) for key, value in state.items()}
+    ckpt.load(out, tmp_path / "b")
+    assert all(torch.equal(out[key], state[key]) for key in state)
