@@ -65,6 +65,8 @@ def _inspect_summary(checkpoint: _Checkpoint) -> dict[str, Any]:
         "object_bytes": sum(row["bytes"] for row in objects),
         "num_chunks": sum(row["num_chunks"] for row in stored),
         "num_files": len(checkpoint.index.files),
+        # An incremental checkpoint's data files of earlier checkpoints (../<name>/data/...).
+        "referenced_files": checkpoint.index.references,
         "entries": rows,
     }
 
@@ -121,6 +123,16 @@ def run(args: argparse.Namespace) -> int:
         )
         more = f" and {len(ties) - _MAX_TIES} more" if len(ties) > _MAX_TIES else ""
         print(f"tied (saved once): {shown_ties}{more}")
+
+    referenced = summary["referenced_files"]
+    if referenced:
+        owners = sorted({name.split("/")[1] for name in referenced})
+        print(
+            f"incremental (index version {summary['format_version']}): reads "
+            f"{_count(len(referenced), 'data file')} of {_count(len(owners), 'earlier checkpoint')}"
+            f" ({', '.join(_printable(owner) for owner in owners[:_MAX_TIES])}"
+            f"{' ...' if len(owners) > _MAX_TIES else ''}) beside it"
+        )
 
     def shown(name: str) -> str:
         return _printable(str(summary[name]))

@@ -138,10 +138,17 @@ def test_a_base_must_be_a_committed_sibling(tmp_path: Path) -> None:
     assert index.references == [] and index.format_version == 5
 
 
-def test_cli_commands_read_an_incremental_checkpoint(tmp_path: Path) -> None:
+def test_cli_commands_read_an_incremental_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     state, paths = _series(tmp_path)
     assert cli_main(["verify", str(paths[-1])]) == 0
     assert cli_main(["inspect", str(paths[-1])]) == 0
+    out = capsys.readouterr().out
+    assert f"reads 1 data file of 1 earlier checkpoint ({paths[0].name}) beside it" in out
+    assert cli_main(["inspect", "--json", str(paths[-1])]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format_version"] == 5 and len(summary["referenced_files"]) == 1
     out = tmp_path / "hf"
     assert cli_main(["consolidate", str(paths[-1]), str(out)]) == 0
     from safetensors.torch import load_file
