@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import shardwise.checkpoint as ckpt
@@ -383,3 +383,46 @@ def test_gpu_chunks_are_hashed_through_the_host(tmp_path: Path) -> None:
     out = {key: torch.zeros_like(value) for key, value in state.items()}
     ckpt.load(out, tmp_path / "b")
     assert all(torch.equal(out[key], state[key]) for key in state)
+
+
+FILE = "rank-00000.0123456789abcdef.safetensors"
+_PIECES = ["..", ".", "/", "\\", "a", "step-1", "data", "\x00", "\x1f", "é", FILE]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=9))
+@example(["..", "/", "step-1", "/", "data", "/", FILE])  # accepted
+@example(["..", "/", "é", "/", "data", "/", FILE])  # accepted
+@example(["..", "/", "..", "/", "data", "/", FILE])
+@example(["..", "/", ".", "/", "data", "/", FILE])
+@example(["..", "/", "a", "/", "a", "/", "data", "/", FILE])
+@example(["..", "/", "a", "\\", "/", "data", "/", FILE])
+@example(["..", "/", "a", "\x00", "/", "data", "/", FILE])
+@example(["/", "step-1", "/", "data", "/", FILE])
+def test_an_accepted_reference_stays_one_checkpoint_below_the_root(pieces: list[str]) -> None:
+    """Whatever a name is, the decoder refuses it or it names ``<root>/<one component>/data/
+    <a data file>``: joined to the checkpoint and normalized, it never leaves the root."""
+    name = "".join(pieces)
+    document = {
+        "format": "shardwise-checkpoint",
+        "format_version": 5,
+        "save": {"writer": "w", "torch": "t", "world_size": 1, "save_id": "0" * 16,
+                 "checkpoint_id": None},
+        "checksum": {"algorithm": "xxh3_64", "block_size": 1 << 20, "scope": "file"},
+        "files": [[name, 72, 64, "0" * 16]],
+        "properties": [["float32", "strided", False, "contiguous_format", False]],
+        "tensors": [["t", 0, [2], ["whole", 0, 64]]],
+        "objects": [],
+        "digests": ["0" * 32],
+    }  # fmt: skip
+    try:
+        index = decode_index(seal(document))
+    except CheckpointFormatError:
+        return
+    (accepted,) = index.files
+    parsed = parse_reference(accepted)
+    assert parsed is not None, accepted
+    resolved = os.path.normpath(os.path.join("/root/ckpt", accepted))
+    parts = resolved.split("/")
+    assert parts[:2] == ["", "root"] and len(parts) == 5 and parts[3] == "data", resolved
+    assert parts[2] not in (".", "..", "") and parts[4] == FILE
