@@ -5,7 +5,9 @@ loadable, and ``shardwise ls`` shows own and shared bytes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +168,20 @@ def test_a_deletion_killed_anywhere_leaves_every_kept_checkpoint_loadable(
             break
         removals += 1
     assert removals > 4  # every removal of the two deletions was a kill point
+
+
+def test_an_incremental_series_in_an_fsspec_store() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    root = f"memory://incremental-{os.getpid()}-{time.monotonic_ns()}"
+    with _manager(root, keep_last=1, async_save=False) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+        state = _blank()
+        assert manager.restore(state) == 3
+    assert torch.equal(state["adapter"], _state(3)["adapter"])
+    fs = fsspec.filesystem("memory")
+    path = root.removeprefix("memory:/")
+    listed = sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
+    assert listed == ["step-00000001", "step-00000003"]  # 1 retired: 3 reads its base bytes
+    index = decode_index(fs.cat(f"{path}/step-00000003/shardwise.json"))
+    assert [name.split("/")[1] for name in index.references] == ["step-00000001"]
