@@ -266,13 +266,18 @@ def save_outcome(
         mine, grid_cells = _save_tables.own_file_writes(
             table, snapshot.tensors, assignment, comm.rank
         )
-        digests: dict[str, str] = {}
-        references: dict[str, list[Any]] = {}
-        if options.records_digests:  # every chunk listed with its begin: no grid cells
-            mine, digests, references = _incremental.split_writes(mine, snapshot.tensors, base)
-            grid_cells = 0
 
         def write() -> dict[str, Any]:
+            writes, cells = mine, grid_cells
+            digests: dict[str, str] = {}
+            references: dict[str, list[Any]] = {}
+            if options.records_digests:  # every chunk listed with its begin: no grid cells
+                writes, digests, references = _incremental.split_writes(
+                    mine, snapshot.tensors, base
+                )
+                cells = 0
+                if bar is not None:  # the job's total counts them: they are done
+                    bar.update(sum(item.nbytes for item in mine) - sum(w.nbytes for w in writes))
             data_dir = storage.join(DATA_DIR)
             try:
                 storage.makedirs(data_dir)
@@ -288,12 +293,12 @@ def save_outcome(
                     storage,
                     comm.rank,
                     save_id,
-                    mine,
+                    writes,
                     snapshot.tensors,
                     blobs,
                     options.sync_files,
                     bar,
-                    grid_cells=grid_cells,
+                    grid_cells=cells,
                 )
                 if options.records_digests:
                     facts.update(digests=digests, references=references)
