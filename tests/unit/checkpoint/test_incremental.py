@@ -92,6 +92,18 @@ def test_a_series_writes_only_what_changed_and_loads_like_a_full_save(tmp_path: 
     assert metadata.version == "5"
 
 
+def test_a_save_where_nothing_changed_writes_no_data_file(tmp_path: Path) -> None:
+    state = {"w": torch.randn(16, 4), "step": 3}
+    ckpt.save(state, tmp_path / "a", incremental=True)
+    ckpt.save(state, tmp_path / "b", base=tmp_path / "a")
+    document = _document(tmp_path / "b")
+    assert document["files"][0] is None and len(document["files"]) == 2
+    assert not (tmp_path / "b" / "data").exists() or not any((tmp_path / "b" / "data").iterdir())
+    out = {"w": torch.zeros(16, 4), "step": 0}
+    ckpt.load(out, tmp_path / "b")
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+
+
 def test_the_digest_decides_not_the_autograd_state(tmp_path: Path) -> None:
     """A frozen weight changed in place (no grad, same version-less view) is written again."""
     state = _state()
