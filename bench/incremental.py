@@ -169,6 +169,13 @@ def run(
     ]
     for label, a, b, unit in rows:
         print(f"{label:28}{a:>9.1f} {unit:3}{b:>11.1f} {unit:3}{a / b:>8.2f}x")
+    print(
+        "each save, full / incremental ms: "
+        + ", ".join(
+            f"{n}: {a * 1e3:.0f}/{b * 1e3:.0f}"
+            for n, (a, b) in enumerate(zip(full_times, incremental_times, strict=True), start=1)
+        )
+    )
     slowest = max(incremental_times[1:]) / statistics.median(full_times[1:])
     print()
     print(
