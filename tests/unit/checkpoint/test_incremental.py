@@ -7,7 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -438,3 +440,60 @@ def test_an_accepted_reference_stays_one_checkpoint_below_the_root(pieces: list[
     parts = resolved.split("/")
     assert parts[:2] == ["", "root"] and len(parts) == 5 and parts[3] == "data", resolved
     assert parts[2] not in (".", "..", "") and parts[4] == FILE
+
+
+# -- a mutation fuzz of incremental indexes --------------------------------------------------
+
+FUZZ_CASES = max(1, int(os.environ.get("SHARDWISE_FUZZ_CASES", "2400")) // 8)
+
+
+def test_mutated_incremental_indexes_fail_cleanly_inside_the_series_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An incremental checkpoint's index edited and re-sealed (``test_fuzz``'s mutators, and
+    its reference names swapped for hostile ones): every reader raises only CheckpointErrors,
+    opens nothing outside the series root, and the CLI keeps its contract."""
+    from tests import _hostile as h
+    from tests.unit.checkpoint.test_fuzz import mutate_document, mutate_semantics, serialize
+
+    root = tmp_path / "series"
+    state = h.mixed_state(rows=32)
+    ckpt.save(state, root / "step-1", incremental=True)
+    state["model"]["weight"].add_(1.0)
+    ckpt.save(state, root / "step-2", base=root / "step-1")
+    pristine = _document(root / "step-2")
+    assert any(row and row[0].startswith("../") for row in pristine["files"])
+    del pristine["index_checksum"]
+    hostile = [
+        "../../outside/data/rank-00000.0123456789abcdef.safetensors",
+        "../step-1/data/../../outside/rank-00000.0123456789abcdef.safetensors",
+        "../step-2/data/rank-00000.0123456789abcdef.safetensors",
+        "../step-9/data/rank-00000.0123456789abcdef.safetensors",
+        "../outside-link/data/rank-00000.0123456789abcdef.safetensors",
+    ]
+    (tmp_path / "outside" / "data").mkdir(parents=True)
+    (root / "outside-link").symlink_to(tmp_path / "outside")
+    # A referenced file is opened one component at a time, each relative to the descriptor of
+    # the directory before it, from the series root (openat): the audit hook sees the bare
+    # components, which resolve where they are opened when the root is the working directory.
+    monkeypatch.chdir(root)
+    rng = random.Random(20261126)
+    for _ in range(FUZZ_CASES):
+        choice = rng.random()
+        if choice < 0.2:
+            document = json.loads(json.dumps(pristine))
+            row = rng.choice([r for r in document["files"] if r])
+            row[0] = rng.choice(hostile)
+        elif choice < 0.6:
+            document, _ = mutate_semantics(rng, pristine)
+        else:
+            document, _ = mutate_document(rng, pristine)
+        (root / "step-2" / "shardwise.json").write_bytes(serialize(rng, document)[0])
+        target = h.blank_like(state)
+        with h.confined_opens(root), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module="shardwise")
+            h.failure(lambda: ckpt.read_metadata(root / "step-2"))
+            h.failure(lambda target=target: ckpt.load(target, root / "step-2"))
+            h.failure(lambda: ckpt.load_tensor(root / "step-2", "model.weight"))
+            for command in ("inspect", "verify"):
+                h.check_cli(h.run_cli(command, str(root / "step-2")))
