@@ -268,6 +268,7 @@ def test_a_rank_with_nothing_to_write_writes_no_data_file(tmp_path: Path) -> Non
     # 0's old file is cleaned up.
     wide = {"x": distribute_tensor(_full(4, 3), flat, [Shard(0)])}
     ckpt.save(wide, tmp_path / "c")
+    dist.barrier()  # the coordinator removes leftovers after every rank learned the outcome
     files = json.loads((tmp_path / "c" / INDEX_NAME).read_bytes())["files"]
     names = sorted(f"data/{p.name}" for p in (tmp_path / "c" / "data").iterdir())
     assert [row[0] for row in files] == names and len(names) == 2
