@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import operator
 import os
 import tempfile
 from dataclasses import dataclass
@@ -147,24 +148,27 @@ class StagingArea:
         # Where each box goes: host boxes packed tight, largest element size first (so each
         # starts at a multiple of its own), and copied by one concatenation (per-tensor copies
         # cost ~10 us each: 0.2 s for 20,000 small tensors); GPU boxes one aligned slot each.
-        host: list[tuple[str, int, torch.Tensor]] = []
-        device: list[tuple[str, int, torch.Tensor]] = []
+        # Each box: (element size, bytes, tensor, (key, box number)); one pass over them.
+        host: list[tuple[int, int, torch.Tensor, tuple[str, int]]] = []
+        device: list[tuple[int, int, torch.Tensor, tuple[str, int]]] = []
         for fqn, value in snapshot.tensors.items():
             if fqn not in snapshot.aliases:
                 for number, box in enumerate(value.boxes):
-                    found = device if box.tensor.device.type == "cuda" else host
-                    found.append((fqn, number, box.tensor))
-        host.sort(key=lambda item: -item[2].element_size())
+                    tensor = box.tensor
+                    itemsize = tensor.dtype.itemsize
+                    item = (itemsize, tensor.numel() * itemsize, tensor, (fqn, number))
+                    (device if tensor.is_cuda else host).append(item)
+        host.sort(key=operator.itemgetter(0), reverse=True)  # stable: keys stay in order
         offsets: dict[tuple[str, int], int] = {}
         total = 0
-        for fqn, number, tensor in host:
-            offsets[fqn, number] = total
-            total += tensor.numel() * tensor.element_size()
+        for _, nbytes, _, key in host:
+            offsets[key] = total
+            total += nbytes
         packed = total
-        for fqn, number, tensor in device:
+        for _, nbytes, _, key in device:
             total = _aligned(total)
-            offsets[fqn, number] = total
-            total += tensor.numel() * tensor.element_size()
+            offsets[key] = total
+            total += nbytes
         grown = None
         if self.buffer is None or self.buffer.size < total:
             old = self.buffer
@@ -174,20 +178,24 @@ class StagingArea:
                 old.close()
         buffer = self.buffer
         if packed:
-            parts = [_as_bytes(tensor) for _, _, tensor in host if tensor.numel()]
-            torch.cat(parts, out=buffer.bytes[:packed])
+            with torch.no_grad():  # no autograd record of the views of parameters
+                parts = [_as_bytes(tensor) for _, nbytes, tensor, _ in host if nbytes]
+                torch.cat(parts, out=buffer.bytes[:packed])
         events: list[Any] = []
         with _copy_stream(device, buffer, events) as copy:
-            for fqn, number, tensor in device:
-                slot = Slot(offsets[fqn, number], tensor.dtype, tuple(tensor.shape))
+            for _, _, tensor, key in device:
+                slot = Slot(offsets[key], tensor.dtype, tuple(tensor.shape))
                 copy(_view(buffer.bytes, slot), tensor)
         rows = []
+        aliases = snapshot.aliases
         for fqn, value in snapshot.tensors.items():
             boxes: tuple[Any, ...] = ()
-            if fqn not in snapshot.aliases:  # a tied key's boxes are its target's
+            if fqn not in aliases:  # a tied key's boxes are its target's
                 boxes = tuple(
-                    (box.offsets, box.sizes, offsets[fqn, number], tuple(box.tensor.shape))
-                    for number, box in enumerate(value.boxes)
+                    [
+                        (box.offsets, box.sizes, offsets[fqn, number], tuple(box.tensor.shape))
+                        for number, box in enumerate(value.boxes)
+                    ]
                 )
             layout = _portable_layout(value.layout)
             rows.append((fqn, value.size, value.dtype, value.properties, layout, boxes))
@@ -215,17 +223,19 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The elements of ``tensor`` in row-major order, as bytes (a view when contiguous)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.is_conj() or flat.is_neg():
+    flat = tensor.reshape(-1)
+    if flat.is_neg() or (tensor.dtype.is_complex and flat.is_conj()):
         flat = flat.resolve_conj().resolve_neg()
     return flat.view(torch.uint8)
 
 
 @contextlib.contextmanager
 def _copy_stream(
-    boxes: list[tuple[str, int, torch.Tensor]], buffer: SharedBuffer, events: list[Any]
+    boxes: list[tuple[int, int, torch.Tensor, tuple[str, int]]],
+    buffer: SharedBuffer,
+    events: list[Any],
 ) -> Any:
-    devices = {tensor.device for _, _, tensor in boxes}
+    devices = {tensor.device for _, _, tensor, _ in boxes}
     if not devices:
         yield None
         return
