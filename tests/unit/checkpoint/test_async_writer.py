@@ -290,3 +290,21 @@ def test_a_save_of_the_same_layout_sends_no_tensor_description_and_writes_the_ne
         assert target["step"] == step, name
         for i in range(50):
             assert torch.equal(target[f"t{i}"], torch.full((i + 1,), i + shift)), (name, i)
+
+
+def test_parameters_lazy_conjugates_and_mixed_element_sizes_stage_exactly(tmp_path: Path) -> None:
+    parameter = torch.nn.Parameter(torch.arange(6.0))
+    conjugate = torch.complex(torch.arange(4.0), torch.ones(4)).conj()  # a lazy view
+    state = {
+        "flags": torch.tensor([True, False, True]),
+        "p": parameter,
+        "c": conjugate,
+        "h": torch.arange(5, dtype=torch.float16),
+        "d": torch.arange(3, dtype=torch.float64).reshape(3, 1).expand(3, 2),  # stride 0
+    }
+    ckpt.async_save(state, tmp_path / "a").result(timeout=60)
+    target = {key: torch.zeros(value.shape, dtype=value.dtype) for key, value in state.items()}
+    ckpt.load(target, tmp_path / "a")
+    for key, value in state.items():
+        assert torch.equal(target[key], value.detach().resolve_conj()), key
+    assert parameter.grad is None and parameter.requires_grad
