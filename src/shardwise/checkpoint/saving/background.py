@@ -240,15 +240,14 @@ class Writer:
         return future
 
     def _send(self, payload: bytes, grown: SharedBuffer | None, events: list[Any]) -> None:
-        try:
+        # A writer that is gone raises OSError or ValueError here: the receiver reports how.
+        with contextlib.suppress(OSError, ValueError):
             for event in events:  # the copies from GPUs are done
                 event.synchronize()
             if grown is not None:
                 self.conn.send(("buffer", grown.size))
                 send_handle(self.conn, grown.fd, self.process.pid)
             self.conn.send_bytes(payload)
-        except (OSError, ValueError):  # the writer is gone: the receiver reports how
-            pass
 
     def check_abort(self) -> None:
         """Learn now, from the store, whether the writers were aborted (not when this writer

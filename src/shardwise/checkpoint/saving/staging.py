@@ -106,10 +106,8 @@ class SharedBuffer:
 def _memory_file() -> int:
     create = getattr(os, "memfd_create", None)
     if create is not None:
-        try:
+        with contextlib.suppress(OSError):  # refused (a sandbox, an old kernel): a file below
             return int(create("shardwise-staging", getattr(os, "MFD_CLOEXEC", 1)))
-        except OSError:
-            pass
     shm = "/dev/shm"
     directory = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
     fd, name = tempfile.mkstemp(prefix="shardwise-staging-", dir=directory)

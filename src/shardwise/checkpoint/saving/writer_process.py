@@ -84,11 +84,9 @@ def _watch_abort(store: Any, key: str, link: _Link, rank: int) -> None:
             if "timeout" in str(err).lower() or "timed out" in str(err).lower():
                 continue
             return  # the store is gone (the job ended): nothing to watch
-    try:
+    with contextlib.suppress(ValueError, AttributeError):  # not a reason it wrote
         if json.loads(reason).get("rank") == rank:
             return  # this writer's own abort: its main thread reports it, then exits
-    except (ValueError, AttributeError):
-        pass
     try:
         link.send(("aborted", reason))
     finally:
