@@ -16,7 +16,6 @@ import os
 import secrets
 import sys
 import time
-import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,10 +43,10 @@ from shardwise.checkpoint.index import paused_gc
 from shardwise.checkpoint.loading.data_files import SourceFiles
 from shardwise.checkpoint.loading.fill import Job, fill
 from shardwise.checkpoint.loading.index_file import quoted
-from shardwise.checkpoint.loading.load import LoadResult
+from shardwise.checkpoint.loading.load import LoadResult, report_load
 from shardwise.checkpoint.loading.targets import check_target, describe_target
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar
 from shardwise.checkpoint.storage import (
     Reader,
     Storage,
@@ -411,19 +410,6 @@ def load_safetensors(
             exchange_with_bar(comm, read, bar)
     finally:
         files.close()
-    if comm.rank == 0:
-        ranks = f" by {comm.world_size} ranks" if comm.world_size > 1 else ""
-        log_done(logger, "loaded", path_text, total, time.monotonic() - started, ranks)
     result = LoadResult(missing, planned.unexpected)
-    found = (
-        ("missing from the safetensors files", result.missing_keys),
-        ("in the safetensors files but not in the state dict (not loaded)", result.unexpected_keys),
-    )
-    parts = [
-        f"{len(keys)} key{'s' if len(keys) > 1 else ''} {what} ({quoted(keys, 10)})"
-        for what, keys in found
-        if keys
-    ]
-    if not strict and parts:
-        warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=2)
+    report_load(comm, path_text, total, started, result, strict, "the safetensors files")
     return result

@@ -389,12 +389,28 @@ def load(
             result, nbytes = _load(reader, comm, state_dict, options)
     finally:
         reader.close()
+    report_load(comm, path_text, nbytes, started, result, strict, "the checkpoint")
+    return result
+
+
+def report_load(
+    comm: collectives.Comm,
+    path_text: str,
+    nbytes: int,
+    started: float,
+    result: LoadResult,
+    strict: bool,
+    source: str,
+) -> None:
+    """The log line of a finished load (rank 0), and with ``strict=False`` the warning that
+    names the keys missing from ``source`` and those it has that the state dict lacks,
+    attributed to the caller of the public function that called this."""
     if comm.rank == 0:
         ranks = f" by {comm.world_size} ranks" if comm.world_size > 1 else ""
         log_done(logger, "loaded", path_text, nbytes, time.monotonic() - started, ranks)
     found = (
-        ("missing from the checkpoint", result.missing_keys),
-        ("in the checkpoint but not in the state dict (not loaded)", result.unexpected_keys),
+        (f"missing from {source}", result.missing_keys),
+        (f"in {source} but not in the state dict (not loaded)", result.unexpected_keys),
     )
     parts = [
         f"{len(keys)} key{'s' if len(keys) > 1 else ''} {what} ({quoted(keys, 10)})"
@@ -402,8 +418,7 @@ def load(
         if keys
     ]
     if not strict and parts:
-        warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=2)
-    return result
+        warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=3)
 
 
 def _load(
