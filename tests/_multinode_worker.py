@@ -228,6 +228,10 @@ def check_loaded(
 def _save(path: str, meshes: dict[str, DeviceMesh]) -> dict[str, Any]:
     state = _sharded(expected_state(), SAVE_LAYOUT, meshes)
     metadata = ckpt.save(state, path)
+    # The same state through async_save: each rank's writer process meets the others' through
+    # the store of torchrun's rendezvous, across the nodes.
+    written = ckpt.async_save(state, f"{path}-async").result(timeout=120)
+    assert written.state_dict_metadata == metadata.state_dict_metadata
     return {"save_id": metadata.storage_meta.save_id if metadata.storage_meta else None}
 
 

@@ -9,7 +9,8 @@ system that every node mounts.
 1. 2 nodes x 2 processes save a training-like state dict: DTensors sharded by rows over the 4
    ranks and over a 2-D (node, process) mesh, a replicated DTensor, plain replicated tensors,
    an optimizer-like nested dict and a Python int step. Every rank of both nodes writes its own
-   data file; one index names them all.
+   data file; one index names them all. They save it again with ``async_save``, whose writer
+   processes meet through the store of torchrun's rendezvous.
 2. 3 nodes x 1 process load it with another sharding (mostly by columns over 3 ranks) into a
    target holding none of the saved values, and check every value exactly against the values
    each worker recomputes from the seed.
@@ -308,8 +309,10 @@ def test_two_nodes_save_three_nodes_and_one_process_load(tmp_path: Path) -> None
     for report in loaded:
         assert (report["leaves"], report["elements"]) == (len(want), elements), report
 
-    # One process, no process group: plain tensors, every value checked the same way.
-    target = blank_state()
-    result = ckpt.load(target, path)
-    assert not result.missing_keys and not result.unexpected_keys, result
-    assert check_loaded(target, expected_state(), layout={}) == (len(want), elements)
+    # One process, no process group: plain tensors, every value checked the same way, of the
+    # save and of the async_save the writer processes of both nodes wrote.
+    for saved in (path, Path(f"{path}-async")):
+        target = blank_state()
+        result = ckpt.load(target, saved)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        assert check_loaded(target, expected_state(), layout={}) == (len(want), elements)
