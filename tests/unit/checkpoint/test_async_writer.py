@@ -308,3 +308,14 @@ def test_parameters_lazy_conjugates_and_mixed_element_sizes_stage_exactly(tmp_pa
     for key, value in state.items():
         assert torch.equal(target[key], value.detach().resolve_conj()), key
     assert parameter.grad is None and parameter.requires_grad
+
+
+def test_a_writer_that_cannot_start_is_a_checkpoint_error_naming_the_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background.sys, "executable", str(tmp_path / "no-python-here"))
+    with pytest.raises(CheckpointError, match=r"could not start the async_save writer .*rank 0"):
+        ckpt.async_save({"w": torch.ones(2)}, tmp_path / "a")
+    assert not background._writers and not (tmp_path / "a").exists()
+    monkeypatch.undo()
+    ckpt.async_save({"w": torch.ones(2)}, tmp_path / "a").result(timeout=60)  # then it starts

@@ -166,16 +166,14 @@ class Writer:
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         try:
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "shardwise.checkpoint.saving.writer_process",
-                    json.dumps(setup),
-                ],
+                [sys.executable, "-m", _WRITER_MODULE, json.dumps(setup)],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.conn = Connection(os.dup(ours.fileno()))
@@ -407,8 +405,15 @@ def writer_for(group: ProcessGroup | None) -> Writer:
             writer = None
     if writer is None:
         number = _made[key] = _made.get(key, 0) + 1
-        rendezvous = _rendezvous(group, rank, number)
-        writer = _writers[key] = Writer(rank, world_size, members, timeout, rendezvous)
+        try:
+            rendezvous = _rendezvous(group, rank, number)
+            writer = _writers[key] = Writer(rank, world_size, members, timeout, rendezvous)
+        except (OSError, RuntimeError, ValueError) as err:  # no process, no store
+            raise CheckpointError(
+                f"could not start the async_save writer process of rank {rank}: "
+                f"{type(err).__name__}: {err}",
+                rank=rank,
+            ) from err
     return writer
 
 
