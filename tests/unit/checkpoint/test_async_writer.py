@@ -319,3 +319,20 @@ def test_a_writer_that_cannot_start_is_a_checkpoint_error_naming_the_rank(
     assert not background._writers and not (tmp_path / "a").exists()
     monkeypatch.undo()
     ckpt.async_save({"w": torch.ones(2)}, tmp_path / "a").result(timeout=60)  # then it starts
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_writer_alone(tmp_path: Path) -> None:
+    ckpt.async_save({"w": torch.ones(2)}, tmp_path / "a").result(timeout=60)
+    writer = _writer()
+    pid = os.fork()
+    if pid == 0:  # the child: exits through the interpreter's normal shutdown (atexit runs)
+        code = 0 if not background._writers else 3
+        try:
+            background.shutdown_writers()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child saw its parent's writers"
+    assert writer.process.poll() is None and not writer.dead
+    ckpt.async_save({"w": torch.full((2,), 2.0)}, tmp_path / "b").result(timeout=60)
+    assert _writer() is writer

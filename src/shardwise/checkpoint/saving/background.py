@@ -428,4 +428,12 @@ def shutdown_writers() -> None:
         writer.stop(wait=True)
 
 
+def _forget_writers() -> None:
+    """In a forked child: the writers are the parent's (their sockets too); never use or stop
+    them from here (a DataLoader worker that exits must not end its parent's writer)."""
+    _writers.clear()
+    _made.clear()
+
+
 atexit.register(shutdown_writers)
+os.register_at_fork(after_in_child=_forget_writers)
