@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from tests._llama import tiny_llama
 from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
 from tests.harness import distributed, run_on_ranks
 
@@ -283,26 +284,10 @@ def test_save_from_every_layout_on_four_ranks(tmp_path: Path) -> None:
     _save_every_layout(tmp_path / "out")
 
 
-def _tiny_llama(tie: bool) -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def _save_fsdp2_llama(path: str, tie: bool) -> dict[str, torch.Tensor] | None:
     from torch.distributed.fsdp import fully_shard
 
-    model = _tiny_llama(tie)
+    model = tiny_llama(tie)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     for layer in model.model.layers:
         fully_shard(layer)
@@ -312,7 +297,7 @@ def _save_fsdp2_llama(path: str, tie: bool) -> dict[str, torch.Tensor] | None:
     if dist.get_rank() == 0:
         model.config.save_pretrained(path)
     # And an FSDP2 model loads it back: every parameter's shard, its tied head included.
-    fresh = _tiny_llama(tie)
+    fresh = tiny_llama(tie)
     with torch.no_grad():
         for parameter in fresh.parameters():
             parameter.zero_()

@@ -18,23 +18,14 @@ from safetensors import safe_open
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
+from tests._llama import tiny_llama
 
 
 def _trained(tie: bool) -> tuple[Any, torch.optim.Optimizer, torch.Tensor]:
     """A tiny Llama after one AdamW step, its optimizer, and a batch of token ids."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(tie)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, config.vocab_size, (2, 7))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
     model(ids, labels=ids).loss.backward()
     optimizer.step()
     return model, optimizer, ids
