@@ -336,3 +336,21 @@ def test_a_forked_child_that_exits_leaves_its_parents_writer_alone(tmp_path: Pat
     assert writer.process.poll() is None and not writer.dead
     ckpt.async_save({"w": torch.full((2,), 2.0)}, tmp_path / "b").result(timeout=60)
     assert _writer() is writer
+
+
+@pytest.mark.parametrize("reason", [[1, 2], "not json", {"rank": "x", "reason": None}])
+def test_an_abort_reason_of_any_shape_fails_the_save_in_flight_as_a_checkpoint_error(
+    tmp_path: Path, reason: Any
+) -> None:
+    ckpt.async_save({"w": torch.ones(2)}, tmp_path / "a").result(timeout=60)
+    writer = _writer()
+    os.kill(writer.process.pid, signal.SIGSTOP)  # the save below stays in flight
+    try:
+        future = ckpt.async_save({"w": torch.ones(2)}, tmp_path / "b")
+        writer._aborted(reason)  # what the receiver does with a reason read from the store
+        with pytest.raises(CheckpointError, match="background writer of rank"):
+            future.result(timeout=30)
+    finally:
+        os.kill(writer.process.pid, signal.SIGKILL)
+    ckpt.async_save({"w": torch.full((2,), 3.0)}, tmp_path / "c").result(timeout=60)
+    assert _writer() is not writer

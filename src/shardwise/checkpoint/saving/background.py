@@ -281,7 +281,11 @@ class Writer:
                     with self._lock:
                         self.dead = True
             elif kind == "aborted":
-                self._aborted(json.loads(message[1]))
+                try:
+                    reason = json.loads(message[1])
+                except ValueError:
+                    reason = message[1]
+                self._aborted(reason)
             elif kind == "failed":
                 self._died(f"could not start: {message[1]}")
         returncode = None
@@ -313,7 +317,9 @@ class Writer:
         else:
             future.set_result(result)  # type: ignore[arg-type]
 
-    def _aborted(self, reason: dict[str, Any]) -> None:
+    def _aborted(self, reason: Any) -> None:
+        if not isinstance(reason, dict):  # not what a writer claims: reported as it is
+            reason = {"reason": repr(reason)[:200]}
         rank, why, kind = reason.get("rank"), reason.get("reason"), reason.get("kind")
         error = CheckpointError(
             f"the background writer of rank {rank} failed: {why}; the save in flight, if any, "
@@ -408,7 +414,8 @@ def writer_for(group: ProcessGroup | None) -> Writer:
         try:
             rendezvous = _rendezvous(group, rank, number)
             writer = _writers[key] = Writer(rank, world_size, members, timeout, rendezvous)
-        except (OSError, RuntimeError, ValueError) as err:  # no process, no store
+        # No process, no store, or a rendezvous record that is not what rank 0 writes.
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(
                 f"could not start the async_save writer process of rank {rank}: "
                 f"{type(err).__name__}: {err}",
