@@ -1,0 +1,38 @@
+"""Hostile input to the Hugging Face code, one attack per test (issue 27's review): an index
+that is ambiguous, names a tensor ``safetensors`` reserves, arguments at their edges, dtypes
+the docs promise never to convert, and a save killed or blocked midway. Every failure is a
+``CheckpointError`` subclass (bad files) or a ``TypeError``/``ValueError`` (bad arguments),
+and nothing outside the directory is touched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.huggingface.files import parse_index_json
+
+
+def test_an_index_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
+    # JSON parsers keep either of two values of one key: which file holds "w" is ambiguous.
+    data = b'{"weight_map": {"w": "b.safetensors", "w": "a.safetensors"}}'
+    with pytest.raises(ckpt.CheckpointFormatError, match="repeats the key 'w'"):
+        parse_index_json(data, "index.json")
+    save_file({"w": torch.ones(2)}, str(tmp_path / "a.safetensors"))
+    save_file({"w": torch.full((2,), 2.0)}, str(tmp_path / "b.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_bytes(data)
+    target = {"w": torch.zeros(2)}
+    with pytest.raises(ckpt.CheckpointFormatError, match="repeats the key"):
+        ckpt.load_safetensors(target, tmp_path)
+    assert not target["w"].any()
+    nested = b'{"metadata": {"total_size": 1, "total_size": 2}, "weight_map": {}}'
+    with pytest.raises(ckpt.CheckpointFormatError, match="repeats the key 'total_size'"):
+        parse_index_json(nested, "index.json")
+    assert parse_index_json(json.dumps({"weight_map": {"w": "a.safetensors"}}).encode(), "i") == {
+        "w": "a.safetensors"
+    }
