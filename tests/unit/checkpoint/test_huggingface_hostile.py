@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.huggingface.files import parse_index_json
+from shardwise.checkpoint.huggingface.files import OutTensor, check_unique_names, parse_index_json
 
 
 def test_an_index_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
@@ -36,3 +36,22 @@ def test_an_index_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
     assert parse_index_json(json.dumps({"weight_map": {"w": "a.safetensors"}}).encode(), "i") == {
         "w": "a.safetensors"
     }
+
+
+@pytest.mark.parametrize("how", ["key", "key_map"])
+def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path: Path, how: str) -> None:
+    # "__metadata__" is the header's metadata: a tensor of that name makes a file no reader
+    # (safetensors included) accepts.
+    if how == "key":
+        state, key_map = {"__metadata__": torch.ones(2), "w": torch.ones(1)}, None
+    else:
+        state, key_map = {"w": torch.ones(1)}, lambda key: "__metadata__"
+    with pytest.raises(ckpt.CheckpointKeyError, match=r"'__metadata__'.*reserves"):
+        ckpt.save_safetensors(state, tmp_path / "out", key_map=key_map)
+    assert not (tmp_path / "out").exists()
+
+
+def test_consolidate_refuses_a_tensor_named_like_the_header_metadata() -> None:
+    tensors = [OutTensor("__metadata__", "m.__metadata__", torch.float32, (2,), 8)]
+    with pytest.raises(ckpt.CheckpointKeyError, match="reserves"):
+        check_unique_names(tensors, "the checkpoint")

@@ -21,6 +21,7 @@ __all__ = [
     "INDEX_NAME",
     "MAX_INDEX_JSON_BYTES",
     "METADATA",
+    "METADATA_KEY",
     "OUTPUT_NAME",
     "SINGLE_NAME",
     "OutTensor",
@@ -42,6 +43,8 @@ INDEX_NAME = "model.safetensors.index.json"
 OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 #: The header metadata transformers writes and requires ("pt": PyTorch tensors).
 METADATA = {"format": "pt"}
+#: The header's key of that metadata: no tensor may have this name.
+METADATA_KEY = "__metadata__"
 #: The most bytes of tensors per file unless told otherwise (``shardwise consolidate``'s 5GB).
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 #: The largest index a reader accepts (one of a model of thousands of tensors is a few MiB).
@@ -79,13 +82,20 @@ def written_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
 def check_unique_names(tensors: Sequence[OutTensor], source: str) -> None:
     """Refuse two tensors of one name (the names of a safetensors file are unique): keys of
     ``source`` (``"the checkpoint"``, ``"the state dict"``) that differ only in the int-ness
-    of a part (``{0: x}`` and ``{"0": y}``), or that a key map gives one name.
+    of a part (``{0: x}`` and ``{"0": y}``), or that a key map gives one name; and a tensor
+    named :data:`METADATA_KEY`, the header's metadata (no reader accepts such a file).
 
     Raises:
         CheckpointKeyError: Naming the name.
     """
     names: set[str] = set()
     for tensor in tensors:
+        if tensor.name == METADATA_KEY:
+            raise CheckpointKeyError(
+                f"a tensor of {source} would be written as {METADATA_KEY!r}, the name "
+                "safetensors reserves for the header's metadata: rename it (prefix, key_map)",
+                key=tensor.source,
+            )
         if tensor.name in names:
             raise CheckpointKeyError(
                 f"two tensors of {source} would both be written as {tensor.name!r} "
