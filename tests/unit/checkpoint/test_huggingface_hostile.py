@@ -55,3 +55,20 @@ def test_consolidate_refuses_a_tensor_named_like_the_header_metadata() -> None:
     tensors = [OutTensor("__metadata__", "m.__metadata__", torch.float32, (2,), 8)]
     with pytest.raises(ckpt.CheckpointKeyError, match="reserves"):
         check_unique_names(tensors, "the checkpoint")
+
+
+@pytest.mark.parametrize(
+    ("size", "error"),
+    [(0, ValueError), (-1, ValueError), ("5GB", TypeError), (1.5, TypeError), (True, TypeError)],
+)
+def test_a_max_shard_size_that_is_not_a_positive_byte_count_is_refused(
+    tmp_path: Path, size: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="max_shard_size"):
+        ckpt.save_safetensors({"w": torch.ones(2)}, tmp_path / "out", max_shard_size=size)  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
+    # One byte is a valid limit: every tensor in a file of its own.
+    written = ckpt.save_safetensors(
+        {"a": torch.ones(2), "b": torch.ones(1)}, tmp_path / "one", max_shard_size=1
+    )
+    assert written[:2] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

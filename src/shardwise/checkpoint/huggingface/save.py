@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import os
 import secrets
 import time
@@ -300,7 +301,8 @@ def save_safetensors(
         prefix: Only keys under this prefix are written, named without it.
         key_map: The name in the files of a key (prefix stripped); ``None`` leaves it out.
         dtype: The floating-point dtype to write floating-point tensors in.
-        max_shard_size: The most bytes of tensors per file (a larger tensor gets its own).
+        max_shard_size: The most bytes of tensors per file (a larger tensor gets its own),
+            a positive int.
         sync_files: fsync the files and the directory before returning.
         storage_options: fsspec options for URLs (refused: see above).
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank writes.
@@ -309,6 +311,8 @@ def save_safetensors(
         The names of the files written, in ``path``.
 
     Raises:
+        TypeError: ``max_shard_size`` is not an int.
+        ValueError: ``max_shard_size`` is not positive.
         CheckpointError: (a subclass) an object-store URL, ranks that disagree on a tensor,
             shards that do not make up their tensor, a dtype safetensors cannot store, two
             keys of one name; ``CheckpointStorageError`` for a write that fails. Every rank
@@ -331,6 +335,7 @@ def save_safetensors(
         raise CheckpointMismatchError(
             f"dtype={dtype} is not a floating-point dtype; only floating-point tensors are cast"
         )
+    max_shard_size = _byte_count(max_shard_size)
     names = Names.of(prefix, key_map)
     values: dict[str, TensorValue] = {}
     token = secrets.token_hex(8)
@@ -415,6 +420,23 @@ def save_safetensors(
     if comm.rank == 0:
         log_done(logger, "saved", path_text, plan.total, time.monotonic() - started)
     return written
+
+
+def _byte_count(value: object) -> int:
+    """``max_shard_size`` checked: a positive int of bytes (refused on every rank alike,
+    before any collective, as every rank passes the same arguments).
+
+    Raises:
+        TypeError: Not an int (a string such as ``"5GB"``, a float, a bool).
+        ValueError: Zero or negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"max_shard_size must be an int number of bytes (e.g. 5_000_000_000), got {value!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {value}")
+    return int(value)
 
 
 def _in_words(step: Callable[[], T], doing: str, path: str) -> Callable[[], T]:
