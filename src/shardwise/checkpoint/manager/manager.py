@@ -65,6 +65,34 @@ _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFou
 _NOTICE, _FAILED, _DUE, _FORCE, _POLICY_FAILED = range(5)
 
 
+def _plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
+    """``metrics`` with one-number tensors and NumPy numbers as Python numbers
+    (:func:`step_record` refuses what is not then an int or float).
+
+    Raises:
+        TypeError: ``metrics`` is not a mapping, or a value is a tensor or array of another
+            size than one number.
+    """
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"metrics must be a mapping of names to numbers, not {type(metrics).__name__}"
+        )
+    plain: dict[str, object] = {}
+    for name, value in metrics.items():
+        item = getattr(value, "item", None)
+        if callable(item) and not isinstance(value, (int, float)):
+            try:
+                value = item()
+            except Exception as err:  # a tensor or array of several numbers, or none
+                raise TypeError(
+                    f"metric {name!r}: one number, not a {type(value).__name__} ({err})"
+                ) from None
+        plain[name] = value
+    return plain
+
+
 class RestoreFallbackWarning(UserWarning):
     """A restore skipped a checkpoint it could not load and tried the one before it."""
 
@@ -245,12 +273,7 @@ class CheckpointManager:
             self._finish_in_flight()  # at most one save in flight; its failure reaches all
             if self._comm.rank == 0:
                 self._tidy()
-                # 0-d tensors and NumPy numbers as Python numbers (step_record refuses others).
-                plain = {
-                    name: value.item() if hasattr(value, "item") else value
-                    for name, value in (metrics or {}).items()
-                }
-                record = step_record(step, plain, self.retention)
+                record = step_record(step, _plain_metrics(metrics), self.retention)
                 self._storage.makedirs(self._storage.join(step_name(step)))
                 # Before the save: its index is the commit, and the record must be there then.
                 self._storage.remove(self._storage.join(step_name(step), REJECTED_NAME))

@@ -132,10 +132,14 @@ class RetentionPolicy:
 
 
 def _rank_value(metric: object) -> float | None:
-    """A metric as a number to rank by; None for a missing, non-numeric or non-finite one."""
+    """A metric as a number to rank by; None for a missing, non-numeric or non-finite one (an
+    int beyond a float's range included: a step record read from disk may hold anything)."""
     if type(metric) not in (int, float):
         return None
-    value = float(metric)  # type: ignore[arg-type]
+    try:
+        value = float(metric)  # type: ignore[arg-type]
+    except OverflowError:
+        return None
     return value if math.isfinite(value) else None
 
 

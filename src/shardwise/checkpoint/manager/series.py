@@ -93,11 +93,20 @@ def parse_step_name(name: str) -> int | None:
     return step if step_name(step) == name else None
 
 
+def _finite(value: float | int) -> bool:
+    """Whether ``value`` is a finite number that a float holds (an int may exceed them all)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _metric_json(value: object) -> float | int | None:
-    # JSON has no NaN or infinity: a diverged loss is recorded as null (never ranked best).
+    # JSON has no NaN or infinity: a diverged loss is recorded as null (never ranked best), and
+    # so is an int beyond a float's range (no reader could rank it, nor always parse it).
     if type(value) is bool or not isinstance(value, (int, float)):
         raise TypeError(f"a metric is an int or float, not {type(value).__name__}")
-    if isinstance(value, float) and not math.isfinite(value):
+    if not _finite(value):
         return None
     return int(value) if isinstance(value, int) else float(value)
 
@@ -177,8 +186,10 @@ def read_step_record(storage: Storage, step: int) -> dict[str, Any] | None:
         or not isinstance(record.get("metrics"), dict)
     ):
         return None
+    # As the writer records them: a non-finite value (JSON parsing takes NaN and Infinity) or
+    # an int beyond a float's range is null; a value of another type is left out.
     metrics = {
-        name: value
+        name: value if value is not None and _finite(value) else None
         for name, value in record["metrics"].items()
         if value is None or type(value) in (int, float)
     }

@@ -1,0 +1,84 @@
+"""``CheckpointManager`` and ``shardwise ls`` against hostile input, in one process: metrics
+that are not plain numbers, step and rejection records of any content, symbolic links and
+files named like steps, an index that is not a regular file, and a bogus newer checkpoint.
+What is checked: every failure is a ``CheckpointError`` (or the ``TypeError`` / ``ValueError``
+of a bad argument), nothing outside the series root is read or deleted, and the retention
+policy goes on working around what it cannot delete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.manager.policy import retained
+from shardwise.checkpoint.manager.series import STEP_RECORD_NAME, list_series
+from shardwise.checkpoint.storage import LocalStorage
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((4,), float(value)), "step": int(value)}
+
+
+def _dirs(root: Path) -> list[str]:
+    return sorted(entry.name for entry in root.iterdir() if entry.name.startswith("step-"))
+
+
+def _record(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}" / STEP_RECORD_NAME
+
+
+def _rewrite_record(root: Path, step: int, text: str) -> None:
+    _record(root, step).write_text(text)
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+def test_a_metric_beyond_a_float_is_recorded_as_null_and_never_breaks_retention(
+    tmp_path: Path,
+) -> None:
+    retention = ckpt.RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss")
+    with ckpt.CheckpointManager(tmp_path, retention=retention, async_save=False) as manager:
+        manager.save(1, _state(1), metrics={"loss": 10**400})
+        manager.save(2, _state(2), metrics={"loss": 3})
+        manager.save(3, _state(3), metrics={"loss": 4})  # retention ran after each commit
+        assert manager.steps() == [2, 3]
+    assert json.loads(_record(tmp_path, 3).read_text())["metrics"] == {"loss": 4}
+
+
+def test_metrics_from_disk_beyond_a_float_or_non_finite_rank_nowhere(tmp_path: Path) -> None:
+    retention = ckpt.RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss")
+    with ckpt.CheckpointManager(tmp_path, retention=retention, async_save=False) as manager:
+        manager.save(1, _state(1), metrics={"loss": 1.0})
+        manager.save(2, _state(2), metrics={"loss": 2.0})
+        text = _record(tmp_path, 1).read_text()
+        _rewrite_record(tmp_path, 1, text.replace('"loss": 1.0', '"loss": ' + "9" * 400))
+        text = _record(tmp_path, 2).read_text()
+        _rewrite_record(tmp_path, 2, text.replace('"loss": 2.0', '"loss": NaN'))
+        listing = list_series(LocalStorage(str(tmp_path)))
+        assert [info.metrics for info in listing] == [{"loss": None}, {"loss": None}]
+        manager.save(3, _state(3), metrics={"loss": 5.0})
+        assert manager.steps() == [3]  # neither 1 nor 2 ranks: only the newest stays
+    policy = ckpt.RetentionPolicy(keep_best=1, best_metric="m")
+    assert retained(policy, {1: {"m": 10**400}, 2: {"m": "0"}, 3: {"m": 7}}) == {3}
+
+
+@pytest.mark.parametrize(
+    "metric",
+    [torch.tensor([1.0, 2.0]), torch.tensor(True), [0.5], "0.5", None, 1 + 2j],
+    ids=["two-element tensor", "bool tensor", "list", "str", "None", "complex"],
+)
+def test_a_metric_that_is_not_one_number_is_a_type_error(tmp_path: Path, metric: object) -> None:
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as manager:
+        with pytest.raises(TypeError, match="metric 'loss'"):
+            manager.save(1, _state(1), metrics={"loss": metric})
+        with pytest.raises(TypeError, match="metrics must be a mapping"):
+            manager.save(1, _state(1), metrics=[("loss", 0.5)])  # type: ignore[arg-type]
+        assert manager.save(1, _state(1), metrics={"loss": torch.tensor([0.25])})
+        assert manager.steps() == [1]
+    assert json.loads(_record(tmp_path, 1).read_text())["metrics"] == {"loss": 0.25}
