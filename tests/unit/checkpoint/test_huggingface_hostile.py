@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.huggingface.files import OutTensor, check_unique_names, parse_index_json
+from shardwise.checkpoint.huggingface.files import (
+    OutTensor,
+    check_unique_names,
+    normalized_prefix,
+    parse_index_json,
+)
 
 
 def test_an_index_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
@@ -72,3 +77,14 @@ def test_a_max_shard_size_that_is_not_a_positive_byte_count_is_refused(
         {"a": torch.ones(2), "b": torch.ones(1)}, tmp_path / "one", max_shard_size=1
     )
     assert written[:2] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_an_empty_prefix_selects_every_key_as_it_is(tmp_path: Path) -> None:
+    # Was: "" became ".", under which no key is, so a load filled nothing without a word.
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    target = {"w": torch.zeros(2)}
+    assert ckpt.load_safetensors(target, tmp_path, prefix="") == ([], [])
+    assert target["w"].tolist() == [1.0, 1.0]
+    assert normalized_prefix("") == "" and normalized_prefix("model") == "model."
+    ckpt.save_safetensors({"a.b": torch.ones(1)}, tmp_path / "out", prefix="")
+    assert list(load_file(str(tmp_path / "out" / "model.safetensors"))) == ["a.b"]

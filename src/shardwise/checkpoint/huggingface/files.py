@@ -107,8 +107,9 @@ def check_unique_names(tensors: Sequence[OutTensor], source: str) -> None:
 
 
 def normalized_prefix(prefix: str) -> str:
-    """A key prefix as whole key parts: ``model`` and ``model.`` both mean ``model.``."""
-    return prefix if prefix.endswith(".") else prefix + "."
+    """A key prefix as whole key parts: ``model`` and ``model.`` both mean ``model.``; the
+    empty prefix is every key, as it is (not ``"."``, under which no key is)."""
+    return prefix if not prefix or prefix.endswith(".") else prefix + "."
 
 
 def split_files(items: Sequence[T], nbytes: Callable[[T], int], max_bytes: int) -> list[list[T]]:
