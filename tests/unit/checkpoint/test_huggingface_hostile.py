@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.huggingface import load as hf_load
 from shardwise.checkpoint.huggingface.files import (
     OutTensor,
     check_unique_names,
@@ -88,3 +89,19 @@ def test_an_empty_prefix_selects_every_key_as_it_is(tmp_path: Path) -> None:
     assert normalized_prefix("") == "" and normalized_prefix("model") == "model."
     ckpt.save_safetensors({"a.b": torch.ones(1)}, tmp_path / "out", prefix="")
     assert list(load_file(str(tmp_path / "out" / "model.safetensors"))) == ["a.b"]
+
+
+def test_a_weight_file_at_the_root_of_the_file_system_is_not_looked_for_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was: "/model.safetensors" read ./model.safetensors, another file of the same name.
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    assert hf_load._split("/model.safetensors") == ("/", "model.safetensors")
+    assert hf_load._split("model.safetensors") == (".", "model.safetensors")
+    assert hf_load._split("/a/b/m.safetensors") == ("/a/b", "m.safetensors")
+    if not Path("/model.safetensors").exists():
+        target = {"w": torch.zeros(2)}
+        with pytest.raises(ckpt.CheckpointNotFoundError, match=r"'/model\.safetensors'"):
+            ckpt.load_safetensors(target, "/model.safetensors")
+        assert not target["w"].any()

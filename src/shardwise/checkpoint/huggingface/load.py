@@ -79,8 +79,10 @@ def _split(path: str) -> tuple[str, str | None]:
     the name alone, so every rank reaches the same answer without a look)."""
     if not path.rstrip("/").endswith(_SUFFIX):
         return path, None
-    root, _, name = path.rstrip("/").rpartition("/")
-    return root or ".", name
+    root, slash, name = path.rstrip("/").rpartition("/")
+    if not root:  # "m.safetensors": the working directory's; "/m.safetensors": the root's
+        return slash or ".", name
+    return root, name
 
 
 class SafetensorsFiles(SourceFiles):
