@@ -82,3 +82,32 @@ def test_a_metric_that_is_not_one_number_is_a_type_error(tmp_path: Path, metric:
         assert manager.save(1, _state(1), metrics={"loss": torch.tensor([0.25])})
         assert manager.steps() == [1]
     assert json.loads(_record(tmp_path, 1).read_text())["metrics"] == {"loss": 0.25}
+
+
+# -- links and files named like steps -----------------------------------------------------------
+
+
+def test_restore_reads_no_checkpoint_through_a_link_named_like_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outside = tmp_path / "outside"
+    ckpt.save(_state(42), outside)
+    before = sorted(path.name for path in outside.iterdir())
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        manager.save(1, _state(1))
+    (root / "step-00000003").symlink_to(outside)
+    (root / "step-00000004").write_text("a file named like a step")
+    manager = ckpt.CheckpointManager(root, async_save=False)
+    state = _state(0)
+    for step in (3, 4):
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="not a real directory"):
+            manager.restore(state, step=step)
+        assert state["step"] == 0 and torch.equal(state["w"], torch.zeros(4))
+    # A listing that saw a directory which is a link by the time it is loaded: skipped too.
+    monkeypatch.setattr(manager, "steps", lambda: [1, 3])
+    with pytest.warns(ckpt.RestoreFallbackWarning, match="step-00000003"):
+        assert manager.restore(state) == 1
+    assert state["step"] == 1
+    manager.close()
+    assert sorted(path.name for path in outside.iterdir()) == before  # no rejection record

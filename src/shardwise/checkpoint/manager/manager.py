@@ -41,13 +41,14 @@ from shardwise.checkpoint.manager.series import (
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.saving.save import async_save as _async_save
 from shardwise.checkpoint.saving.save import save as _save
-from shardwise.checkpoint.storage import Storage, open_storage
+from shardwise.checkpoint.storage import Storage, UnsafePathError, open_storage
 from shardwise.collectives.failures import bounded
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +92,14 @@ def _plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
                 ) from None
         plain[name] = value
     return plain
+
+
+def _storage_failure(err: OSError, doing: str) -> CheckpointStorageError:
+    """``err`` of the storage (already a ``CheckpointStorageError`` on an object store) as
+    one."""
+    if isinstance(err, CheckpointStorageError):
+        return err
+    return CheckpointStorageError(f"{doing}: {err}", file=err.filename)
 
 
 class RestoreFallbackWarning(UserWarning):
@@ -174,6 +183,36 @@ class CheckpointManager:
     def path(self, step: int) -> str:
         """The checkpoint directory (or URL) of ``step``: ``root/step-00000100``."""
         return self._storage.url(self._storage.join(step_name(step)))
+
+    def _checkpoint_path(self, step: int) -> str:
+        """:meth:`path` of ``step``, once group rank 0 has found there a real directory of the
+        series, or nothing (collective: every rank agrees, and raises alike).
+
+        ``load`` follows a link at the path it is given (the caller chose it), so a link (or a
+        file) named like a step below the root is refused here: nothing of a series is read
+        through a link out of it.
+
+        Raises:
+            CheckpointNotFoundError: The entry of that name is a link or not a directory.
+            CheckpointStorageError: The storage failed.
+        """
+        path = self.path(step)
+
+        def check() -> None:
+            try:
+                self._storage.listdir(self._storage.join(step_name(step)))
+            except UnsafePathError as err:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint of the series at {path}: it is not a real directory (a "
+                    "symbolic link, or a file named like a step), and a series follows no link "
+                    "below its root",
+                    file=path,
+                ) from err
+            except OSError as err:
+                raise _storage_failure(err, f"cannot list {path}") from err
+
+        self._comm.broadcast_or_raise(check, src=0)
+        return path
 
     def _open_step(self, step: int) -> Storage:
         return open_storage(self.path(step), self._storage_options)
@@ -411,14 +450,15 @@ class CheckpointManager:
             **load_options,
         }
         if step is not None:
-            load(state_dict, self.path(step), **options)
+            load(state_dict, self._checkpoint_path(step), **options)
             self._base_step = step
             return step
         failed: list[str] = []
         for candidate in reversed(self.steps()):
             path = self.path(candidate)
             try:
-                result = load(state_dict, path, **options)
+                # Listed as a directory, but checked again: it may be a link by now.
+                result = load(state_dict, self._checkpoint_path(candidate), **options)
             except _FALLBACK_ERRORS as err:
                 failed.append(f"{path}: {err}")
                 self._reject(candidate, str(err))
