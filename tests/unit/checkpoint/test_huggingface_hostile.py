@@ -105,3 +105,22 @@ def test_a_weight_file_at_the_root_of_the_file_system_is_not_looked_for_elsewher
         with pytest.raises(ckpt.CheckpointNotFoundError, match=r"'/model\.safetensors'"):
             ckpt.load_safetensors(target, "/model.safetensors")
         assert not target["w"].any()
+
+
+@pytest.mark.parametrize(
+    ("stored", "target"),
+    [(torch.float8_e4m3fn, torch.float32), (torch.float8_e5m2, torch.bfloat16),
+     (torch.float32, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.float8_e5m2)],
+)  # fmt: skip
+def test_float8_data_is_never_cast_on_load(
+    tmp_path: Path, stored: torch.dtype, target: torch.dtype
+) -> None:
+    # docs/huggingface.md, Dtypes: float8 is never converted (its scales live elsewhere).
+    save_file({"w": torch.ones(2, 3).to(stored)}, str(tmp_path / "model.safetensors"))
+    state = {"w": torch.zeros(2, 3, dtype=target)}
+    with pytest.raises(ckpt.CheckpointMismatchError, match="float8") as caught:
+        ckpt.load_safetensors(state, tmp_path, allow_dtype_cast=True)
+    assert caught.value.key == "w" and not state["w"].float().any()
+    same = {"w": torch.zeros(2, 3, dtype=stored)}
+    assert ckpt.load_safetensors(same, tmp_path) == ([], [])
+    assert same["w"].float().eq(1).all()

@@ -58,6 +58,7 @@ from shardwise.errors import (
     CheckpointDataError,
     CheckpointFormatError,
     CheckpointKeyError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointStorageError,
 )
@@ -293,6 +294,7 @@ def _plan(
         stored = tensors.tensors[name]
         described = describe_target(fqn, values[fqn])
         check_target(fqn, described, stored.shape, stored.dtype, allow_dtype_cast, _SOURCE)
+        _refuse_float8_cast(fqn, stored.dtype, described.dtype)
         identity = storage_key(described)
         if identity is not None:
             loaded.setdefault(identity, fqn)
@@ -306,6 +308,21 @@ def _plan(
         if identity is not None:
             (plan.tied if identity in loaded else plan.untied).append(fqn)
     return plan
+
+
+def _is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _refuse_float8_cast(fqn: str, stored: torch.dtype, target: torch.dtype) -> None:
+    """Refuse a cast from or to float8 (``docs/huggingface.md``, *Dtypes*): its values mean
+    something only with scales stored elsewhere, which a cast does not apply."""
+    if stored != target and (_is_float8(stored) or _is_float8(target)):
+        raise CheckpointMismatchError(
+            f"dtype mismatch: {_SOURCE} has {stored}, the state dict expects {target} "
+            "(float8 data is never cast on load, even with allow_dtype_cast=True)",
+            key=fqn,
+        )
 
 
 def _missing(absent: list[str], offers: list[list[Any]]) -> list[str]:
@@ -350,7 +367,7 @@ def load_safetensors(
         strict: Raise when a key is missing from the files; with ``False``, a warning names
             the missing keys and the tensors not loaded.
         allow_dtype_cast: Cast a stored floating-point tensor to a floating-point target's
-            dtype (e.g. bfloat16 weights into float32 parameters).
+            dtype (e.g. bfloat16 weights into float32 parameters); never from or to float8.
         storage_options: fsspec options for URLs.
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank loads.
 
