@@ -111,3 +111,35 @@ def test_restore_reads_no_checkpoint_through_a_link_named_like_a_step(
     assert state["step"] == 1
     manager.close()
     assert sorted(path.name for path in outside.iterdir()) == before  # no rejection record
+
+
+def test_a_save_to_a_link_or_file_named_like_its_step_is_a_checkpoint_error(
+    tmp_path: Path,
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "step-00000003").symlink_to(outside)
+    (root / "step-00000004").write_text("a file named like a step")
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        for step in (3, 4):
+            with pytest.raises(ckpt.CheckpointStorageError, match="not a real directory"):
+                manager.save(step, _state(step))
+        assert manager.save(5, _state(5))
+        assert manager.steps() == [5]
+    assert list(outside.iterdir()) == []
+    assert (root / "step-00000004").read_text() == "a file named like a step"
+
+
+def test_a_series_root_that_is_a_file_is_a_checkpoint_error(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    root.write_text("not a directory")
+    manager = ckpt.CheckpointManager(root, async_save=False)
+    for call in (manager.steps, manager.latest_step, lambda: manager.restore(_state(0))):
+        with pytest.raises(ckpt.CheckpointStorageError, match="cannot list the series"):
+            call()
+    with pytest.raises(ckpt.CheckpointStorageError):
+        manager.save(1, _state(1))
+    manager.close()
+    assert root.read_text() == "not a directory"

@@ -94,12 +94,13 @@ def _plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
     return plain
 
 
-def _storage_failure(err: OSError, doing: str) -> CheckpointStorageError:
-    """``err`` of the storage (already a ``CheckpointStorageError`` on an object store) as
-    one."""
-    if isinstance(err, CheckpointStorageError):
+def _storage_failure(err: OSError, doing: str) -> CheckpointError:
+    """``err`` of the storage as a ``CheckpointStorageError`` (unless it is a
+    ``CheckpointError`` already, as the errors of an object store are)."""
+    if isinstance(err, CheckpointError):
         return err
-    return CheckpointStorageError(f"{doing}: {err}", file=err.filename)
+    filename = err.filename if isinstance(err.filename, str) else None
+    return CheckpointStorageError(f"{doing}: {err}", file=filename)
 
 
 class RestoreFallbackWarning(UserWarning):
@@ -225,7 +226,11 @@ class CheckpointManager:
         self._check_open()
 
         def listed() -> list[int]:
-            return [info.step for info in list_series(self._storage, records=False) if info.good]
+            try:
+                listing = list_series(self._storage, records=False)
+            except OSError as err:  # the root is a file, unreadable, ...
+                raise _storage_failure(err, f"cannot list the series at {self.root}") from err
+            return [info.step for info in listing if info.good]
 
         return list(self._comm.broadcast_or_raise(listed, src=0))
 
@@ -313,12 +318,7 @@ class CheckpointManager:
             if self._comm.rank == 0:
                 self._tidy()
                 record = step_record(step, _plain_metrics(metrics), self.retention)
-                self._storage.makedirs(self._storage.join(step_name(step)))
-                # Before the save: its index is the commit, and the record must be there then.
-                self._storage.remove(self._storage.join(step_name(step), REJECTED_NAME))
-                self._storage.replace_small(
-                    self._storage.join(step_name(step), STEP_RECORD_NAME), record
-                )
+                self._write_step_record(step, record)
 
         self._comm.exchange_or_raise(prepare, lambda _: None)
         self._last_save = time.monotonic()
@@ -348,6 +348,28 @@ class CheckpointManager:
             self.preempted = True
             self._notice.clear()
         return True
+
+    def _write_step_record(self, step: int, record: bytes) -> None:
+        """Rank 0, before the save of ``step``: make its directory, remove a rejection record,
+        write the step record (the index is the commit: the record must be there by then).
+
+        Raises:
+            CheckpointStorageError: The step's name is a link or a file, or the storage failed.
+        """
+        name = step_name(step)
+        try:
+            self._storage.makedirs(self._storage.join(name))
+            self._storage.remove(self._storage.join(name, REJECTED_NAME))
+            self._storage.replace_small(self._storage.join(name, STEP_RECORD_NAME), record)
+        except UnsafePathError as err:
+            raise CheckpointStorageError(
+                f"cannot save step {step} to {self.path(step)}: it is not a real directory (a "
+                "symbolic link, or a file named like a step), and a series follows no link "
+                "below its root; move it away",
+                file=self.path(step),
+            ) from err
+        except OSError as err:
+            raise _storage_failure(err, f"cannot write the step record of {name}") from err
 
     def _finish_in_flight(self) -> None:
         """Wait for the save in flight and raise its error (this rank's own)."""
