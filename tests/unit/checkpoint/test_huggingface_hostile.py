@@ -7,7 +7,9 @@ and nothing outside the directory is touched.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from shardwise.checkpoint.huggingface.files import (
     normalized_prefix,
     parse_index_json,
 )
+from shardwise.checkpoint.storage import LocalStorage
 
 
 def test_an_index_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
@@ -124,3 +127,65 @@ def test_float8_data_is_never_cast_on_load(
     same = {"w": torch.zeros(2, 3, dtype=stored)}
     assert ckpt.load_safetensors(same, tmp_path) == ([], [])
     assert same["w"].float().eq(1).all()
+
+
+def _failing_rename(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    """Renames in local storage fail after the first ``after`` (a save killed midway)."""
+    calls: list[str] = []
+    rename = LocalStorage.rename
+
+    def failing(self: LocalStorage, source: str, target: str) -> None:
+        calls.append(target)
+        if len(calls) > after:
+            raise OSError(errno.EIO, "killed", target)
+        rename(self, source, target)
+
+    monkeypatch.setattr(LocalStorage, "rename", failing)
+
+
+@pytest.mark.parametrize("before", ["split", "single"])
+def test_a_save_stopped_midway_never_leaves_old_and_new_files_that_load_as_one_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str
+) -> None:
+    out = tmp_path / "out"
+    old = {"a": torch.ones(4), "b": torch.ones(4)}
+    ckpt.save_safetensors(old, out, max_shard_size=16 if before == "split" else 100)
+    new = {"a": torch.full((4,), 2.0), "b": torch.full((4,), 2.0)}
+    _failing_rename(monkeypatch, after=1)  # the first new file in place, then stopped
+    with pytest.raises(ckpt.CheckpointStorageError, match="killed"):
+        ckpt.save_safetensors(new, out, max_shard_size=16)
+    monkeypatch.undo()
+    # Was: the old index (or the old model.safetensors) with a new file: a model of old and
+    # new tensors, loaded without a word.
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load_safetensors(target, out)
+    assert not any(name.endswith(".tmp") for name in os.listdir(out))
+    # The next save puts it right.
+    ckpt.save_safetensors(new, out, max_shard_size=16)
+    assert ckpt.load_safetensors(target, out) == ([], [])
+    assert target["a"].eq(2).all() and target["b"].eq(2).all()
+
+
+def test_a_save_removes_what_a_killed_save_left_under_temporary_names(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    left = [".model.safetensors.0123456789abcdef.tmp", ".model-00001-of-00002.safetensors.1234.tmp"]
+    for name in left:
+        (out / name).write_bytes(b"partial")
+    (out / "notes.tmp").write_text("not ours")
+    ckpt.save_safetensors({"w": torch.ones(2)}, out)
+    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.tmp"]
+
+
+def test_an_output_name_taken_by_a_directory_fails_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    ckpt.save_safetensors({"w": torch.ones(2)}, out)
+    before = (out / "model.safetensors").read_bytes()
+    (out / "model-00003-of-00003.safetensors").mkdir()  # an earlier save's name: removed
+    with pytest.raises(ckpt.CheckpointStorageError, match="is a directory"):
+        ckpt.save_safetensors({"w": torch.full((2,), 2.0)}, out)
+    assert sorted(os.listdir(out)) == ["model-00003-of-00003.safetensors", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == before

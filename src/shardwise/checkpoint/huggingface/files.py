@@ -19,6 +19,7 @@ from shardwise.errors import CheckpointFormatError, CheckpointKeyError
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
+    "LEFTOVER_NAME",
     "MAX_INDEX_JSON_BYTES",
     "METADATA",
     "METADATA_KEY",
@@ -41,6 +42,13 @@ SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 #: The names a writer of this module makes (a later write removes those it did not make).
 OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+#: The temporary names those writers write under (``save_safetensors``: a token of 16 hex
+#: digits; ``shardwise consolidate``: a process id; the index written aside: process and
+#: thread ids): what a killed write leaves, which a later write removes.
+LEFTOVER_NAME = re.compile(
+    r"\.(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|config\.json)\.([0-9a-f]{16}|\d+)\.tmp"
+    r"|model\.safetensors\.index\.json\.\d+\.\d+\.tmp"
+)
 #: The header metadata transformers writes and requires ("pt": PyTorch tensors).
 METADATA = {"format": "pt"}
 #: The header's key of that metadata: no tensor may have this name.

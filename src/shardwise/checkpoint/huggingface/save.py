@@ -7,9 +7,10 @@ one exchange gives every rank all descriptions, from which each computes the sam
 ``max_shard_size`` split, one writer per distinct box). The coordinator creates the files
 under temporary names at their final size with their headers; every rank writes its boxes at
 their offsets (a row band is one write, a column band one write per row), from slabs of at
-most ``TUNING.read_batch_bytes``; the coordinator renames the files, writes the index and
-removes weight files of an earlier save it did not write. Positioned writes by several
-processes need a file system (local or shared); an object store has none.
+most ``TUNING.read_batch_bytes``; the coordinator removes the index and the weight files of
+an earlier save this one does not replace, renames the files, writes the index, and removes
+what killed saves left. Positioned writes by several processes need a file system (local or
+shared); an object store has none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import numbers
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from shardwise.checkpoint.entries.state_dict import display_key, flatten
 from shardwise.checkpoint.huggingface.files import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_NAME,
+    LEFTOVER_NAME,
     METADATA,
     OUTPUT_NAME,
     OutTensor,
@@ -292,7 +295,9 @@ def save_safetensors(
     ``save_pretrained`` does; files split above ``max_shard_size`` bytes, named and indexed as
     ``save_pretrained`` names them. Other values (non-tensors) are not written. The files
     appear only once all are written; weight files of an earlier save that this one did not
-    write are removed. Write ``config.json`` apart (e.g. ``model.config.save_pretrained``).
+    write are removed first (a save stopped midway leaves no model of old and new files), and
+    what killed saves left under temporary names last. Write ``config.json`` apart (e.g.
+    ``model.config.save_pretrained``).
 
     Args:
         state_dict: The tensors (plain, DTensor, ShardedTensor, LocalShardsWrapper).
@@ -354,6 +359,7 @@ def save_safetensors(
         if comm.rank != 0:
             return
         storage.makedirs(storage.root)
+        _refuse_directories(storage)
         for file in plan.files:
             writer = storage.open_parts(temporary[file.name], file.size)
             try:
@@ -394,17 +400,26 @@ def save_safetensors(
         exchange_with_bar(comm, _in_words(write, "write", path_text), bar)
 
         def commit() -> list[str]:
+            written = [file.name for file in plan.files]
+            if len(plan.files) > 1:
+                written.append(INDEX_NAME)
+            # Out of the way first: the old index, and the weight files of an earlier save
+            # that this one does not replace. Removed last, a save stopped between its renames
+            # would leave the old index (or model.safetensors) beside new files: a model of
+            # old and new tensors, loaded without a word. Removed first, a stopped save leaves
+            # several weight files and no index, which no loader takes for a model.
+            for name in storage.listdir(storage.root):
+                if OUTPUT_NAME.fullmatch(name) and (name == INDEX_NAME or name not in written):
+                    storage.remove(storage.join(name))
             for file in plan.files:
                 storage.rename(temporary[file.name], storage.join(file.name))
-            written = [file.name for file in plan.files]
             if len(plan.files) > 1:
                 weight_map = {
                     plan.tensors[key].name: file.name for file in plan.files for key in file.starts
                 }
                 storage.replace_small(storage.join(INDEX_NAME), index_json(weight_map, plan.total))
-                written.append(INDEX_NAME)
-            for name in storage.listdir(storage.root):
-                if OUTPUT_NAME.fullmatch(name) and name not in written:
+            for name in storage.listdir(storage.root):  # what killed saves left
+                if LEFTOVER_NAME.fullmatch(name):
                     storage.remove(storage.join(name))
             if sync_files:
                 storage.sync_dir(storage.root)
@@ -420,6 +435,23 @@ def save_safetensors(
     if comm.rank == 0:
         log_done(logger, "saved", path_text, plan.total, time.monotonic() - started)
     return written
+
+
+def _refuse_directories(storage: LocalStorage) -> None:
+    """Refuse a directory under a name the commit replaces or removes, before any file is
+    written (else the commit would fail with some files of the save in place).
+
+    Raises:
+        CheckpointStorageError: Naming it.
+    """
+    for name in storage.listdir(storage.root):
+        path = storage.join(name)
+        if OUTPUT_NAME.fullmatch(name) and stat.S_ISDIR(os.lstat(path).st_mode):
+            raise CheckpointStorageError(
+                f"{path} is a directory, where the save puts or removes a weight file: "
+                "remove it, or save elsewhere",
+                file=path,
+            )
 
 
 def _byte_count(value: object) -> int:
