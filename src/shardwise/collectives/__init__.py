@@ -7,11 +7,11 @@ and keeps the rank/group-rank translation (a classic source of bugs) in one spot
 
 Every collective is bounded by its process group's timeout: the backend raises once it passes.
 For the checkpoint layer (:class:`Comm`, and the ``operation`` keyword of the JSON exchanges:
-:func:`exchange_or_raise`, :func:`gather_or_raise`, :func:`scatter_or_raise`,
-:func:`broadcast_or_raise`, :func:`all_gather_json`, :func:`gather_json`, :func:`scatter_json`,
-:func:`broadcast_json`) that failure becomes a :class:`~shardwise.errors.CheckpointTimeoutError`
-that names the call, the timeout and the ranks that did not arrive; elsewhere the backend's
-own error propagates.
+:func:`exchange_or_raise`, :func:`agree_or_raise`, :func:`gather_or_raise`,
+:func:`scatter_or_raise`, :func:`broadcast_or_raise`, :func:`all_gather_json`,
+:func:`gather_json`, :func:`scatter_json`, :func:`broadcast_json`) that failure becomes a
+:class:`~shardwise.errors.CheckpointTimeoutError` that names the call, the timeout and the
+ranks that did not arrive; elsewhere the backend's own error propagates.
 
 The package's modules, by concept: :mod:`.groups` (groups and ranks), :mod:`.failures`
 (timeouts and errors shared across ranks), :mod:`.exchange` (JSON and verdicts),
@@ -20,6 +20,7 @@ The package's modules, by concept: :mod:`.groups` (groups and ranks), :mod:`.fai
 
 from shardwise.collectives.comm import Comm, SharedCounter
 from shardwise.collectives.exchange import (
+    agree_or_raise,
     all_gather_json,
     broadcast_json,
     broadcast_or_raise,
@@ -58,6 +59,7 @@ __all__ = [
     "Comm",
     "RemoteError",
     "SharedCounter",
+    "agree_or_raise",
     "all_gather_json",
     "all_gather_tensor",
     "all_reduce",

@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import Store
 
 from shardwise.collectives.exchange import (
+    agree_or_raise,
     all_gather_json,
     broadcast_json,
     broadcast_or_raise,
@@ -90,6 +91,18 @@ class Comm:
             local = compute()
             return local, [json.loads(json.dumps(encode(local)))]
         return exchange_or_raise(self.group, compute, encode, operation=self.operation)
+
+    def agree_or_raise(
+        self,
+        compute: Callable[[], T],
+        count: Callable[[T], Sequence[int]] = lambda value: (),
+        width: int = 0,
+    ) -> tuple[T, list[int]]:
+        """:func:`agree_or_raise` over this group (plain call in a single process)."""
+        if self.group is None:
+            local = compute()
+            return local, [int(number) for number in count(local)]
+        return agree_or_raise(self.group, compute, count, width, operation=self.operation)
 
     def gather_or_raise(
         self,

@@ -20,6 +20,7 @@ from shardwise.collectives.transfer import send_recv_bytes
 from shardwise.errors import CheckpointTimeoutError
 
 __all__ = [
+    "agree_or_raise",
     "all_gather_json",
     "broadcast_json",
     "exchange_or_raise",
@@ -231,6 +232,57 @@ def exchange_or_raise(
     if verdict is not None:
         raise rebuild_error(verdict["error"], verdict["rank"])
     return local, [entry["ok"] for entry in gathered]  # type: ignore[return-value]
+
+
+def agree_or_raise(
+    process_group: ProcessGroup,
+    compute: Callable[[], T],
+    count: Callable[[T], Sequence[int]] = lambda value: (),
+    width: int = 0,
+    *,
+    operation: str | None = None,
+) -> tuple[T, list[int]]:
+    """:func:`exchange_or_raise` for a step whose results stay local: run ``compute``, then
+    agree on the verdict in one all-reduce of ``1 + width`` integers (a failure flag and the
+    ``width`` integers ``count(result)``, summed over the group); only when a rank failed do
+    the envelopes follow (:func:`all_gather_json`), so that every rank raises as
+    :func:`exchange_or_raise` does. One small all-reduce instead of two all-gathers: on gloo
+    with 4 ranks on 2 cores an all-gather took 3.8 ms and an all-reduce 0.9 ms.
+
+    Args:
+        count: The integers this rank adds (``width`` of them, each in ``[0, 2**48)`` so that
+            the sums of 32,768 ranks fit), e.g. the bytes it will read; a count that fails is
+            a failure of ``compute``.
+
+    Returns:
+        The local result and the group's sums of the counts.
+    """
+
+    def counted() -> tuple[T, list[int]]:
+        local = compute()
+        numbers = [int(number) for number in count(local)]
+        if len(numbers) != width or not all(0 <= number < 1 << 48 for number in numbers):
+            raise ValueError(f"a count must be {width} integers in [0, 2**48), got {numbers}")
+        return local, numbers
+
+    result, error, envelope = _attempt(counted, lambda _: None)
+    mine = [int(error is not None), *(result[1] if result is not None else [0] * width)]
+
+    def exchange() -> tuple[list[int], dict[str, Any] | None]:
+        device = comm_device(process_group)
+        sums = torch.tensor(mine, dtype=torch.int64, device=device)
+        with bounded(process_group, operation), held(sums):
+            dist.all_reduce(sums, group=process_group)
+        totals = [int(number) for number in sums.cpu().tolist()]
+        if not totals[0]:
+            return totals[1:], None
+        return [], _verdict(all_gather_json(envelope, process_group, operation=operation))
+
+    totals, verdict = _shared(error, exchange)
+    if verdict is not None:
+        raise rebuild_error(verdict["error"], verdict["rank"])
+    assert result is not None
+    return result[0], totals
 
 
 def gather_or_raise(

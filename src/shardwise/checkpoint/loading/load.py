@@ -365,7 +365,9 @@ def load(
     if comm.rank == 0:
         try:
             raw = read_index_bytes(storage, path_text)
-            envelope = {"text": raw.decode("utf-8", "surrogateescape")}
+            # Rank 0's wish for a bar rules, and names the count every rank adds its bytes to.
+            bar = [progress, secrets.token_hex(8)]
+            envelope = {"text": raw.decode("utf-8", "surrogateescape"), "bar": bar}
         except Exception as err:  # any failure reaches every rank, none waits for the index
             error = err
             envelope = {"error": collectives.describe_error(err)}
@@ -377,16 +379,17 @@ def load(
         raise collectives.rebuild_error(envelope["error"], 0)
     data = envelope["text"].encode("utf-8", "surrogateescape")
     reader = CheckpointReader(storage, decode(data, storage), path_text, comm.rank)
+    wish, token = envelope["bar"]
     options = LoadOptions(
         strict=strict,
         verify=verify,
         allow_pickle=allow_pickle,
         allow_dtype_cast=allow_dtype_cast,
-        progress=progress,
+        progress=wish,
     )
     try:
         with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
-            result, nbytes = _load(reader, comm, state_dict, options)
+            result, nbytes = _load(reader, comm, state_dict, options, token)
     finally:
         reader.close()
     report_load(comm, path_text, nbytes, started, result, strict, "the checkpoint")
@@ -426,8 +429,10 @@ def _load(
     comm: collectives.Comm,
     state_dict: MutableMapping[str, Any],
     options: LoadOptions,
+    token: str,
 ) -> tuple[LoadResult, int]:
-    """Plan, verify and fill; returns the result and the bytes every rank read."""
+    """Plan, verify and fill (``options.progress``: rank 0's wish for a bar, counted under
+    ``token``); returns the result and the bytes every rank read."""
     flat = Flat()
     values: dict[str, Any] = {}
 
@@ -444,15 +449,12 @@ def _load(
                 values[key] = _decode(reader, item, flat.leaves.get(key), None)
         return planned
 
-    def offer(planned: _Plan) -> list[Any]:
-        return [options.progress, token, sum(job.read.nbytes for job in planned.jobs)]
+    def nbytes(planned: _Plan) -> list[int]:
+        return [sum(job.read.nbytes for job in planned.jobs)]
 
-    # Rank 0's wish for a bar, the name of the count every rank adds to, and the bytes.
-    token = secrets.token_hex(8)
-    planned, wishes = comm.exchange_or_raise(plan, offer)
-    total = sum(wish[2] for wish in wishes)
-    description, count = f"loading {reader.path}", f"load/{wishes[0][1]}"
-    bar = job_bar(comm, total, description, count) if wishes[0][0] else None
+    planned, (total,) = comm.agree_or_raise(plan, nbytes, 1)
+    description = f"loading {reader.path}"
+    bar = job_bar(comm, total, description, f"load/{token}") if options.progress else None
 
     def fill() -> None:
         blobs = [

@@ -23,8 +23,9 @@ def job_bar(comm: collectives.Comm, total: int, description: str, key: str) -> J
 def exchange_with_bar(
     comm: collectives.Comm, work: Callable[[], _T], bar: JobProgress | None, dst: int | None = None
 ) -> tuple[_T, list[Any] | None]:
-    """``comm.exchange_or_raise(work)`` (with ``dst``: ``gather_or_raise``) for a step ``bar``
-    (if any) counts: the bar ends full only when every rank succeeded."""
+    """``comm.agree_or_raise(work)`` (with ``dst``: ``gather_or_raise``, whose results ``dst``
+    receives) for a step ``bar`` (if any) counts: the bar ends full only when every rank
+    succeeded."""
 
     def counted() -> _T:
         try:
@@ -36,7 +37,7 @@ def exchange_with_bar(
     succeeded = False
     try:
         result: tuple[_T, list[Any] | None] = (
-            comm.exchange_or_raise(counted)
+            (comm.agree_or_raise(counted)[0], None)
             if dst is None
             else comm.gather_or_raise(counted, dst=dst)
         )
