@@ -8,6 +8,7 @@ policy goes on working around what it cannot delete."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,45 @@ def test_a_series_root_that_is_a_file_is_a_checkpoint_error(tmp_path: Path) -> N
         manager.save(1, _state(1))
     manager.close()
     assert root.read_text() == "not a directory"
+
+
+# -- retention around what it cannot delete ------------------------------------------------------
+
+
+def test_retention_goes_on_past_an_index_that_is_not_a_regular_file(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("not the series'")
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    # Step 1 is dropped, but its "index" is a directory: it cannot be deleted. Step 2 is kept,
+    # and its "index" is a link out of the root: no reader follows it, so it protects nothing.
+    (root / "step-00000001" / "shardwise.json").unlink()
+    (root / "step-00000001" / "shardwise.json").mkdir()
+    (root / "step-00000002" / "shardwise.json").unlink()
+    (root / "step-00000002" / "shardwise.json").symlink_to(secret)
+    retention = ckpt.RetentionPolicy(keep_last=1, keep_every=2)
+    with ckpt.CheckpointManager(root, retention=retention, async_save=False) as manager:
+        manager.save(4, _state(4))
+        manager.save(5, _state(5))
+    assert _dirs(root) == ["step-00000001", "step-00000002", "step-00000004", "step-00000005"]
+    assert secret.read_text() == "not the series'"
+
+
+def test_retention_goes_on_past_a_hostile_save_lock(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    # A process id beyond the platform's, on this host: checking it raised OverflowError.
+    holder = {"save_id": "x", "host": socket.gethostname(), "pid": 2**40, "heartbeat": 1e18}
+    (root / "step-00000001" / "shardwise.lock").write_text(json.dumps(holder))
+    (root / "step-00000002" / "shardwise.json").unlink()  # a deletion a kill interrupted
+    (root / "step-00000002" / "shardwise.lock").write_text(json.dumps(holder))
+    retention = ckpt.RetentionPolicy(keep_last=1)
+    with ckpt.CheckpointManager(root, retention=retention, async_save=False) as manager:
+        assert manager.save(4, _state(4))
+        assert manager.save(5, _state(5))
+        assert manager.steps() == [1, 5]
+    assert "step-00000003" not in _dirs(root) and "step-00000004" not in _dirs(root)

@@ -24,11 +24,16 @@ from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
 from shardwise.checkpoint.manager.series import CheckpointInfo, referenced_files, step_name
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.storage import Storage
-from shardwise.errors import CheckpointLockedError
+from shardwise.errors import CheckpointError, CheckpointLockedError
 
-__all__ = ["delete_checkpoint", "finish_deletions", "protected_files"]
+__all__ = ["DELETION_ERRORS", "delete_checkpoint", "finish_deletions", "protected_files"]
 
 logger = logging.getLogger("shardwise.checkpoint.manager")
+
+#: What a deletion may raise that leaves that checkpoint (or what is left of it) for a later
+#: try, and the others to delete: a failure of the storage, or a hostile file in the step
+#: directory (a save lock naming a process id beyond the platform's, ...).
+DELETION_ERRORS = (OSError, ArithmeticError, ValueError, CheckpointError)
 
 
 def _remove_files(storage: Storage, *parts: str, keep: Callable[[str], bool]) -> None:
@@ -125,6 +130,6 @@ def finish_deletions(
         try:
             if delete_checkpoint(storage, info.step, open_step, protected):
                 deleted.append(info.step)
-        except OSError as err:
+        except DELETION_ERRORS as err:
             logger.warning("could not finish deleting %s: %s; a later call retries", info.path, err)
     return deleted

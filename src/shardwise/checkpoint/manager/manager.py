@@ -23,6 +23,7 @@ import torch
 from shardwise import collectives
 from shardwise.checkpoint.loading.load import load
 from shardwise.checkpoint.manager.deletion import (
+    DELETION_ERRORS,
     delete_checkpoint,
     finish_deletions,
     protected_files,
@@ -432,12 +433,16 @@ class CheckpointManager:
             # Before anything is removed: the files that the checkpoints staying reference.
             protected = protected_files(self._storage, listing, dropped)
             for step in dropped:
-                if delete_checkpoint(self._storage, step, self._open_step, protected):
-                    logger.info("deleted %s (retention)", self.path(step))
+                try:
+                    if delete_checkpoint(self._storage, step, self._open_step, protected):
+                        logger.info("deleted %s (retention)", self.path(step))
+                except DELETION_ERRORS as err:  # this one stays (retried at the next
+                    # commit); the others go on
+                    logger.warning("could not delete %s: %s", self.path(step), err)
             finish_deletions(
                 self._storage, listing, self._open_step, writing=writing, protected=protected
             )
-        except OSError as err:  # the storage failed: space is lost, not a checkpoint
+        except DELETION_ERRORS as err:  # the storage failed: space is lost, not a checkpoint
             self._untidy = True
             logger.warning("could not apply the retention policy under %s: %s", self.root, err)
 

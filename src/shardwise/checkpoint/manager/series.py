@@ -13,6 +13,7 @@ Only names that match :func:`step_name` exactly are the series' (``step-7``, ``s
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -267,12 +268,19 @@ def checkpoint_bytes(storage: Storage, step: int) -> int:
 
 def referenced_files(storage: Storage, step: int) -> dict[tuple[str, str], int]:
     """The data files of other step directories that the index of ``step`` references:
-    ``(step directory, "data/<file>") -> declared size``; empty when it has no index (any
-    other failure to read it raises ``OSError``)."""
+    ``(step directory, "data/<file>") -> declared size``; empty when it has no index, or one
+    that no reader opens (a link, a directory, larger than an index may be: ``load`` refuses
+    it, so nothing it names is ever read through it). Any other failure to read it raises
+    ``OSError``."""
+    path = storage.join(step_name(step), INDEX_NAME)
     try:
-        data = storage.read_small(storage.join(step_name(step), INDEX_NAME), MAX_INDEX_BYTES)
-    except FileNotFoundError:
+        data = storage.read_small(path, MAX_INDEX_BYTES)
+    except (FileNotFoundError, UnsafePathError):
         return {}
+    except OSError as err:
+        if err.errno == errno.EFBIG:
+            return {}
+        raise
     return {
         (match[1].decode(), f"{DATA_DIR}/{match[2].decode()}"): int(match[3])
         for match in _REFERENCE.finditer(data)
