@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.huggingface.files import (
     INDEX_NAME,
+    LEFTOVER_NAME,
     METADATA,
     OUTPUT_NAME,
     OutTensor,
@@ -54,7 +56,7 @@ from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safeten
 from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint, check_url
 from shardwise.cli._common import EXIT_OK, _count, _keys_text
-from shardwise.errors import CheckpointError, CheckpointKeyError
+from shardwise.errors import CheckpointError, CheckpointKeyError, CheckpointStorageError
 from shardwise.metadata import dtype_name
 
 _CONFIG_NAME = "config.json"
@@ -228,7 +230,21 @@ class _Output:
         self.local = isinstance(storage, LocalStorage)
         self.created = not storage.exists(storage.root)
         storage.makedirs(storage.root)
+        if self.local:
+            self._refuse_directories()
         self._written: dict[str, str] = {}  # final name: the path written
+
+    def _refuse_directories(self) -> None:
+        """Refuse a directory under a name the commit replaces or removes, before any file
+        is written (else the commit would fail with some files in place)."""
+        for name in self.storage.listdir(self.storage.root):
+            path = self.storage.join(name)
+            if OUTPUT_NAME.fullmatch(name) and stat.S_ISDIR(os.lstat(path).st_mode):
+                raise CheckpointStorageError(
+                    f"{path} is a directory, where consolidate puts or removes a weight file: "
+                    "remove it, or write elsewhere",
+                    file=path,
+                )
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[Writer]:
@@ -254,10 +270,25 @@ class _Output:
             writer.write(data)
 
     def commit(self) -> None:
-        """Put every file written in place (locally: rename them, in the order written)."""
+        """Put every file written in place (locally: rename them, in the order written).
+
+        Locally the old index and the weight files of an earlier run that this one does not
+        replace are removed first: removed last, a run stopped between its renames would
+        leave the old index (or ``model.safetensors``) beside new files, a model of old and
+        new tensors that loads without a word; removed first, a stopped run leaves several
+        weight files and no index, which no loader takes for a model. What killed runs left
+        under temporary names is removed last."""
         if self.local:
+            for name in self.storage.listdir(self.storage.root):
+                if OUTPUT_NAME.fullmatch(name) and (
+                    name == INDEX_NAME or name not in self._written
+                ):
+                    self.storage.remove(self.storage.join(name))
             for name, path in self._written.items():
                 self.storage.rename(path, self.storage.join(name))
+            for name in self.storage.listdir(self.storage.root):
+                if LEFTOVER_NAME.fullmatch(name):
+                    self.storage.remove(self.storage.join(name))
             self.storage.sync_dir(self.storage.root)
 
     def discard(self) -> None:

@@ -25,6 +25,7 @@ from shardwise.checkpoint.huggingface.files import (
     parse_index_json,
 )
 from shardwise.checkpoint.storage import LocalStorage
+from shardwise.cli import main as cli_main
 
 
 def test_an_index_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
@@ -189,3 +190,33 @@ def test_an_output_name_taken_by_a_directory_fails_before_anything_is_written(
         ckpt.save_safetensors({"w": torch.full((2,), 2.0)}, out)
     assert sorted(os.listdir(out)) == ["model-00003-of-00003.safetensors", "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_consolidate_stopped_midway_never_leaves_old_and_new_files_that_load_as_one_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same commit as save_safetensors (see above), by shardwise consolidate.
+    source = tmp_path / "ckpt"
+    ckpt.save({"a": torch.full((4,), 2.0), "b": torch.full((4,), 2.0)}, source)
+    out = tmp_path / "hf"
+    ckpt.save_safetensors({"a": torch.ones(4), "b": torch.ones(4)}, out, max_shard_size=16)
+    (out / ".model.safetensors.99999999.tmp").write_bytes(b"left by a killed run")
+    argv = ["consolidate", str(source), str(out), "--max-shard-size", "16"]
+    _failing_rename(monkeypatch, after=1)
+    assert cli_main(argv) != 0
+    monkeypatch.undo()
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load_safetensors(target, out)
+    (out / "model-00009-of-00009.safetensors").mkdir()  # refused before a file is written
+    assert cli_main(argv) != 0
+    assert "is a directory" in capsys.readouterr().err
+    (out / "model-00009-of-00009.safetensors").rmdir()
+    assert cli_main(argv) == 0
+    assert sorted(os.listdir(out)) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert ckpt.load_safetensors(target, out) == ([], [])
+    assert target["a"].eq(2).all() and target["b"].eq(2).all()
