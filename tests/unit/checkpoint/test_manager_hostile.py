@@ -186,3 +186,22 @@ def test_retention_goes_on_past_a_hostile_save_lock(tmp_path: Path) -> None:
         assert manager.save(5, _state(5))
         assert manager.steps() == [1, 5]
     assert "step-00000003" not in _dirs(root) and "step-00000004" not in _dirs(root)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_retention_never_deletes_the_last_save_for_a_bogus_newer_checkpoint(
+    tmp_path: Path, async_save: bool
+) -> None:
+    root = tmp_path / "run"
+    (root / "step-99999999").mkdir(parents=True)
+    (root / "step-99999999" / "shardwise.json").write_text("junk that looks committed")
+    retention = ckpt.RetentionPolicy(keep_last=1)
+    with ckpt.CheckpointManager(root, retention=retention, async_save=async_save) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+        manager.wait()
+        assert manager.steps() == [3, 99999999]
+    state = _state(0)
+    with pytest.warns(ckpt.RestoreFallbackWarning, match="step-99999999"):
+        assert ckpt.CheckpointManager(root).restore(state) == 3
+    assert state["step"] == 3

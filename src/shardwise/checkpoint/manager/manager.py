@@ -172,6 +172,9 @@ class CheckpointManager:
         self._storage = open_series(self.root, storage_options, self._comm.world_size)
         self._in_flight: concurrent.futures.Future[Metadata] | None = None
         self._in_flight_step: int | None = None
+        #: The step of this manager's last save known to have committed: kept by the retention
+        #: whatever the listing holds (a newer checkpoint of another run, or a bogus one).
+        self._committed_step: int | None = None
         self._untidy = False  # a save committed since rank 0 last applied the retention
         self._tidied_after: concurrent.futures.Future[Metadata] | None = None
         self._last_save = time.monotonic()
@@ -340,6 +343,7 @@ class CheckpointManager:
         else:
             _save(state_dict, path, **options)
             self._untidy = True
+            self._committed_step = step
             if self._comm.rank == 0:
                 self._tidy()
         self._base_step = step
@@ -374,6 +378,7 @@ class CheckpointManager:
 
     def _finish_in_flight(self) -> None:
         """Wait for the save in flight and raise its error (this rank's own)."""
+        step = self._in_flight_step
         future, self._in_flight, self._in_flight_step = self._in_flight, None, None
         if future is not None:
             try:
@@ -382,6 +387,7 @@ class CheckpointManager:
                 self._base_step = None  # it did not commit: the next save asks the series
                 raise
             self._untidy = True
+            self._committed_step = step
 
     def _raise_background_failure(self) -> None:
         """Raise the failure of the background save that some rank saw fail (every rank)."""
@@ -416,6 +422,7 @@ class CheckpointManager:
                 return  # running, or failed: reported to every rank at the next call
             self._tidied_after = future
             self._untidy = True
+            self._committed_step = self._in_flight_step
         self._tidy()
 
     def _tidy(self) -> None:
@@ -425,10 +432,13 @@ class CheckpointManager:
             return
         self._untidy = False
         writing = self._in_flight_step
+        # Being written, and this manager's last commit: the newest of this run, even where
+        # the series holds newer ones (an abandoned run's, or a bogus one).
+        own = [step for step in (writing, self._committed_step) if step is not None]
         try:
             listing = list_series(self._storage, records=self.retention.keep_best is not None)
             good = {info.step: info.metrics for info in listing if info.good}
-            kept = retained(self.retention, good, () if writing is None else (writing,))
+            kept = retained(self.retention, good, own)
             dropped = sorted(set(good) - kept)
             # Before anything is removed: the files that the checkpoints staying reference.
             protected = protected_files(self._storage, listing, dropped)
