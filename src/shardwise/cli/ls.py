@@ -72,14 +72,23 @@ def _number(value: float | int | None) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+def _when(saved: float | None) -> str:
+    """A save's start time in UTC; empty when unknown or beyond what the platform shows."""
+    if saved is None:
+        return ""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))
+    except (OverflowError, OSError, ValueError):  # a step record may hold any finite number
+        return ""
+
+
 def _text(summary: dict[str, Any]) -> str:
     rows = summary["checkpoints"]
     if not rows:
         return f"no checkpoints under {summary['root']}"
     table = [("step", "state", "own", "shared", "saved (UTC)", "kept", "metrics")]
     for row in rows:
-        saved = row["time"]
-        when = "" if saved is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))
+        when = _when(row["time"])
         metrics = " ".join(
             f"{_printable(name)}={_number(value)}" for name, value in row["metrics"].items()
         )

@@ -8,6 +8,8 @@ policy goes on working around what it cannot delete."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.manager.policy import retained
 from shardwise.checkpoint.manager.series import STEP_RECORD_NAME, list_series
 from shardwise.checkpoint.storage import LocalStorage
+from shardwise.cli import main
 
 
 def _state(value: float) -> dict[str, Any]:
@@ -205,3 +208,55 @@ def test_retention_never_deletes_the_last_save_for_a_bogus_newer_checkpoint(
     with pytest.warns(ckpt.RestoreFallbackWarning, match="step-99999999"):
         assert ckpt.CheckpointManager(root).restore(state) == 3
     assert state["step"] == 3
+
+
+# -- shardwise ls --------------------------------------------------------------------------------
+
+
+def _ls(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["ls", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls_shows_a_series_whatever_its_records_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as manager:
+        for step in range(1, 6):
+            manager.save(step, _state(step), metrics={"loss": 0.5})
+    times = {1: "NaN", 2: "Infinity", 3: "1e300", 4: "-1e18"}
+    for step, value in times.items():
+        text = _record(tmp_path, step).read_text()
+        text = re.sub(r'"time": [^,]+', f'"time": {value}', text)
+        _rewrite_record(tmp_path, step, text.replace('"loss": 0.5', '"loss": NaN'))
+    code, out, err = _ls(capsys, str(tmp_path), "--json")
+    assert code == 0 and err == ""
+    rows = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in --json"))
+    by_step = {row["step"]: row for row in rows["checkpoints"]}
+    assert [by_step[step]["time"] for step in (1, 2)] == [None, None]
+    assert by_step[3]["metrics"] == {"loss": None} and by_step[5]["metrics"] == {"loss": 0.5}
+    code, out, err = _ls(capsys, str(tmp_path))
+    assert code == 0 and err == ""
+    assert [line.split()[:2] for line in out.splitlines()[1:6]] == [
+        [str(step), "committed"] for step in range(1, 6)
+    ]
+
+
+def test_ls_lists_a_step_whose_data_is_a_link_without_following_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outside = tmp_path / "outside"
+    (outside / "data").mkdir(parents=True)
+    (outside / "data" / "big.bin").write_bytes(b"x" * 100_000)
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        manager.save(1, _state(1))
+        manager.save(2, _state(2))
+    shutil.rmtree(root / "step-00000001" / "data")
+    (root / "step-00000001" / "data").symlink_to(outside / "data")
+    code, out, err = _ls(capsys, str(root), "--json")
+    assert code == 0 and err == ""
+    rows = json.loads(out)["checkpoints"]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[0]["bytes"] < 100_000  # the link counts, not what it points at

@@ -184,6 +184,7 @@ def read_step_record(storage: Storage, step: int) -> dict[str, Any] | None:
         or record.get("version") != _RECORD_VERSION
         or record.get("step") != step
         or type(record.get("time")) not in (int, float)
+        or not _finite(record["time"])  # JSON parsing takes NaN and Infinity
         or not isinstance(record.get("metrics"), dict)
     ):
         return None
@@ -253,16 +254,30 @@ def list_series(storage: Storage, *, records: bool = True) -> list[CheckpointInf
     return sorted(found, key=lambda info: info.step)
 
 
+def _entry_bytes(storage: Storage, *parts: str) -> int:
+    """The size of the entry ``parts`` below the root (a link's own: never followed); 0 once it
+    is gone (a deletion running meanwhile)."""
+    try:
+        return storage.size(storage.join(*parts))
+    except FileNotFoundError:
+        return 0
+
+
 def checkpoint_bytes(storage: Storage, step: int) -> int:
-    """The bytes of the files of ``step``'s directory and of its ``data/``."""
+    """The bytes of the files of ``step``'s directory and of its ``data/`` (a ``data`` that is
+    a symbolic link or a file counts as itself: nothing below the root is followed)."""
     name = step_name(step)
     total = 0
     for entry in storage.listdir(storage.join(name)):
         if entry == DATA_DIR:
-            data = storage.listdir(storage.join(name, DATA_DIR))
-            total += sum(storage.size(storage.join(name, DATA_DIR, file)) for file in data)
+            try:
+                data = storage.listdir(storage.join(name, DATA_DIR))
+            except UnsafePathError:
+                total += _entry_bytes(storage, name, entry)
+                continue
+            total += sum(_entry_bytes(storage, name, DATA_DIR, file) for file in data)
         else:
-            total += storage.size(storage.join(name, entry))
+            total += _entry_bytes(storage, name, entry)
     return total
 
 
