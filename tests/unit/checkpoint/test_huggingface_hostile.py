@@ -220,3 +220,19 @@ def test_consolidate_stopped_midway_never_leaves_old_and_new_files_that_load_as_
     ]
     assert ckpt.load_safetensors(target, out) == ([], [])
     assert target["a"].eq(2).all() and target["b"].eq(2).all()
+
+
+def test_a_key_map_returning_a_name_that_is_not_unicode_text_is_a_key_error(
+    tmp_path: Path,
+) -> None:
+    # A lone surrogate: no file can hold the name (it has no UTF-8). Was: a bare TypeError
+    # from the JSON encoder in the save plan.
+    def key_map(key: str) -> str:
+        return "\udcff"
+
+    with pytest.raises(ckpt.CheckpointKeyError, match="not Unicode text") as caught:
+        ckpt.save_safetensors({"a": torch.ones(2)}, tmp_path / "out", key_map=key_map)
+    assert caught.value.key == "a" and not (tmp_path / "out").exists()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ckpt.CheckpointKeyError, match="not Unicode text"):
+        ckpt.load_safetensors({"a": torch.zeros(2)}, tmp_path, key_map=key_map)

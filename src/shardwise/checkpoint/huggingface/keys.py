@@ -36,7 +36,7 @@ class Names:
 
         Raises:
             CheckpointKeyError: ``key_map`` raised or returned something other than a
-                string or ``None`` (naming the key).
+                string of Unicode text or ``None`` (naming the key).
         """
         if self.prefix is not None:
             if not key.startswith(self.prefix):
@@ -54,7 +54,22 @@ class Names:
             raise CheckpointKeyError(
                 f"key_map returned {name!r}; it must return a name (str) or None", key=key
             )
+        if name is not None and not _is_text(name):
+            raise CheckpointKeyError(
+                f"key_map returned {name!r}, which is not Unicode text (a lone surrogate): "
+                "safetensors names are UTF-8",
+                key=key,
+            )
         return name
+
+
+def _is_text(name: str) -> bool:
+    """Whether ``name`` has a UTF-8 form (no lone surrogate)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
