@@ -260,3 +260,20 @@ def test_ls_lists_a_step_whose_data_is_a_link_without_following_it(
     rows = json.loads(out)["checkpoints"]
     assert [row["step"] for row in rows] == [1, 2]
     assert rows[0]["bytes"] < 100_000  # the link counts, not what it points at
+
+
+@pytest.mark.parametrize("junk_step", [0, 99_999_999], ids=["older", "newer"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_an_incremental_series_passes_over_a_base_whose_index_is_junk(
+    tmp_path: Path, junk_step: int, async_save: bool
+) -> None:
+    junk = tmp_path / f"step-{junk_step:08d}"
+    junk.mkdir()
+    (junk / "shardwise.json").write_text("junk that looks committed")
+    with ckpt.CheckpointManager(tmp_path, async_save=async_save, incremental=True) as manager:
+        for step in (1, 2):  # the first builds on nothing, the second on the first
+            assert manager.save(step, _state(step))
+        manager.wait()
+    state = _state(0)
+    ckpt.load(state, tmp_path / "step-00000002")
+    assert state["step"] == 2 and (junk / "shardwise.json").read_text().startswith("junk")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import collectives
+from shardwise.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, decode_index
 from shardwise.checkpoint.loading.load import load
 from shardwise.checkpoint.manager.deletion import (
     DELETION_ERRORS,
@@ -229,14 +230,15 @@ class CheckpointManager:
         """
         self._check_open()
 
-        def listed() -> list[int]:
-            try:
-                listing = list_series(self._storage, records=False)
-            except OSError as err:  # the root is a file, unreadable, ...
-                raise _storage_failure(err, f"cannot list the series at {self.root}") from err
-            return [info.step for info in listing if info.good]
+        return list(self._comm.broadcast_or_raise(self._listed_steps, src=0))
 
-        return list(self._comm.broadcast_or_raise(listed, src=0))
+    def _listed_steps(self) -> list[int]:
+        """:meth:`steps` from a listing of this rank's own (no collective)."""
+        try:
+            listing = list_series(self._storage, records=False)
+        except OSError as err:  # the root is a file, unreadable, ...
+            raise _storage_failure(err, f"cannot list the series at {self.root}") from err
+        return [info.step for info in listing if info.good]
 
     def latest_step(self) -> int | None:
         """The step of the newest committed checkpoint (None when there is none)."""
@@ -333,7 +335,7 @@ class CheckpointManager:
         }
         if self.incremental:
             options["incremental"] = True
-            base = self._base_step if self._base_step is not None else self.latest_step()
+            base = self._base_step if self._base_step is not None else self._series_base()
             if base is not None and base != step:
                 options["base"] = self.path(base)
         self._base_step = None  # until this save is known to have started (or committed)
@@ -353,6 +355,27 @@ class CheckpointManager:
             self.preempted = True
             self._notice.clear()
         return True
+
+    def _series_base(self) -> int | None:
+        """The newest good checkpoint of the series whose index decodes: the base of an
+        incremental save when this manager has none (collective: rank 0 reads, all agree).
+
+        One whose index does not decode (junk named like a checkpoint, a corrupt index) is
+        passed over: a save building on it would fail, and so would every save after it.
+        """
+
+        def newest() -> int | None:
+            for step in reversed(self._listed_steps()):
+                path = self._storage.join(step_name(step), INDEX_NAME)
+                try:
+                    decode_index(self._storage.read_small(path, MAX_INDEX_BYTES))
+                except (CheckpointError, OSError, ValueError, RecursionError) as err:
+                    logger.warning("not building on %s: %s", self.path(step), err)
+                    continue
+                return step
+            return None
+
+        return self._comm.broadcast_or_raise(newest, src=0)  # type: ignore[no-any-return]
 
     def _write_step_record(self, step: int, record: bytes) -> None:
         """Rank 0, before the save of ``step``: make its directory, remove a rejection record,
