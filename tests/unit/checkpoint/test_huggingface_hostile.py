@@ -10,9 +10,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -236,3 +238,50 @@ def test_a_key_map_returning_a_name_that_is_not_unicode_text_is_a_key_error(
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ckpt.CheckpointKeyError, match="not Unicode text"):
         ckpt.load_safetensors({"a": torch.zeros(2)}, tmp_path, key_map=key_map)
+
+
+def _raw_header(text: bytes, data: int = 0) -> bytes:
+    return struct.pack("<Q", len(text)) + text + bytes(data)
+
+
+_F32 = b'"dtype": "F32", "shape": '
+_REFUSED_BY_SAFETENSORS = {
+    # Shapes of no elements whose other dims overflow: no tensor (torch's or safetensors')
+    # has them.
+    "shape_overflow_first": (
+        b'{"w": {' + _F32 + b'[0, 2305843009213693952, 4], "data_offsets": [0, 0]}}',
+        0,
+    ),
+    "shape_overflow_last": (
+        b'{"w": {' + _F32 + b'[2305843009213693952, 8, 0], "data_offsets": [0, 0]}}',
+        0,
+    ),
+    # -0 is a float to other JSON readers.
+    "negative_zero_dim": (b'{"w": {' + _F32 + b'[-0, 2], "data_offsets": [0, 0]}}', 0),
+    "negative_zero_offset": (b'{"w": {' + _F32 + b'[2], "data_offsets": [-0, 8]}}', 8),
+    # A lone surrogate: a name, or metadata, that is not Unicode text.
+    "surrogate_name": (b'{"w\\ud800": {' + _F32 + b'[2], "data_offsets": [0, 8]}}', 8),
+    "surrogate_metadata": (
+        b'{"__metadata__": {"k": "\\udc00"}, "w": {' + _F32 + b'[2], "data_offsets": [0, 8]}}',
+        8,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_REFUSED_BY_SAFETENSORS))
+def test_a_header_the_safetensors_library_refuses_is_refused(tmp_path: Path, case: str) -> None:
+    text, data = _REFUSED_BY_SAFETENSORS[case]
+    raw = _raw_header(text, data)
+    with pytest.raises(Exception):  # noqa: B017 (the reference: any refusal)
+        safetensors.torch.load(raw)
+    (tmp_path / "model.safetensors").write_bytes(raw)
+    with pytest.raises(ckpt.CheckpointFormatError, match="not a valid safetensors file"):
+        ckpt.load_safetensors({}, tmp_path, strict=False)
+    # Their well-formed twins load (a -0 elsewhere, in a string, is text).
+    fine = text.replace(b"2305843009213693952", b"3").replace(b"-0", b"0")
+    fine = fine.replace(b"w\\ud800", b"w").replace(b"\\u", b"u")
+    fine = fine.replace(b'"k": "u', b'"k": "-0 u')
+    (tmp_path / "model.safetensors").write_bytes(_raw_header(fine, data))
+    safetensors.torch.load(_raw_header(fine, data))
+    with pytest.warns(UserWarning, match="not loaded"):
+        assert ckpt.load_safetensors({}, tmp_path, strict=False).unexpected_keys == ["w"]

@@ -29,6 +29,7 @@ __all__ = [
     "check_unique_names",
     "file_names",
     "index_json",
+    "is_unicode_text",
     "is_weight_file_name",
     "normalized_prefix",
     "parse_index_json",
@@ -155,6 +156,16 @@ def index_json(weight_map: dict[str, str], total_size: int) -> bytes:
     and, by tensor name in sorted order, the file that holds it."""
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form: no lone surrogate (which a JSON ``\\ud800`` escape
+    or a caller's string may hold), so a safetensors file can name it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_weight_file_name(name: str) -> bool:

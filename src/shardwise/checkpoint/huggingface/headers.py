@@ -7,13 +7,17 @@ and agreed with the index before any tensor byte is read or memory allocated for
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from shardwise.checkpoint.huggingface.files import is_unicode_text
 from shardwise.checkpoint.index.data_file import (
     MAX_HEADER_BYTES,
+    Header,
     header_length,
     parse_header,
     torch_dtype,
@@ -95,6 +99,7 @@ def catalog(
             )
         try:
             header = parse_header(data, size)
+            _check_portable(header, data)
         except ValueError as err:
             raise CheckpointFormatError(
                 f"not a valid safetensors file: {err}", file=shown(file)
@@ -112,6 +117,38 @@ def catalog(
     if weight_map is not None:
         _agree(tensors, weight_map, shown)
     return Catalog(tensors, {file: size for file, (_, size) in headers.items()})
+
+
+def _check_portable(header: Header, data: bytes) -> None:
+    """Refuse what :func:`parse_header` reads but the safetensors library (and torch) cannot:
+    a name or metadata string with a lone surrogate (a ``\\ud800`` escape: not Unicode text),
+    a shape of no elements whose other dims overflow 64 bits (no tensor has it), and the
+    number ``-0`` (a float to other JSON readers).
+
+    Raises:
+        ValueError: Saying which.
+    """
+    texts = [*header.entries, *(header.metadata or {}).keys(), *(header.metadata or {}).values()]
+    for text in texts:
+        if not is_unicode_text(text):
+            raise ValueError(f"the header holds {text!r}, which is not Unicode text")
+    for name, entry in header.entries.items():
+        if math.prod(dim for dim in entry.shape if dim) > _MAX_ELEMENTS:
+            raise ValueError(
+                f"entry {name!r} has the shape {list(entry.shape)}, whose dims overflow 64 bits"
+            )
+    raw = data[LENGTH_BYTES : LENGTH_BYTES + header.length]
+    if b"-0" in raw:  # rare outside strings (dates in metadata): then parsed again, to tell
+        json.loads(raw.decode("utf-8"), parse_int=_unsigned)
+
+
+_MAX_ELEMENTS = (1 << 63) - 1
+
+
+def _unsigned(text: str) -> int:
+    if text.startswith("-"):
+        raise ValueError(f"the header has the number {text}, which JSON readers take for a float")
+    return int(text)
 
 
 def _agree(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from shardwise.checkpoint.huggingface.files import normalized_prefix
+from shardwise.checkpoint.huggingface.files import is_unicode_text, normalized_prefix
 from shardwise.errors import CheckpointKeyError
 
 __all__ = ["KeyMap", "Matched", "Names", "match"]
@@ -54,22 +54,13 @@ class Names:
             raise CheckpointKeyError(
                 f"key_map returned {name!r}; it must return a name (str) or None", key=key
             )
-        if name is not None and not _is_text(name):
+        if name is not None and not is_unicode_text(name):
             raise CheckpointKeyError(
                 f"key_map returned {name!r}, which is not Unicode text (a lone surrogate): "
                 "safetensors names are UTF-8",
                 key=key,
             )
         return name
-
-
-def _is_text(name: str) -> bool:
-    """Whether ``name`` has a UTF-8 form (no lone surrogate)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)
