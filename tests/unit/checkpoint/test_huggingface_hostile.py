@@ -285,3 +285,27 @@ def test_a_header_the_safetensors_library_refuses_is_refused(tmp_path: Path, cas
     safetensors.torch.load(_raw_header(fine, data))
     with pytest.warns(UserWarning, match="not loaded"):
         assert ckpt.load_safetensors({}, tmp_path, strict=False).unexpected_keys == ["w"]
+
+
+@pytest.mark.parametrize("kind", ["link", "directory", "fifo"])
+def test_an_index_that_is_not_a_regular_file_is_a_data_error_and_is_not_followed(
+    tmp_path: Path, kind: str
+) -> None:
+    # As a weight file that is not a regular file (docs: CheckpointDataError); was a
+    # CheckpointFormatError, as if its (unread) text were malformed.
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"weight_map": {"w": "a.safetensors"}}')
+    path = tmp_path / "hf"
+    path.mkdir()
+    save_file({"w": torch.ones(2)}, str(path / "a.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if kind == "link":
+        index.symlink_to(outside)
+    elif kind == "directory":
+        index.mkdir()
+    else:
+        os.mkfifo(index)
+    target = {"w": torch.zeros(2)}
+    with pytest.raises(ckpt.CheckpointDataError, match="not a regular file"):
+        ckpt.load_safetensors(target, path)
+    assert not target["w"].any()

@@ -232,7 +232,12 @@ def _survey(storage: Storage, path: str, single: str | None) -> dict[str, Any]:
                 raise
             except FileNotFoundError as err:
                 raise CheckpointNotFoundError("the index is missing", file=shown) from err
-            except OSError as err:  # larger than the limit, a link, not a regular file
+            except UnsafePathError as err:  # a link, a directory, a FIFO: not opened
+                raise CheckpointDataError(
+                    f"the index is not a regular file: {err.strerror or err}; refusing to read it",
+                    file=shown,
+                ) from err
+            except OSError as err:  # larger than the limit, unreadable
                 raise CheckpointFormatError(
                     f"cannot read the index: {err.strerror or err}", file=shown
                 ) from err
