@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,6 +87,27 @@ def test_a_metric_that_is_not_one_number_is_a_type_error(tmp_path: Path, metric:
         assert manager.save(1, _state(1), metrics={"loss": torch.tensor([0.25])})
         assert manager.steps() == [1]
     assert json.loads(_record(tmp_path, 1).read_text())["metrics"] == {"loss": 0.25}
+
+
+# -- steps -------------------------------------------------------------------------------------
+
+
+def test_a_step_is_an_integer_of_any_kind_and_nothing_else(tmp_path: Path) -> None:
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as manager:
+        assert manager.save(np.int64(3), _state(3))  # type: ignore[arg-type]
+        assert manager.save(torch.tensor(4), _state(4))  # type: ignore[arg-type]
+        assert manager.steps() == [3, 4]
+        assert manager.path(np.int32(3)) == str(tmp_path / "step-00000003")  # type: ignore[arg-type]
+        for bad in (True, 3.0, -1, "3", None, torch.tensor(1.0), torch.tensor(True), np.int64(-2)):
+            with pytest.raises(ValueError, match="step must be an int >= 0"):
+                manager.save(bad, _state(5))  # type: ignore[arg-type]
+            if bad is not None:  # restore's default: the latest
+                with pytest.raises(ValueError, match="step must be an int >= 0"):
+                    manager.restore(_state(0), step=bad)  # type: ignore[arg-type]
+        state = _state(0)
+        assert manager.restore(state, step=np.uint8(3)) == 3 and state["step"] == 3  # type: ignore[arg-type]
+        assert manager.steps() == [3, 4]
+    assert json.loads(_record(tmp_path, 4).read_text())["step"] == 4
 
 
 # -- links and files named like steps -----------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import operator
 import os
 import signal
 import time
@@ -65,7 +66,27 @@ logger = logging.getLogger("shardwise.checkpoint.manager")
 #: else (a key missing from the state dict, a storage outage) is the caller's to fix: raised.
 _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError)
 # The flags of the agreement in save(), in the order of its tensor.
-_NOTICE, _FAILED, _DUE, _FORCE, _POLICY_FAILED = range(5)
+_NOTICE, _FAILED, _DUE, _FORCE, _POLICY_FAILED, _BAD_STEP, _STEP, _NEGATED_STEP = range(8)
+# The step as the agreement carries it (an int64; a larger step is rare, and only compared).
+_MAX_AGREED_STEP = 2**63 - 1
+
+
+def _as_step(step: object) -> int:
+    """``step`` as an int: an int, a NumPy integer or an integer tensor of one element.
+
+    Raises:
+        ValueError: ``step`` is not such an integer >= 0 (a bool, a float: not a step).
+    """
+    if not isinstance(step, bool) and hasattr(type(step), "__index__"):
+        dtype = getattr(step, "dtype", None)
+        try:
+            value = operator.index(step)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            pass
+        else:
+            if value >= 0 and dtype is not torch.bool:
+                return value
+    raise ValueError(f"step must be an int >= 0, not {step!r}")
 
 
 def _plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
@@ -188,7 +209,7 @@ class CheckpointManager:
 
     def path(self, step: int) -> str:
         """The checkpoint directory (or URL) of ``step``: ``root/step-00000100``."""
-        return self._storage.url(self._storage.join(step_name(step)))
+        return self._storage.url(self._storage.join(step_name(_as_step(step))))
 
     def _checkpoint_path(self, step: int) -> str:
         """:meth:`path` of ``step``, once group rank 0 has found there a real directory of the
@@ -256,15 +277,20 @@ class CheckpointManager:
             collectives.all_reduce(tensor, "max", self._comm.group)
         return [int(value) for value in tensor.tolist()]
 
-    def _local_flags(self, step: int, force: bool) -> tuple[list[int], BaseException | None]:
-        flags = [0] * 5
+    def _local_flags(self, step: int | None, force: bool) -> tuple[list[int], BaseException | None]:
+        """This rank's flags of the agreement (``step`` None: this rank's step is invalid)."""
+        flags = [0] * 8
         flags[_NOTICE] = int(self._notice.pending)
         previous = self._in_flight
         if previous is not None and previous.done() and not previous.cancelled():
             flags[_FAILED] = int(previous.exception() is not None)
         flags[_FORCE] = int(force)
+        # MAX of the step and of its negation: the ranks called with one step when they match.
+        flags[_BAD_STEP] = int(step is None)
+        flags[_STEP] = min(step or 0, _MAX_AGREED_STEP)
+        flags[_NEGATED_STEP] = -flags[_STEP]
         policy_error: BaseException | None = None
-        if self._comm.rank == 0 and not force:  # its clock and callable decide for all
+        if self._comm.rank == 0 and not force and step is not None:  # its rules decide for all
             try:
                 elapsed = time.monotonic() - self._last_save
                 flags[_DUE] = int(self.save_policy.wants(step, seconds_since_save=elapsed))
@@ -299,14 +325,33 @@ class CheckpointManager:
             CheckpointError: The save, or the background save before it, failed (on every
                 rank, at this call or the next).
             TypeError: A metric is not a number.
+            ValueError: ``step`` is not an int >= 0 on some rank (on every rank).
         """
         self._check_open()
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be an int >= 0, not {step!r}")
-        flags, policy_error = self._local_flags(step, force)
+        given = step
+        try:
+            step = _as_step(step)
+        except ValueError as err:  # raised below, once every rank knows (no rank waits alone)
+            bad_step: ValueError | None = err
+        else:
+            bad_step = None
+        flags, policy_error = self._local_flags(None if bad_step else step, bool(force))
         agreed = self._agree(flags)
         if agreed[_FAILED]:
             self._raise_background_failure()
+        if agreed[_BAD_STEP]:
+            if bad_step is not None:
+                raise bad_step
+            raise ValueError(
+                f"step must be an int >= 0: another rank called save with one that is not "
+                f"(this rank: {given!r})"
+            )
+        if agreed[_STEP] != -agreed[_NEGATED_STEP]:
+            raise CheckpointError(
+                f"the ranks called save with different steps (from {-agreed[_NEGATED_STEP]} to "
+                f"{agreed[_STEP]}; this rank: {step}): save is collective, every rank saves "
+                "the same step"
+            )
         if agreed[_POLICY_FAILED]:
             if policy_error is not None:
                 raise policy_error
@@ -503,6 +548,8 @@ class CheckpointManager:
             CheckpointError: ``step``'s checkpoint cannot be loaded, every checkpoint failed,
                 or a load failed for a reason that is not the checkpoint's (a missing key).
         """
+        if step is not None:
+            step = _as_step(step)  # before any collective: every rank is given the same
         self.wait()
         options = {
             "process_group": self._process_group,
