@@ -214,6 +214,35 @@ def test_a_hostile_header_raises_the_same_error_on_every_rank(tmp_path: Path) ->
     assert not target["model.ids"].any()
 
 
+@distributed(world_size=2, timeout=120)
+def test_hostile_names_raise_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "hf"
+    if dist.get_rank() == 0:
+        _write_directory(tmp_path / "valid")
+        _write_directory(path)
+        # An index that repeats a key: which file holds it would be the parser's choice.
+        (path / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"model.ids": "model-00002-of-00002.safetensors", '
+            '"model.ids": "model-00001-of-00002.safetensors"}}'
+        )
+    dist.barrier()
+    target = {"model.ids": _zeros("model.ids")}
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"repeats the key 'model\.ids'"):
+        ckpt.load_safetensors(target, path)
+    assert not target["model.ids"].any()
+
+    # A key map giving a name that is not Unicode text on one rank only: that rank's error,
+    # on every rank (was: a bare TypeError of the JSON encoder).
+    def key_map(key: str) -> str:
+        return "\udcff" if dist.get_rank() == 1 else key
+
+    with pytest.raises(ckpt.CheckpointKeyError, match="not Unicode text"):
+        ckpt.save_safetensors({"w": torch.ones(2)}, tmp_path / "out", key_map=key_map)
+    with pytest.raises(ckpt.CheckpointKeyError, match="not Unicode text"):
+        ckpt.load_safetensors(target, tmp_path / "valid", key_map=key_map)
+    assert not (tmp_path / "out").exists() and not target["model.ids"].any()
+
+
 # -- save ----------------------------------------------------------------------------------------
 
 
