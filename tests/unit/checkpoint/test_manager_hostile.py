@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.manager import deletion
 from shardwise.checkpoint.manager.policy import retained
-from shardwise.checkpoint.manager.series import STEP_RECORD_NAME, list_series
+from shardwise.checkpoint.manager.series import STEP_RECORD_NAME, CheckpointInfo, list_series
 from shardwise.checkpoint.storage import LocalStorage
 from shardwise.cli import main
 
@@ -299,3 +300,28 @@ def test_an_incremental_series_passes_over_a_base_whose_index_is_junk(
     state = _state(0)
     ckpt.load(state, tmp_path / "step-00000002")
     assert state["step"] == 2 and (junk / "shardwise.json").read_text().startswith("junk")
+
+
+def test_a_deletion_touches_nothing_through_a_step_that_became_a_link(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    # What a save lock whose process is gone looks like: a deletion takes such a lock over.
+    stale = {"save_id": "x", "host": "elsewhere", "pid": 1, "heartbeat": 0.0}
+    (outside / "shardwise.lock").write_text(json.dumps(stale))
+    (outside / "shardwise.json").write_text("{}")
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        manager.save(4, _state(4))
+    (root / "step-00000003").symlink_to(outside)
+    storage = LocalStorage(str(root))
+
+    def open_step(step: int) -> LocalStorage:
+        return LocalStorage(str(root / f"step-{step:08d}"))
+
+    # A listing that saw step 3 as a directory (uncommitted, older than 4): a link by now.
+    listing = [CheckpointInfo(3, str(root / "step-00000003"), False), *list_series(storage)]
+    assert deletion.finish_deletions(storage, listing, open_step, writing=None) == []
+    with pytest.raises(OSError, match="not a real directory"):
+        deletion.delete_checkpoint(storage, 3, open_step)
+    assert sorted(path.name for path in outside.iterdir()) == ["shardwise.json", "shardwise.lock"]
+    assert json.loads((outside / "shardwise.lock").read_text()) == stale

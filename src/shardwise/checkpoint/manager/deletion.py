@@ -77,9 +77,14 @@ def delete_checkpoint(
         False when a save holds the checkpoint's lock: it was left alone.
 
     Raises:
-        OSError: The storage failed (what was removed stays removed; a later call finishes).
+        OSError: The storage failed (what was removed stays removed; a later call finishes),
+            or the step's name is not a real directory (``UnsafePathError``: nothing done).
     """
     name = step_name(step)
+    # A real directory below the root, or nothing is done: the lock's storage starts at the
+    # step's path, and would follow a link there (taking over, then removing, a lock file out
+    # of the root). Listed as a directory, it may have become a link since.
+    storage.listdir(storage.join(name))
     lock = SaveLock(open_step(step), f"delete-{secrets.token_hex(4)}")
     try:
         lock.acquire()
