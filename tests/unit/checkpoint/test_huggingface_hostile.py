@@ -309,3 +309,21 @@ def test_an_index_that_is_not_a_regular_file_is_a_data_error_and_is_not_followed
     with pytest.raises(ckpt.CheckpointDataError, match="not a regular file"):
         ckpt.load_safetensors(target, path)
     assert not target["w"].any()
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [({"prefix": 3}, "prefix must be a str"), ({"prefix": b"model"}, "prefix must be a str"),
+     ({"key_map": {"w": "v"}}, r"key_map must be a function.*\.get")],
+)  # fmt: skip
+def test_a_prefix_or_key_map_of_the_wrong_type_is_a_type_error(
+    tmp_path: Path, options: dict[str, object], says: str
+) -> None:
+    # Was: an AttributeError from deep in the key names, or a dict "raising" for every key.
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    target = {"w": torch.zeros(2)}
+    with pytest.raises(TypeError, match=says):
+        ckpt.load_safetensors(target, tmp_path, **options)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=says):
+        ckpt.save_safetensors(target, tmp_path / "out", **options)  # type: ignore[arg-type]
+    assert not target["w"].any() and not (tmp_path / "out").exists()

@@ -29,6 +29,20 @@ class Names:
 
     @classmethod
     def of(cls, prefix: str | None, key_map: KeyMap | None) -> Names:
+        """The names of the arguments ``prefix`` and ``key_map``, checked.
+
+        Raises:
+            TypeError: ``prefix`` is not a str, or ``key_map`` not callable (``None`` is
+                either's default).
+        """
+        if prefix is not None and not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str or None, got {prefix!r}")
+        if key_map is not None and not callable(key_map):
+            hint = " (for a dict d, pass d.get)" if isinstance(key_map, Mapping) else ""
+            raise TypeError(
+                f"key_map must be a function (key -> name or None) or None, got "
+                f"{type(key_map).__name__}{hint}"
+            )
         return cls(None if prefix is None else normalized_prefix(prefix), key_map)
 
     def name_of(self, key: str) -> str | None:

@@ -380,6 +380,7 @@ def load_safetensors(
         The keys missing from the files and the tensors of the files not loaded.
 
     Raises:
+        TypeError: ``prefix`` is not a str, or ``key_map`` is not callable.
         CheckpointError: (a subclass) no weights at ``path``, a malformed or inconsistent
             header or index, a file named outside the directory, a missing key (with
             ``strict``), a size or dtype mismatch, a missing or truncated file. Every rank
@@ -389,6 +390,7 @@ def load_safetensors(
         >>> shardwise.checkpoint.load_safetensors(model.state_dict(), "/models/Qwen3-0.6B")
     """
     started = time.monotonic()
+    names = Names.of(prefix, key_map)  # the arguments checked first, alike on every rank
     comm = collectives.Comm(process_group, operation="load_safetensors")
     path_text = os.path.expanduser(os.fspath(path))
     root, single = _split(path_text)
@@ -396,7 +398,6 @@ def load_safetensors(
     survey = comm.broadcast_or_raise(lambda: _survey(storage, path_text, single), src=0)
     tensors = _decode_survey(storage, survey)
     files = SafetensorsFiles(storage, tensors.sizes, comm.rank)
-    names = Names.of(prefix, key_map)
     token = secrets.token_hex(8)
 
     def plan() -> _Plan:

@@ -316,7 +316,8 @@ def save_safetensors(
         The names of the files written, in ``path``.
 
     Raises:
-        TypeError: ``max_shard_size`` is not an int.
+        TypeError: ``max_shard_size`` is not an int, ``prefix`` not a str, or ``key_map`` not
+            callable.
         ValueError: ``max_shard_size`` is not positive.
         CheckpointError: (a subclass) an object-store URL, ranks that disagree on a tensor,
             shards that do not make up their tensor, a dtype safetensors cannot store, two
