@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.checkpoint.manager import deletion
+from shardwise.checkpoint.manager import deletion, materialize
 from shardwise.checkpoint.manager.policy import retained
 from shardwise.checkpoint.manager.series import STEP_RECORD_NAME, CheckpointInfo, list_series
 from shardwise.checkpoint.storage import LocalStorage
@@ -325,3 +325,22 @@ def test_a_deletion_touches_nothing_through_a_step_that_became_a_link(tmp_path: 
         deletion.delete_checkpoint(storage, 3, open_step)
     assert sorted(path.name for path in outside.iterdir()) == ["shardwise.json", "shardwise.lock"]
     assert json.loads((outside / "shardwise.lock").read_text()) == stale
+
+
+# -- materialize -------------------------------------------------------------------------------
+
+
+def test_materialize_into_a_place_it_cannot_write_is_a_checkpoint_error(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    ckpt.save(_state(1), source)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "data").symlink_to(outside)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for out in (linked, a_file):
+        with pytest.raises(ckpt.CheckpointStorageError, match="cannot write the copy"):
+            materialize(source, out)
+    assert list(outside.iterdir()) == [] and a_file.read_text() == "not a directory"

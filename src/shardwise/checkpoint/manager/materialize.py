@@ -30,7 +30,7 @@ from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.saving.writer import FileBlocks, open_fresh
 from shardwise.checkpoint.storage import Storage, open_storage
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, CheckpointStorageError
 
 __all__ = ["materialize"]
 
@@ -132,8 +132,26 @@ def materialize(
     Raises:
         CheckpointError: ``out`` holds a checkpoint already, or the source is invalid or a byte
             of it does not match its checksum (nothing is committed at ``out`` then).
+        CheckpointStorageError: Writing the copy failed (``out`` is a file, its ``data`` a
+            symbolic link, the disk is full, ...).
     """
     target = os.path.expanduser(os.fspath(out))
+    try:
+        return _materialize(path, target, storage_options, progress)
+    except CheckpointError:
+        raise
+    except OSError as err:
+        raise CheckpointStorageError(
+            f"cannot write the copy of {os.fspath(path)} at {target}: {err}"
+        ) from err
+
+
+def _materialize(
+    path: str | os.PathLike[str],
+    target: str,
+    storage_options: dict[str, Any] | None,
+    progress: Callable[[int], object] | None,
+) -> Index:
     storage = open_storage(target, storage_options)
     if storage.exists(storage.join(INDEX_NAME)):
         raise CheckpointError(f"{target} holds a checkpoint already; choose a new directory")
