@@ -327,3 +327,18 @@ def test_a_prefix_or_key_map_of_the_wrong_type_is_a_type_error(
     with pytest.raises(TypeError, match=says):
         ckpt.save_safetensors(target, tmp_path / "out", **options)  # type: ignore[arg-type]
     assert not target["w"].any() and not (tmp_path / "out").exists()
+
+
+def test_a_linked_weight_file_is_refused_with_a_way_out(tmp_path: Path) -> None:
+    # A Hugging Face cache snapshot links every file to a blob outside its directory: refused
+    # (no link is followed), saying how to get the files themselves.
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    save_file({"w": torch.ones(2)}, str(blobs / "0123abcd"))
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "model.safetensors").symlink_to(blobs / "0123abcd")
+    target = {"w": torch.zeros(2)}
+    with pytest.raises(ckpt.CheckpointDataError, match=r"symbolic link.*local_dir") as caught:
+        ckpt.load_safetensors(target, snapshot)
+    assert caught.value.file == str(snapshot / "model.safetensors") and not target["w"].any()

@@ -11,6 +11,7 @@ tensors through the read pass of ``loading`` (no checksums: safetensors has none
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -114,15 +115,24 @@ def _open(storage: Storage, name: str) -> Reader:
     except FileNotFoundError as err:
         raise CheckpointNotFoundError("weight file is missing", file=shown) from err
     except UnsafePathError as err:
+        hint = _LINK_HINT if err.errno == errno.ELOOP else ""
         raise CheckpointDataError(
             f"weight file is not a regular file inside the directory: {err.strerror}; "
-            "refusing to read it",
+            f"refusing to read it{hint}",
             file=shown,
         ) from err
     except CheckpointStorageError:
         raise
     except OSError as err:
         raise CheckpointDataError(f"cannot open weight file: {err}", file=shown) from err
+
+
+# Why a link is met most: the Hugging Face cache's snapshots are links to blobs.
+_LINK_HINT = (
+    " (no link is followed out of the directory; for a Hugging Face cache snapshot, whose "
+    "files link to blobs, download the files themselves, e.g. with "
+    "huggingface_hub.snapshot_download(..., local_dir=DIR), and load DIR)"
+)
 
 
 def _read_exactly(reader: Reader, length: int, shown: str) -> bytes:
