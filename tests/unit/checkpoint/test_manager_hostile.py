@@ -99,7 +99,11 @@ def test_a_step_is_an_integer_of_any_kind_and_nothing_else(tmp_path: Path) -> No
         assert manager.save(torch.tensor(4), _state(4))  # type: ignore[arg-type]
         assert manager.steps() == [3, 4]
         assert manager.path(np.int32(3)) == str(tmp_path / "step-00000003")  # type: ignore[arg-type]
-        for bad in (True, 3.0, -1, "3", None, torch.tensor(1.0), torch.tensor(True), np.int64(-2)):
+        top = 10**19 - 1  # the largest step a listing reads (19 digits)
+        assert manager.save(top, _state(5)) and manager.steps() == [3, 4, top]
+        shutil.rmtree(manager.path(top))
+        bad_steps = (True, 3.0, -1, "3", None, torch.tensor(1.0), torch.tensor(True), top + 1)
+        for bad in (*bad_steps, np.int64(-2)):
             with pytest.raises(ValueError, match="step must be an int >= 0"):
                 manager.save(bad, _state(5))  # type: ignore[arg-type]
             if bad is not None:  # restore's default: the latest

@@ -33,6 +33,7 @@ from shardwise.checkpoint.manager.deletion import (
 from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy, retained
 from shardwise.checkpoint.manager.preemption import PreemptionNotice
 from shardwise.checkpoint.manager.series import (
+    MAX_STEP,
     REJECTED_NAME,
     STEP_RECORD_NAME,
     list_series,
@@ -75,7 +76,8 @@ def _as_step(step: object) -> int:
     """``step`` as an int: an int, a NumPy integer or an integer tensor of one element.
 
     Raises:
-        ValueError: ``step`` is not such an integer >= 0 (a bool, a float: not a step).
+        ValueError: ``step`` is not such an integer from 0 to :data:`MAX_STEP` (a bool, a
+            float: not a step; a larger one would be named so that no listing reads it).
     """
     if not isinstance(step, bool) and hasattr(type(step), "__index__"):
         dtype = getattr(step, "dtype", None)
@@ -84,9 +86,9 @@ def _as_step(step: object) -> int:
         except (TypeError, ValueError, RuntimeError):
             pass
         else:
-            if value >= 0 and dtype is not torch.bool:
+            if 0 <= value <= MAX_STEP and dtype is not torch.bool:
                 return value
-    raise ValueError(f"step must be an int >= 0, not {step!r}")
+    raise ValueError(f"step must be an int >= 0 and <= {MAX_STEP}, not {step!r}")
 
 
 def _plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:

@@ -33,6 +33,7 @@ from shardwise.checkpoint.storage import (
 )
 
 __all__ = [
+    "MAX_STEP",
     "REJECTED_NAME",
     "STEP_RECORD_NAME",
     "CheckpointInfo",
@@ -56,6 +57,8 @@ _RECORD_VERSION = 1
 _MAX_RECORD_BYTES = 1 << 20
 _STEP_DIGITS = 8
 _STEP_NAME = re.compile(r"step-([0-9]{8,19})")
+#: The largest step: its name has the most digits a series' listing reads (19).
+MAX_STEP = 10**19 - 1
 # A reference to a step's data file in an index's raw bytes, with the size the index declares
 # (``docs/format.md``, *Incremental checkpoints*): found without decoding, so that an index
 # too damaged to decode still protects what it references.
@@ -80,8 +83,8 @@ def open_series(root: str, storage_options: dict[str, Any] | None, world_size: i
 
 def step_name(step: int) -> str:
     """The directory name of ``step``: ``step-00000100`` (8 digits, more past 99,999,999)."""
-    if type(step) is not int or step < 0:
-        raise ValueError(f"a step is an int >= 0, not {step!r}")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"a step is an int from 0 to {MAX_STEP}, not {step!r}")
     return f"step-{step:0{_STEP_DIGITS}d}"
 
 
