@@ -342,3 +342,15 @@ def test_a_linked_weight_file_is_refused_with_a_way_out(tmp_path: Path) -> None:
     with pytest.raises(ckpt.CheckpointDataError, match=r"symbolic link.*local_dir") as caught:
         ckpt.load_safetensors(target, snapshot)
     assert caught.value.file == str(snapshot / "model.safetensors") and not target["w"].any()
+
+
+def test_a_prefix_that_selects_nothing_does_not_replace_an_earlier_save(tmp_path: Path) -> None:
+    # Was: an empty model.safetensors written, and the earlier save's files removed.
+    out = tmp_path / "out"
+    state = {"model": {"w": torch.ones(2)}, "step": 3}
+    ckpt.save_safetensors(state, out, prefix="model")
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ckpt.CheckpointKeyError, match="no tensor of the state dict is under"):
+        ckpt.save_safetensors(state, out, prefix="modle")
+    assert os.listdir(out) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == before

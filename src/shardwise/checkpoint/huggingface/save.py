@@ -60,7 +60,12 @@ from shardwise.checkpoint.planning import planner
 from shardwise.checkpoint.planning.tiling import check_tiling
 from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.storage import LocalStorage, PartWriter, open_shared_storage
-from shardwise.errors import CheckpointError, CheckpointMismatchError, CheckpointStorageError
+from shardwise.errors import (
+    CheckpointError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    CheckpointStorageError,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -303,7 +308,8 @@ def save_safetensors(
         state_dict: The tensors (plain, DTensor, ShardedTensor, LocalShardsWrapper).
         path: The directory, on a local or shared file system (created if missing).
         process_group: The ranks saving together (default: the default group, if any).
-        prefix: Only keys under this prefix are written, named without it.
+        prefix: Only keys under this prefix are written, named without it (none under it:
+            ``CheckpointKeyError``, nothing written).
         key_map: The name in the files of a key (prefix stripped); ``None`` leaves it out.
         dtype: The floating-point dtype to write floating-point tensors in.
         max_shard_size: The most bytes of tensors per file (a larger tensor gets its own),
@@ -352,6 +358,13 @@ def save_safetensors(
         return _table(values, named)
 
     _, tables = comm.exchange_or_raise(describe, lambda rows: [token, progress, rows])
+    if names.prefix is not None and not any(entry[2] for entry in tables):
+        raise CheckpointKeyError(  # as consolidate: a typo would replace a model with nothing
+            f"no tensor of the state dict is under the prefix {names.prefix!r} (or key_map "
+            f"leaves them all out): nothing to write, and the weight files at {path_text} are "
+            "left as they are",
+            file=path_text,
+        )
     shared_token = tables[0][0]
     plan = plan_files([entry[2] for entry in tables], dtype, max_shard_size)
     temporary = {f.name: storage.join(f".{f.name}.{shared_token}.tmp") for f in plan.files}
