@@ -294,14 +294,20 @@ def _plan(
     flat = flatten(state_dict)
     wanted: dict[str, str] = {}
     values: dict[str, torch.Tensor] = {}
+    under_prefix = False
     for key, value in flat.leaves.items():
         if not is_tensor_value(value):
             continue  # safetensors files hold tensors only
         fqn = display_key(key)
+        under_prefix = under_prefix or names.prefix is None or fqn.startswith(names.prefix)
         name = names.name_of(fqn)
         if name is not None:
             wanted[fqn] = name
             values[fqn] = value
+    if names.prefix and not under_prefix:  # a typo would load nothing, and miss nothing
+        raise CheckpointKeyError(
+            f"no tensor of the state dict is under the prefix {names.prefix!r}: nothing to load"
+        )
     matched = match(wanted, tensors.tensors)
     plan = _Plan(absent=matched.absent, unexpected=matched.unexpected)
     loaded: dict[Any, str] = {}

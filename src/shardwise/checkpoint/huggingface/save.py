@@ -358,7 +358,7 @@ def save_safetensors(
         return _table(values, named)
 
     _, tables = comm.exchange_or_raise(describe, lambda rows: [token, progress, rows])
-    if names.prefix is not None and not any(entry[2] for entry in tables):
+    if names.prefix and not any(entry[2] for entry in tables):
         raise CheckpointKeyError(  # as consolidate: a typo would replace a model with nothing
             f"no tensor of the state dict is under the prefix {names.prefix!r} (or key_map "
             f"leaves them all out): nothing to write, and the weight files at {path_text} are "
