@@ -288,7 +288,8 @@ class _Output:
                 self.storage.rename(path, self.storage.join(name))
             for name in self.storage.listdir(self.storage.root):
                 if LEFTOVER_NAME.fullmatch(name):
-                    self.storage.remove(self.storage.join(name))
+                    with contextlib.suppress(OSError):  # best effort: the run is done
+                        self.storage.remove(self.storage.join(name))
             self.storage.sync_dir(self.storage.root)
 
     def discard(self) -> None:

@@ -177,8 +177,13 @@ def test_a_save_removes_what_a_killed_save_left_under_temporary_names(tmp_path: 
     for name in left:
         (out / name).write_bytes(b"partial")
     (out / "notes.tmp").write_text("not ours")
+    (out / ".model.safetensors.fedcba9876543210.tmp").mkdir()  # not a file: left, no failure
     ckpt.save_safetensors({"w": torch.ones(2)}, out)
-    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.tmp"]
+    assert sorted(os.listdir(out)) == [
+        ".model.safetensors.fedcba9876543210.tmp",
+        "model.safetensors",
+        "notes.tmp",
+    ]
 
 
 def test_an_output_name_taken_by_a_directory_fails_before_anything_is_written(

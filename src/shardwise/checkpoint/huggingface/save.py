@@ -434,7 +434,8 @@ def save_safetensors(
                 storage.replace_small(storage.join(INDEX_NAME), index_json(weight_map, plan.total))
             for name in storage.listdir(storage.root):  # what killed saves left
                 if LEFTOVER_NAME.fullmatch(name):
-                    storage.remove(storage.join(name))
+                    with contextlib.suppress(OSError):  # best effort: the save is done
+                        storage.remove(storage.join(name))
             if sync_files:
                 storage.sync_dir(storage.root)
             return written
