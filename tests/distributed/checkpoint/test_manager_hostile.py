@@ -1,6 +1,7 @@
 """``CheckpointManager`` on 2 real gloo ranks given what no rank should be: a step that only
-one rank finds invalid, and ranks that disagree on the step. Every rank raises the same kind of
-error at the same call (none waits alone in a collective), and nothing is committed."""
+one rank finds invalid, ranks that disagree on the step, a link named like a step. Every rank
+raises the same kind of error at the same call (none waits alone in a collective), and nothing
+is committed or read through the link."""
 
 from __future__ import annotations
 
@@ -37,4 +38,12 @@ def test_the_ranks_agree_on_the_step_before_saving(tmp_path: Path) -> None:
         assert manager.steps() == []
         assert manager.save(4, state)  # the manager is still usable, on every rank
         assert manager.steps() == [4]
-    assert sorted(entry.name for entry in root.iterdir()) == ["step-00000004"]
+        # A link named like a step, to a checkpoint outside the root: refused on every rank.
+        ckpt.save({"w": torch.full((4,), 42.0)}, root.parent / "outside")
+        if rank == 0:
+            (root / "step-00000005").symlink_to(root.parent / "outside")
+        dist.barrier()
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="not a real directory"):
+            manager.restore(state, step=5)
+        assert torch.equal(state["w"], torch.full((4,), float(rank)))
+    assert sorted(entry.name for entry in root.iterdir()) == ["step-00000004", "step-00000005"]
