@@ -26,6 +26,7 @@ from shardwise.checkpoint.huggingface.files import (
     normalized_prefix,
     parse_index_json,
 )
+from shardwise.checkpoint.huggingface.keys import Names
 from shardwise.checkpoint.storage import LocalStorage
 from shardwise.cli import main as cli_main
 
@@ -372,3 +373,25 @@ def test_a_load_prefix_that_selects_nothing_is_a_key_error(tmp_path: Path, stric
     assert not weight.any()
     assert ckpt.load_safetensors(state, tmp_path, prefix="model", strict=strict) == ([], [])
     assert weight.eq(1).all()
+
+
+def test_tied_keys_both_in_the_files_are_filled_once_from_the_first(tmp_path: Path) -> None:
+    # One memory under two keys whose tensors the files both hold (an untied save of a tied
+    # model): filled from the first key, as from_pretrained's tie_weights makes the head the
+    # embedding; was: read twice into that memory, at once on the I/O threads (a mix could
+    # remain), and the last read won.
+    save_file(
+        {"embed": torch.ones(64, 64), "head": torch.full((64, 64), 2.0)},
+        str(tmp_path / "model.safetensors"),
+    )
+    tied = torch.zeros(64, 64)
+    assert ckpt.load_safetensors({"embed": tied, "head": tied}, tmp_path) == ([], [])
+    assert tied.eq(1).all()
+    storage = hf_load.open_shared_storage(str(tmp_path), None, 1)
+    tensors = hf_load._decode_survey(storage, hf_load._survey(storage, str(tmp_path), None))
+    plan = hf_load._plan({"embed": tied, "head": tied}, tensors, Names(), False)
+    assert {job.key for job in plan.jobs} == {"embed"}
+    # Memory of its own per key: each filled from its own tensor.
+    apart = {"embed": torch.zeros(64, 64), "head": torch.zeros(64, 64)}
+    ckpt.load_safetensors(apart, tmp_path)
+    assert apart["embed"].eq(1).all() and apart["head"].eq(2).all()

@@ -318,7 +318,9 @@ def _plan(
         _refuse_float8_cast(fqn, stored.dtype, described.dtype)
         identity = storage_key(described)
         if identity is not None:
-            loaded.setdefault(identity, fqn)
+            if identity in loaded:  # tied to a key being filled: filled through it, once
+                continue  # (two reads into one memory at once could leave a mix of both)
+            loaded[identity] = fqn
         chunk = stored.chunk()
         for box in described.boxes:
             reads = planner.plan_reads(box.box, [chunk], stored.dtype.itemsize)
