@@ -7,10 +7,13 @@ policy goes on working around what it cannot delete."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,12 @@ import torch
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.manager import deletion, materialize
 from shardwise.checkpoint.manager.policy import retained
-from shardwise.checkpoint.manager.series import STEP_RECORD_NAME, CheckpointInfo, list_series
+from shardwise.checkpoint.manager.series import (
+    REJECTED_NAME,
+    STEP_RECORD_NAME,
+    CheckpointInfo,
+    list_series,
+)
 from shardwise.checkpoint.storage import LocalStorage
 from shardwise.cli import main
 
@@ -348,3 +356,34 @@ def test_materialize_into_a_place_it_cannot_write_is_a_checkpoint_error(tmp_path
         with pytest.raises(ckpt.CheckpointStorageError, match="cannot write the copy"):
             materialize(source, out)
     assert list(outside.iterdir()) == [] and a_file.read_text() == "not a directory"
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", [errno.EACCES, errno.EMFILE, errno.EIO])
+def test_a_storage_failure_while_restoring_rejects_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: int
+) -> None:
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(step))
+    opened = LocalStorage.open_reader
+
+    def fails(self: LocalStorage, path: str) -> Any:
+        if f"step-00000002{os.sep}data" in path:
+            raise OSError(failure, os.strerror(failure), path)
+        return opened(self, path)
+
+    monkeypatch.setattr(LocalStorage, "open_reader", fails)
+    manager = ckpt.CheckpointManager(tmp_path, async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.RestoreFallbackWarning)
+        with pytest.raises(ckpt.CheckpointDataError, match=os.strerror(failure)):
+            manager.restore(_state(0))
+    monkeypatch.undo()
+    # The checkpoint is not the cause: it is not marked rejected, and loads once storage works.
+    assert not (tmp_path / "step-00000002" / REJECTED_NAME).exists()
+    state = _state(0)
+    assert manager.restore(state) == 2 and state["step"] == 2
+    manager.close()

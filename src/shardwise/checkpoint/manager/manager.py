@@ -53,6 +53,7 @@ from shardwise.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointStorageError,
+    ChecksumError,
 )
 
 if TYPE_CHECKING:
@@ -569,6 +570,8 @@ class CheckpointManager:
                 # Listed as a directory, but checked again: it may be a link by now.
                 result = load(state_dict, self._checkpoint_path(candidate), **options)
             except _FALLBACK_ERRORS as err:
+                if self._storage_failed(err):  # not the checkpoint's fault: nothing rejected
+                    raise
                 failed.append(f"{path}: {err}")
                 self._reject(candidate, str(err))
                 continue
@@ -585,6 +588,20 @@ class CheckpointManager:
                 f"no checkpoint under {self.root} could be restored: " + "; ".join(failed)
             )
         return None
+
+    def _storage_failed(self, err: CheckpointError) -> bool:
+        """Whether the storage failed the load on some rank (a permission refused, an I/O
+        error, too many open files: an outage, maybe passing), rather than the checkpoint
+        being bad (a missing or short file, a corrupt byte, a malformed index). Collective:
+        only the rank that failed knows the cause (the others raise a copy of its error), and
+        every rank must take the same branch."""
+        cause = err.__cause__
+        mine = (
+            isinstance(cause, OSError)
+            and not isinstance(cause, (FileNotFoundError, UnsafePathError, CheckpointError))
+            and not isinstance(err, ChecksumError)
+        )
+        return any(self._comm.all_gather_json(mine))
 
     def _reject(self, step: int, reason: str) -> None:
         warnings.warn(
