@@ -1,8 +1,11 @@
 """Hostile input to the Hugging Face code, one attack per test (issue 27's review): an index
-that is ambiguous, names a tensor ``safetensors`` reserves, arguments at their edges, dtypes
-the docs promise never to convert, and a save killed or blocked midway. Every failure is a
-``CheckpointError`` subclass (bad files) or a ``TypeError``/``ValueError`` (bad arguments),
-and nothing outside the directory is touched.
+that repeats a key or is not a regular file; headers that the safetensors library refuses
+(lone surrogates, ``-0``, empty shapes with overflowing dims); names ``safetensors`` reserves
+or cannot hold; arguments at their edges (``max_shard_size``, ``prefix``, ``key_map``); float8
+casts the docs rule out; tied keys both in the files; and saves (``save_safetensors`` and
+``shardwise consolidate``) stopped or blocked midway. Every failure is a ``CheckpointError``
+subclass (bad files) or a ``TypeError``/``ValueError`` (bad arguments), leaves the target as
+it was, and no load or save of old and new files as one model is possible.
 """
 
 from __future__ import annotations
