@@ -387,3 +387,25 @@ def test_a_storage_failure_while_restoring_rejects_nothing(
     state = _state(0)
     assert manager.restore(state) == 2 and state["step"] == 2
     manager.close()
+
+
+def test_retention_removes_links_in_a_checkpoint_and_nothing_they_point_at(
+    tmp_path: Path,
+) -> None:
+    outside = tmp_path / "outside"
+    (outside / "data").mkdir(parents=True)
+    (outside / "data" / "precious.bin").write_bytes(b"not the series'")
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    shutil.rmtree(root / "step-00000001" / "data")
+    (root / "step-00000001" / "data").symlink_to(outside / "data")  # data/ itself a link
+    (root / "step-00000002" / "data" / "link.bin").symlink_to(outside / "data" / "precious.bin")
+    (root / "step-00000002" / "notes").symlink_to(outside)
+    retention = ckpt.RetentionPolicy(keep_last=1)
+    with ckpt.CheckpointManager(root, retention=retention, async_save=False) as manager:
+        manager.save(4, _state(4))
+    assert _dirs(root) == ["step-00000004"]
+    assert (outside / "data" / "precious.bin").read_bytes() == b"not the series'"
+    assert sorted(path.name for path in (outside / "data").iterdir()) == ["precious.bin"]

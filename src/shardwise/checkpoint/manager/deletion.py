@@ -23,7 +23,7 @@ from collections.abc import Set as AbstractSet
 from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
 from shardwise.checkpoint.manager.series import CheckpointInfo, referenced_files, step_name
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
-from shardwise.checkpoint.storage import Storage
+from shardwise.checkpoint.storage import Storage, UnsafePathError
 from shardwise.errors import CheckpointError, CheckpointLockedError
 
 __all__ = ["DELETION_ERRORS", "delete_checkpoint", "finish_deletions", "protected_files"]
@@ -97,9 +97,13 @@ def delete_checkpoint(
         storage.sync_dir(storage.join(name))
         kept = {file.removeprefix(f"{DATA_DIR}/") for owner, file in protected if owner == name}
         if DATA_DIR in storage.listdir(storage.join(name)):
-            _remove_files(storage, name, DATA_DIR, keep=kept.__contains__)
-            if not kept.intersection(storage.listdir(storage.join(name, DATA_DIR))):
-                storage.remove_directory(storage.join(name, DATA_DIR))
+            try:
+                _remove_files(storage, name, DATA_DIR, keep=kept.__contains__)
+            except UnsafePathError:  # a link (or a file) named data: removed, never followed
+                storage.remove(storage.join(name, DATA_DIR))
+            else:
+                if not kept.intersection(storage.listdir(storage.join(name, DATA_DIR))):
+                    storage.remove_directory(storage.join(name, DATA_DIR))
         _remove_files(storage, name, keep=lambda entry: entry.startswith(LOCK_NAME))
     finally:
         lock.release()
