@@ -398,3 +398,14 @@ def test_tied_keys_both_in_the_files_are_filled_once_from_the_first(tmp_path: Pa
     apart = {"embed": torch.zeros(64, 64), "head": torch.zeros(64, 64)}
     ckpt.load_safetensors(apart, tmp_path)
     assert apart["embed"].eq(1).all() and apart["head"].eq(2).all()
+
+
+def test_a_save_dtype_that_is_not_a_torch_dtype_is_a_type_error(tmp_path: Path) -> None:
+    # Was: an AttributeError ('str' object has no attribute 'is_floating_point').
+    with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
+        ckpt.save_safetensors({"w": torch.ones(2)}, tmp_path / "out", dtype="bfloat16")  # type: ignore[arg-type]
+    # A floating-point dtype safetensors has no code for: refused before anything is written,
+    # even with no tensor to cast.
+    with pytest.raises(ckpt.CheckpointMismatchError, match="no safetensors code"):
+        ckpt.save_safetensors({}, tmp_path / "out", dtype=torch.float8_e4m3fnuz)
+    assert not (tmp_path / "out").exists()

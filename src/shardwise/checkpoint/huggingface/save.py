@@ -322,8 +322,8 @@ def save_safetensors(
         The names of the files written, in ``path``.
 
     Raises:
-        TypeError: ``max_shard_size`` is not an int, ``prefix`` not a str, or ``key_map`` not
-            callable.
+        TypeError: ``dtype`` is not a ``torch.dtype``, ``max_shard_size`` not an int,
+            ``prefix`` not a str, or ``key_map`` not callable.
         ValueError: ``max_shard_size`` is not positive.
         CheckpointError: (a subclass) an object-store URL, ranks that disagree on a tensor,
             shards that do not make up their tensor, a dtype safetensors cannot store, two
@@ -343,9 +343,15 @@ def save_safetensors(
             "stores cannot do: save to a local or shared file system, then upload",
             file=path_text,
         )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     if dtype is not None and not dtype.is_floating_point:
         raise CheckpointMismatchError(
             f"dtype={dtype} is not a floating-point dtype; only floating-point tensors are cast"
+        )
+    if dtype is not None and safetensors_dtype(dtype) is None:
+        raise CheckpointMismatchError(
+            f"dtype={dtype} has no safetensors code: it cannot be written"
         )
     max_shard_size = _byte_count(max_shard_size)
     names = Names.of(prefix, key_map)
