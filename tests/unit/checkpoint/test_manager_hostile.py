@@ -409,3 +409,23 @@ def test_retention_removes_links_in_a_checkpoint_and_nothing_they_point_at(
     assert _dirs(root) == ["step-00000004"]
     assert (outside / "data" / "precious.bin").read_bytes() == b"not the series'"
     assert sorted(path.name for path in (outside / "data").iterdir()) == ["precious.bin"]
+
+
+def test_a_reference_declaring_a_size_of_thousands_of_digits_still_protects_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    (data_file,) = (tmp_path / "step-00000001" / "data").iterdir()
+    reference = f'"../step-00000001/data/{data_file.name}",'.encode()
+    (tmp_path / "step-00000002" / "shardwise.json").write_bytes(reference + b"9" * 5000 + b",")
+    code, out, err = _ls(capsys, str(tmp_path), "--json")
+    assert code == 0 and err == ""
+    assert [row["state"] for row in json.loads(out)["checkpoints"]] == ["committed"] * 3
+    retention = ckpt.RetentionPolicy(keep_last=1, keep_every=2)  # keeps 2, which names the file
+    with ckpt.CheckpointManager(tmp_path, retention=retention, async_save=False) as manager:
+        manager.save(5, _state(5))
+    assert _dirs(tmp_path) == ["step-00000001", "step-00000002", "step-00000005"]
+    assert data_file.exists()  # step 1 is deleted (retired), but not what step 2 names
+    assert not (tmp_path / "step-00000001" / "shardwise.json").exists()

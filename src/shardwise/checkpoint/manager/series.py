@@ -62,6 +62,7 @@ MAX_STEP = 10**19 - 1
 # A reference to a step's data file in an index's raw bytes, with the size the index declares
 # (``docs/format.md``, *Incremental checkpoints*): found without decoding, so that an index
 # too damaged to decode still protects what it references.
+_MAX_SIZE_DIGITS = 20
 _REFERENCE = re.compile(
     rb'"\.\./(step-[0-9]{8,19})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)",([0-9]+),'
 )
@@ -299,7 +300,11 @@ def referenced_files(storage: Storage, step: int) -> dict[tuple[str, str], int]:
         if err.errno == errno.EFBIG:
             return {}
         raise
+    # A declared size of more digits than any file's (a damaged or hostile index) is taken as
+    # 0: the file it names is protected all the same.
     return {
-        (match[1].decode(), f"{DATA_DIR}/{match[2].decode()}"): int(match[3])
+        (match[1].decode(), f"{DATA_DIR}/{match[2].decode()}"): (
+            int(match[3]) if len(match[3]) <= _MAX_SIZE_DIGITS else 0
+        )
         for match in _REFERENCE.finditer(data)
     }
