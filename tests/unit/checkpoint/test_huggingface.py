@@ -3,7 +3,8 @@ agreed with the index, key mapping, the save plan), ``load_safetensors`` (which 
 means, keys, dtypes, targets of every memory layout, the reads a row band and a column band
 make, files outside the directory) and ``save_safetensors`` (what it refuses, what it
 replaces). Multi-rank behaviour: ``tests/distributed/checkpoint/test_huggingface.py``;
-hostile headers fuzzed: ``test_huggingface_fuzz.py``.
+hostile headers fuzzed: ``test_huggingface_fuzz.py``; one attack per test:
+``test_huggingface_hostile.py``.
 """
 
 from __future__ import annotations
