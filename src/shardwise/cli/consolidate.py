@@ -44,6 +44,7 @@ from shardwise.checkpoint.huggingface.files import (
     METADATA,
     OUTPUT_NAME,
     OutTensor,
+    check_header_size,
     check_unique_names,
     file_names,
     index_json,
@@ -178,14 +179,17 @@ def _write_tensor(checkpoint: _Checkpoint, writer: Writer, tensor: OutTensor, ba
 
 
 def _write_file(
-    checkpoint: _Checkpoint, writer: Writer, tensors: list[OutTensor], bar: ByteBar
+    checkpoint: _Checkpoint, writer: Writer, name: str, tensors: list[OutTensor], bar: ByteBar
 ) -> None:
     """Stream a safetensors file of ``tensors`` into ``writer``: the header laid out by the
     format module (as shardwise's own data files: metadata ``{"format": "pt"}``, the data
     64-byte aligned, so 8-byte aligned as safetensors writes it), then one tensor at a
     time."""
     entries = [FileEntry(t.name, t.dtype, t.shape, t.nbytes) for t in tensors]
-    writer.write(layout_file(entries, METADATA).header)
+    header = layout_file(entries, METADATA).header
+    if tensors:
+        check_header_size(header, name, tensors[0].source)
+    writer.write(header)
     for tensor in tensors:
         _write_tensor(checkpoint, writer, tensor, bar)
 
@@ -331,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
             with ByteBar(total, f"consolidating into {args.out}") as bar:
                 for name, tensors in files.items():
                     with output.open(name) as writer:
-                        _write_file(checkpoint, writer, tensors, bar)
+                        _write_file(checkpoint, writer, name, tensors, bar)
             if len(files) > 1:
                 weight_map = {
                     tensor.name: name for name, shard in files.items() for tensor in shard

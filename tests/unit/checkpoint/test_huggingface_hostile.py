@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.huggingface import files as files_module
 from shardwise.checkpoint.huggingface import load as hf_load
 from shardwise.checkpoint.huggingface.files import (
     OutTensor,
@@ -409,3 +410,21 @@ def test_a_save_dtype_that_is_not_a_torch_dtype_is_a_type_error(tmp_path: Path) 
     with pytest.raises(ckpt.CheckpointMismatchError, match="no safetensors code"):
         ckpt.save_safetensors({}, tmp_path / "out", dtype=torch.float8_e4m3fnuz)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_whose_header_no_reader_accepts_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A header over safetensors' 100 MB (here: a limit of 200 bytes) makes a file that every
+    # reader, load_safetensors included, refuses. Was: written.
+    monkeypatch.setattr(files_module, "MAX_HEADER_BYTES", 200)
+    state = {f"layer{i}.weight": torch.ones(1) for i in range(8)}
+    with pytest.raises(ckpt.CheckpointMismatchError, match="more than the 200 bytes") as caught:
+        ckpt.save_safetensors(state, tmp_path / "out")
+    assert caught.value.key == "layer0.weight" and not (tmp_path / "out").exists()
+    written = ckpt.save_safetensors(state, tmp_path / "out", max_shard_size=8)
+    assert len(written) == 5  # smaller files: smaller headers
+    ckpt.save(state, tmp_path / "ckpt")  # consolidate: the same rule
+    assert cli_main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) != 0
+    assert "more than the 200 bytes" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from shardwise.errors import CheckpointFormatError, CheckpointKeyError
+from shardwise.checkpoint.index.data_file import MAX_HEADER_BYTES
+from shardwise.errors import CheckpointFormatError, CheckpointKeyError, CheckpointMismatchError
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -26,6 +27,7 @@ __all__ = [
     "OUTPUT_NAME",
     "SINGLE_NAME",
     "OutTensor",
+    "check_header_size",
     "check_unique_names",
     "file_names",
     "index_json",
@@ -113,6 +115,24 @@ def check_unique_names(tensors: Sequence[OutTensor], source: str) -> None:
                 "file are unique"
             )
         names.add(tensor.name)
+
+
+def check_header_size(header: bytes, file: str, first: str) -> None:
+    """Refuse to write weight file ``file`` with ``header`` (its length prefix included) when
+    the header is over the :data:`MAX_HEADER_BYTES` safetensors reads: no reader (this
+    module's included) would accept the file. ``first``: the key of its first tensor.
+
+    Raises:
+        CheckpointMismatchError: Naming ``first``.
+    """
+    length = len(header) - 8
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointMismatchError(
+            f"the header of {file} would take {length} bytes, more than the "
+            f"{MAX_HEADER_BYTES} bytes safetensors reads (too many tensors for one file): "
+            "give a smaller max_shard_size",
+            key=first,
+        )
 
 
 def normalized_prefix(prefix: str) -> str:

@@ -48,6 +48,7 @@ from shardwise.checkpoint.huggingface.files import (
     METADATA,
     OUTPUT_NAME,
     OutTensor,
+    check_header_size,
     check_unique_names,
     file_names,
     index_json,
@@ -154,7 +155,8 @@ def plan_files(
 
     Raises:
         CheckpointMismatchError: The ranks disagree on a key's name, dtype or size, its boxes
-            do not tile it, safetensors has no code for its dtype, or two keys share a name.
+            do not tile it, safetensors has no code for its dtype, two keys share a name, or
+            a file's header would be over what safetensors reads.
     """
     keys = [row[0] for row in tables[0]]
     facts: dict[str, list[Any]] = {row[0]: row for row in tables[0]}
@@ -213,6 +215,8 @@ def plan_files(
     for file_name, group in zip(file_names(len(groups)), groups, strict=True):
         entries = [FileEntry(t.name, t.dtype, t.shape, t.nbytes) for t in group]
         layout = layout_file(entries, METADATA)
+        if group:
+            check_header_size(layout.header, file_name, group[0].source)
         starts = {t.source: begin for t, (begin, _) in zip(group, layout.ranges, strict=True)}
         files.append(FilePlan(file_name, layout.header, layout.size, starts))
     return SavePlan(files, tensors, _writers(tensors, holders), {k: tied[k] for k in tied})
