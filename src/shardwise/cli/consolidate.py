@@ -15,9 +15,9 @@ What is written:
 How: one tensor at a time is read (every block verified) and streamed into its file through
 the storage layer, cast piece by piece, so memory stays near the largest tensor. Locally every
 file is written under a temporary name and renamed once all were written (a failure leaves
-``OUT`` as it was). Object stores have no rename (it is a copy): the weight files are written
-under their final names, the index and ``config.json`` last, and a failure removes what the
-run wrote.
+``OUT`` as it was; one during the renames, no old and new files that load as one model).
+Object stores have no rename (it is a copy): the weight files are written under their final
+names, the index and ``config.json`` last, and a failure removes what the run wrote.
 """
 
 from __future__ import annotations
