@@ -50,6 +50,11 @@ def test_the_ranks_agree_on_the_step_before_saving(tmp_path: Path) -> None:
         dist.barrier()
         with pytest.raises(ckpt.CheckpointNotFoundError, match="not a real directory"):
             manager.restore(state, step=5)
+        # restore's step, like save's: checked and compared on every rank before any load.
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            manager.restore(state, step=True if rank == 1 else 4)
+        with pytest.raises(ckpt.CheckpointError, match="different steps"):
+            manager.restore(state, step=4 if rank == 1 else None)
         assert torch.equal(state["w"], torch.full((4,), float(rank)))
     assert sorted(entry.name for entry in root.iterdir()) == ["step-00000004", "step-00000005"]
 

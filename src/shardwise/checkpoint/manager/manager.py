@@ -551,8 +551,7 @@ class CheckpointManager:
             CheckpointError: ``step``'s checkpoint cannot be loaded, every checkpoint failed,
                 or a load failed for a reason that is not the checkpoint's (a missing key).
         """
-        if step is not None:
-            step = _as_step(step)  # before any collective: every rank is given the same
+        step = self._agreed_restore_step(step)
         self.wait()
         options = {
             "process_group": self._process_group,
@@ -588,6 +587,22 @@ class CheckpointManager:
                 f"no checkpoint under {self.root} could be restored: " + "; ".join(failed)
             )
         return None
+
+    def _agreed_restore_step(self, step: object) -> int | None:
+        """``step`` of :meth:`restore` (None: the latest), once every rank has found it valid and
+        the same (collective: a rank given a bad one does not raise alone)."""
+
+        def checked() -> int | None:
+            return None if step is None else _as_step(step)
+
+        mine, every = self._comm.exchange_or_raise(checked)
+        if any(value != every[0] for value in every):
+            raise CheckpointError(
+                f"the ranks called restore with different steps ({', '.join(map(str, every))} "
+                "by rank; None: the latest): restore is collective, every rank restores the "
+                "same checkpoint"
+            )
+        return mine
 
     def _storage_failed(self, err: CheckpointError) -> bool:
         """Whether the storage failed the load on some rank (a permission refused, an I/O
