@@ -429,3 +429,44 @@ def test_a_reference_declaring_a_size_of_thousands_of_digits_still_protects_its_
     assert _dirs(tmp_path) == ["step-00000001", "step-00000002", "step-00000005"]
     assert data_file.exists()  # step 1 is deleted (retired), but not what step 2 names
     assert not (tmp_path / "step-00000001" / "shardwise.json").exists()
+
+
+_HEAD = b'{"format": "shardwise-step", "version": 1, "step": 2, '
+
+
+@pytest.mark.parametrize(
+    ("record", "time"),
+    [
+        (b"[" * 100_000, None),
+        (b"\xff\xfe\x00 not UTF-8", None),
+        (b" " * (2 << 20), None),  # larger than a record may be
+        (_HEAD + b'"time": "now", "metrics": {}}', None),
+        (_HEAD + b'"time": 1.0, "metrics": [1]}', None),
+        (_HEAD + b'"time": 1.0, "metrics": {"loss": "0.1", "ok": true}, "retention": 7}', 1.0),
+        ("fifo", None),
+        ("directory", None),
+    ],
+    ids=["deep", "not-utf8", "huge", "time-str", "metrics-list", "wrong-types", "fifo", "dir"],
+)
+def test_a_hostile_step_record_makes_metrics_unknown_and_nothing_else(
+    tmp_path: Path, record: bytes | str, time: float | None
+) -> None:
+    retention = ckpt.RetentionPolicy(keep_last=2, keep_best=1, best_metric="loss")
+    with ckpt.CheckpointManager(tmp_path, retention=retention, async_save=False) as manager:
+        manager.save(1, _state(1), metrics={"loss": 0.5})
+        manager.save(2, _state(2), metrics={"loss": 0.1})  # the best, were its record readable
+        path = _record(tmp_path, 2)
+        path.unlink()
+        if record == "fifo":
+            os.mkfifo(path)
+        elif record == "directory":
+            path.mkdir()
+        else:
+            assert isinstance(record, bytes)
+            path.write_bytes(record)
+        (info,) = [info for info in list_series(LocalStorage(str(tmp_path))) if info.step == 2]
+        assert info.good and info.metrics == {} and info.retention is None and info.time == time
+        manager.save(3, _state(3), metrics={"loss": 0.9})
+        assert manager.steps() == [1, 2, 3]  # 1 best by loss, 2 and 3 the newest
+        manager.save(4, _state(4), metrics={"loss": 0.9})
+        assert manager.steps() == [1, 3, 4]  # 2 was never ranked
