@@ -470,3 +470,28 @@ def test_a_hostile_step_record_makes_metrics_unknown_and_nothing_else(
         assert manager.steps() == [1, 2, 3]  # 1 best by loss, 2 and 3 the newest
         manager.save(4, _state(4), metrics={"loss": 0.9})
         assert manager.steps() == [1, 3, 4]  # 2 was never ranked
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_retention_that_fails_is_retried_at_the_next_commit_not_at_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    calls = []
+
+    def unreadable(*args: object) -> set[tuple[str, str]]:
+        calls.append(args)
+        raise PermissionError(errno.EACCES, "Permission denied", "an index")
+
+    monkeypatch.setattr("shardwise.checkpoint.manager.manager.protected_files", unreadable)
+    policy = ckpt.SavePolicy(every_steps=10)
+    retention = ckpt.RetentionPolicy(keep_last=1)
+    with ckpt.CheckpointManager(
+        tmp_path, save_policy=policy, retention=retention, async_save=async_save
+    ) as manager:
+        for step in range(1, 31):  # saves 10, 20, 30: each commit tries once
+            if async_save and step in (15, 25):
+                manager._in_flight.result()  # type: ignore[union-attr]  # committed by now
+            manager.save(step, _state(step))
+        manager.wait()
+        assert manager.steps() == [10, 20, 30]  # nothing could be deleted
+        assert len(calls) == 3

@@ -457,7 +457,7 @@ class CheckpointManager:
             except BaseException:
                 self._base_step = None  # it did not commit: the next save asks the series
                 raise
-            self._untidy = True
+            self._untidy = self._untidy or future is not self._tidied_after  # once a commit
             self._committed_step = step
 
     def _raise_background_failure(self) -> None:
@@ -498,7 +498,7 @@ class CheckpointManager:
 
     def _tidy(self) -> None:
         """Rank 0, after a commit: delete what the retention policy drops, and finish
-        interrupted deletions. Failures are logged: the next call tries again."""
+        interrupted deletions. Failures are logged: the next commit tries again."""
         if not self._untidy:
             return
         self._untidy = False
@@ -524,7 +524,8 @@ class CheckpointManager:
                 self._storage, listing, self._open_step, writing=writing, protected=protected
             )
         except DELETION_ERRORS as err:  # the storage failed: space is lost, not a checkpoint
-            self._untidy = True
+            # Retried at the next commit, not at the next call: a failure that lasts would
+            # cost a listing (and a warning) at every training step.
             logger.warning("could not apply the retention policy under %s: %s", self.root, err)
 
     # -- restoring -------------------------------------------------------------------------
