@@ -460,6 +460,8 @@ _F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         (_file({"x": {**_F32, "shape": [-2]}}, bytes(8)), "entry 'x' has a malformed shape [-2]"),
         (_file({"x": {**_F32, "shape": [True, 2]}}, bytes(8)), "entry 'x' has a malformed shape"),
         (_file({"x": {**_F32, "shape": [1] * 65}}, bytes(8)), "entry 'x' has a malformed shape"),
+        (_file({"x": {**_F32, "shape": [0, 1 << 61, 1 << 61], "data_offsets": [0, 0]}}),
+         "entry 'x' has the shape [0, 2305843009213693952, 2305843009213693952], which no tensor"),
         (_file({"x": {**_F32, "data_offsets": [8, 0]}}, bytes(8)), "malformed data_offsets [8, 0]"),
         (_file({"x": {**_F32, "data_offsets": [0]}}, bytes(8)), "malformed data_offsets [0]"),
         (_file({"x": {**_F32, "data_offsets": [0, 8.0]}}, bytes(8)), "malformed data_offsets"),

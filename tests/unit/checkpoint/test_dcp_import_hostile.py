@@ -269,6 +269,20 @@ def test_a_huge_size_with_small_chunks_is_a_gap(checkpoint: Path) -> None:
     assert err.file == str(checkpoint / ".metadata")
 
 
+def test_an_empty_size_whose_strides_overflow_is_refused(checkpoint: Path) -> None:
+    # No element, so no chunk to tile it: was torch's RuntimeError when the tensor was made.
+    def edit(metadata: Metadata) -> None:
+        entry = metadata.state_dict_metadata["w"]
+        entry.size = torch.Size([0, 2**61, 2**61])
+        entry.chunks = []
+
+    _edit_metadata(checkpoint, edit)
+    err = _refusal(checkpoint)
+    assert str(err).startswith(
+        f"'w': malformed DCP metadata: its size [0, {2**61}, {2**61}] is too large: no tensor"
+    )
+
+
 @pytest.mark.parametrize(
     "size",
     [[-4, 3], [4, True], [4, 3.0], [4, 2**62], [1] * 2000, "43", None],

@@ -378,6 +378,16 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
         ),
         "file index 2 names a rank that wrote no data file",
     ),
+    # No element, but strides no int64 holds: torch cannot create it (was: load_tensor
+    # raised torch's RuntimeError "Stride calculation overflowed").
+    "size-empty-overflowing-strides": (
+        lambda d: _tensor(d, "w.step").__setitem__(2, [0, 1 << 61, 1 << 61]),
+        "too large: no tensor of torch.float32 has it",
+    ),
+    "size-empty-overflowing-last-strides": (
+        lambda d: _tensor(d, "w.step").__setitem__(2, [5, 1 << 40, 0, 1 << 40]),
+        "too large: no tensor of torch.float32 has it",
+    ),
     "file-row-false": (lambda d: d["files"].__setitem__(1, False), "a files entry"),
     "file-row-empty": (lambda d: d["files"].__setitem__(1, []), "a files entry"),
     "empty-grid-many-cells": (

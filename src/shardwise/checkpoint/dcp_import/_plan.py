@@ -17,6 +17,7 @@ from shardwise.checkpoint.dcp_import._unpickle import (
     DCPStorageInfo,
     DCPTensorEntry,
 )
+from shardwise.checkpoint.index.names import MAX_INT, creatable
 from shardwise.errors import DCPImportError
 from shardwise.metadata import ShardMetadata
 from shardwise.sharding_spec._internals import (
@@ -28,7 +29,6 @@ __all__ = ["DCPRange", "DCPTensorPlan", "dcp_storage", "error", "plan_tensor"]
 
 # Bound of every offset, length and size: no file or tensor comes close, and sums of a few of
 # them stay far from any C integer limit.
-_MAX_INT = 1 << 62
 # Bound of a tensor's dims (no real tensor comes close): a chunk's work grows with them.
 _MAX_DIMS = 1024
 
@@ -60,16 +60,16 @@ def error(fqn: str, message: str, file: str) -> DCPImportError:
 
 
 def _bounded_ints(value: object) -> tuple[int, ...] | None:
-    """``value`` as a tuple of ints in ``[0, _MAX_INT)`` (bools are not ints here), or None."""
+    """``value`` as a tuple of ints in ``[0, MAX_INT)`` (bools are not ints here), or None."""
     if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMS:
         return None
-    if not all(type(v) is int and 0 <= v < _MAX_INT for v in value):
+    if not all(type(v) is int and 0 <= v < MAX_INT for v in value):
         return None
     return tuple(value)
 
 
 def _bounded_int(value: object) -> bool:
-    return type(value) is int and 0 <= value < _MAX_INT
+    return type(value) is int and 0 <= value < MAX_INT
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +172,8 @@ def plan_tensor(
             f"its size is {shown(entry.get('size'))} (expected at most {_MAX_DIMS} integers "
             "in [0, 2**62))"
         )
+    if not creatable(size, dtype.itemsize):
+        raise malformed(f"its size {list(size)} is too large: no tensor of {dtype} has it")
     chunks = entry.get("chunks")
     if not isinstance(chunks, list) or not all(isinstance(c, DCPChunk) for c in chunks):
         raise malformed(f"its chunks are {shown(chunks)}")

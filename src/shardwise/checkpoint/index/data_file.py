@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from shardwise.checkpoint.entries.pyjson import compact
-from shardwise.checkpoint.index.names import MAX_DIMS, MAX_INT
+from shardwise.checkpoint.index.names import MAX_DIMS, MAX_INT, creatable
 
 __all__ = [
     "ALIGNMENT",
@@ -221,6 +221,8 @@ def _entry(key: str, value: object, data_start: int) -> HeaderEntry:
         _invalid(f"entry {key!r} has the unknown dtype {code!r}")
     if type(shape) is not list or len(shape) > MAX_DIMS or not all(map(_is_int, shape)):
         _invalid(f"entry {key!r} has a malformed shape {shape!r}")
+    if not creatable(shape, _CODE_SIZES[code]):
+        _invalid(f"entry {key!r} has the shape {shape}, which no tensor of {code} has")
     if (
         type(offsets) is not list
         or len(offsets) != 2

@@ -49,6 +49,7 @@ from shardwise.checkpoint.index.names import (
     SEAL_LENGTH,
     TEXT_ENCODINGS,
     VERSIONS,
+    creatable,
     is_data_file_name,
     num_blocks,
     parse_reference,
@@ -448,8 +449,8 @@ def _tensor_head(
     for dim in size_row:  # dims_of written out
         if type(dim) is not int or not 0 <= dim < MAX_INT:
             dims_of(size_row, "size", fqn)
-    if math.prod(size_row) * props.dtype.itemsize >= MAX_INT:
-        fail(f"the size {size_row} is too large", fqn)
+    if not creatable(size_row, props.dtype.itemsize):
+        fail(f"the size {size_row} is too large: no tensor of {props.dtype} has it", fqn)
     return fqn, props, tuple(size_row), last
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import xxhash
@@ -36,6 +37,17 @@ MAX_INDEX_BYTES = 1 << 30
 # Bounds on what an index may declare: integers, dims, JSON nesting, block sizes.
 MAX_INT = 1 << 62
 MAX_DIMS = 64
+
+
+def creatable(size: Sequence[int], itemsize: int) -> bool:
+    """Whether a tensor of ``size`` (dims in ``[0, MAX_INT)``) can be read: its bytes stay
+    below ``MAX_INT``, and torch can create it: the largest of its strides, which torch
+    computes over the dims after the first with every empty one counted as 1, fits int64
+    (``[0, 2**61, 2**61]`` holds no element, yet no tensor has that size)."""
+    stride = math.prod(max(dim, 1) for dim in size[1:])
+    return stride < 1 << 63 and math.prod(size) * itemsize < MAX_INT
+
+
 MAX_DEPTH = _json.MAX_DEPTH
 MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
 # The safetensors header length prefix: no entry can start before it.
