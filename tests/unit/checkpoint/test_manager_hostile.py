@@ -495,3 +495,18 @@ def test_a_retention_that_fails_is_retried_at_the_next_commit_not_at_every_step(
         manager.wait()
         assert manager.steps() == [10, 20, 30]  # nothing could be deleted
         assert len(calls) == 3
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_whose_lock_name_is_a_directory_fails_with_a_checkpoint_error(
+    tmp_path: Path, async_save: bool
+) -> None:
+    (tmp_path / "step-00000005" / "shardwise.lock").mkdir(parents=True)
+    with ckpt.CheckpointManager(tmp_path, async_save=async_save) as manager:
+        with pytest.raises(ckpt.CheckpointStorageError, match="Is a directory") as caught:
+            manager.save(5, _state(5))
+            manager.wait()
+        assert isinstance(caught.value.__cause__, IsADirectoryError)
+        assert manager.save(6, _state(6))  # the next save goes on
+        manager.wait()
+        assert manager.steps() == [6]

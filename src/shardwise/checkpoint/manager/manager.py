@@ -129,6 +129,18 @@ def _storage_failure(err: OSError, doing: str) -> CheckpointError:
     return CheckpointStorageError(f"{doing}: {err}", file=filename)
 
 
+def _save_failure(err: BaseException, path: str) -> BaseException:
+    """A save's failure as the manager raises it: a bare ``OSError`` that got through the save
+    (a file of the save's own name that is a directory, ...) as a ``CheckpointStorageError``
+    caused by it; anything else as it is."""
+    if not isinstance(err, OSError) or isinstance(err, CheckpointError):
+        return err
+    filename = err.filename if isinstance(err.filename, str) else None
+    wrapped = CheckpointStorageError(f"the save to {path} failed: {err}", file=filename)
+    wrapped.__cause__ = err
+    return wrapped
+
+
 class RestoreFallbackWarning(UserWarning):
     """A restore skipped a checkpoint it could not load and tried the one before it."""
 
@@ -387,11 +399,15 @@ class CheckpointManager:
             if base is not None and base != step:
                 options["base"] = self.path(base)
         self._base_step = None  # until this save is known to have started (or committed)
-        if self._async and not preempting:
-            self._in_flight = _async_save(state_dict, path, **options)
-            self._in_flight_step = step
-        else:
-            _save(state_dict, path, **options)
+        try:
+            if self._async and not preempting:
+                self._in_flight = _async_save(state_dict, path, **options)
+                self._in_flight_step = step
+            else:
+                _save(state_dict, path, **options)
+        except OSError as err:
+            raise _save_failure(err, path)  # noqa: B904 (its cause is err, or it is err)
+        if not self._async or preempting:
             self._untidy = True
             self._committed_step = step
             if self._comm.rank == 0:
@@ -454,9 +470,9 @@ class CheckpointManager:
         if future is not None:
             try:
                 future.result()
-            except BaseException:
+            except BaseException as err:
                 self._base_step = None  # it did not commit: the next save asks the series
-                raise
+                raise _save_failure(err, self.path(step or 0))  # noqa: B904 (as above)
             self._untidy = self._untidy or future is not self._tidied_after  # once a commit
             self._committed_step = step
 
@@ -468,7 +484,7 @@ class CheckpointManager:
         assert future is not None, "a rank reported a failed save that no rank started"
         error = future.exception()  # waits: the save is collective, it ends on every rank
         if error is not None:
-            raise error
+            raise _save_failure(error, self.path(step or 0))
         raise CheckpointError(
             f"the background save of step {step} to {self.path(step or 0)} failed on another "
             "rank (its error is raised there); this rank's part finished"
