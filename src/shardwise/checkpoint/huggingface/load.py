@@ -351,9 +351,9 @@ def _refuse_float8_cast(fqn: str, stored: torch.dtype, target: torch.dtype) -> N
 def _missing(absent: list[str], offers: list[list[Any]]) -> list[str]:
     """The absent keys that are not tied: a key is tied when a rank holding elements of it
     found its memory to be a loaded key's, and no rank holding elements found otherwise
-    (``offers[r][3]``: rank ``r``'s tied keys, ``[4]``: its other absent keys with elements)."""
-    tied = {key for offer in offers for key in offer[3]}
-    untied = {key for offer in offers for key in offer[4]}
+    (``offers[r][0]``: rank ``r``'s tied keys, ``[1]``: its other absent keys with elements)."""
+    tied = {key for offer in offers for key in offer[0]}
+    untied = {key for offer in offers for key in offer[1]}
     return [key for key in absent if key not in tied or key in untied]
 
 
@@ -413,10 +413,14 @@ def load_safetensors(
     path_text = os.path.expanduser(os.fspath(path))
     root, single = _split(path_text)
     storage = open_shared_storage(root, storage_options, comm.world_size)
-    survey = comm.broadcast_or_raise(lambda: _survey(storage, path_text, single), src=0)
+    # Rank 0's wish for a bar rules, and names the count every rank adds its bytes to.
+    survey = comm.broadcast_or_raise(
+        lambda: {**_survey(storage, path_text, single), "bar": [progress, secrets.token_hex(8)]},
+        src=0,
+    )
     tensors = _decode_survey(storage, survey)
     files = SafetensorsFiles(storage, tensors.sizes, comm.rank)
-    token = secrets.token_hex(8)
+    wish, token = survey["bar"]
 
     def plan() -> _Plan:
         planned = _plan(state_dict, tensors, names, allow_dtype_cast)
@@ -425,14 +429,17 @@ def load_safetensors(
                 files.handle(job.chunk.file, job.key)
         return planned
 
-    def offer(planned: _Plan) -> list[Any]:
+    def counts(planned: _Plan) -> list[int]:
         nbytes = sum(job.read.nbytes for job in planned.jobs)
-        return [progress, token, nbytes, planned.tied, planned.untied]
+        return [nbytes, len(planned.tied) + len(planned.untied)]
 
     try:
         with paused_gc():
-            planned, offers = comm.exchange_or_raise(plan, offer)
-            missing = _missing(planned.absent, offers)
+            planned, (total, tying) = comm.agree_or_raise(plan, counts, 2)
+            missing = planned.absent
+            if tying:  # some rank holds elements of an absent key: tied or not, they tell
+                offers = comm.all_gather_json([planned.tied, planned.untied])
+                missing = _missing(planned.absent, offers)
             if strict and missing:
                 raise CheckpointKeyError(
                     "missing from the safetensors files (pass strict=False to skip missing keys"
@@ -441,10 +448,7 @@ def load_safetensors(
                     key=missing[0],
                     file=path_text,
                 )
-            total = sum(offer[2] for offer in offers)
-            bar = None
-            if offers[0][0]:
-                bar = job_bar(comm, total, f"loading {path_text}", f"load/{offers[0][1]}")
+            bar = job_bar(comm, total, f"loading {path_text}", f"load/{token}") if wish else None
 
             def read() -> None:
                 progressed = None if bar is None else bar.update
