@@ -400,7 +400,7 @@ def save_safetensors(
     file_of = {key: file for file in plan.files for key in file.starts}
     bar = None
     try:
-        comm.exchange_or_raise(_in_words(create, "create the files in", path_text))
+        comm.agree_or_raise(_in_words(create, "create the files in", path_text))
         if tables[0][1]:  # every byte of every tensor is written once, by one rank
             bar = job_bar(comm, plan.total, f"saving {path_text}", f"save/{shared_token}")
 
