@@ -364,7 +364,9 @@ def _extra(header: dict[str, Any], start: int) -> tuple[str, str]:
 
 
 def _repeated(header: dict[str, Any], start: int) -> tuple[str, str]:
-    return _compact(header).replace('"mask@0"', '"ids@0"'), "the header repeats the key 'ids@0'"
+    return _compact(header).replace(
+        '"mask@0"', '"ids@0"'
+    ), "the header repeats the key 'ids@0' in one JSON object"
 
 
 def _inconsistent(header: dict[str, Any], start: int) -> tuple[str, str]:

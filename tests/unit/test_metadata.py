@@ -616,6 +616,13 @@ def _envelope_cases() -> list[Any]:
             ("not-json-truncated", _document(kind, body)[:-1], "is not valid JSON"),
             ("not-json-text", "shard metadata", "is not valid JSON"),
             ("not-utf8", b"\xff\xfe\xfa", "is not valid JSON"),
+            # Was: RecursionError, and a repeated key read as the parser chose.
+            ("nested", "[" * 100_000 + "]" * 100_000, "is nested too deeply"),
+            (
+                "repeated-key",
+                _document(kind, body).replace("{", '{"kind": 0, ', 1),
+                "repeats the key 'kind'",
+            ),
             ("document-list", "[]", "must be a JSON object, got list"),
             ("document-null", "null", "must be a JSON object, got NoneType"),
             ("document-number", "1", "must be a JSON object, got int"),

@@ -7,14 +7,13 @@ refuse it too (``TypeError`` for a value of the wrong type).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from shardwise._codec import check_keys
+from shardwise._codec import check_keys, strict_json
 from shardwise.errors import CheckpointFormatError, MetadataFormatError
 
 __all__ = [
@@ -149,16 +148,13 @@ def _problem(value: object) -> tuple[list[str], str] | None:
     )
 
 
-def _reject_constant(name: str) -> Any:
-    raise CheckpointFormatError(f"the checkpoint index contains {name}, which is not JSON")
-
-
 def load_json(text: str | bytes, what: str) -> Any:
-    """``text`` parsed as strict JSON (no NaN or Infinity); ``what`` names it in errors."""
+    """``text`` parsed as strict JSON (:func:`~shardwise._codec.strict_json`); ``what`` names
+    it in errors."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointFormatError(f"{what} is not valid JSON: {err}") from err
+        return strict_json(text, what)
+    except ValueError as err:
+        raise CheckpointFormatError(str(err)) from None
 
 
 def optional_str(value: object, what: str) -> str | None:

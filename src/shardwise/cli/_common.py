@@ -43,6 +43,8 @@ def parse_storage_options(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except ValueError as err:  # JSONDecodeError, or a number too long to convert
         raise ValueError(f"invalid JSON {text!r}: {err}") from err
+    except RecursionError:
+        raise ValueError(f"invalid JSON {text[:40]!r}...: nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError(
             f"{text!r} is a JSON {type(value).__name__}, not an object: give fsspec's "

@@ -211,6 +211,8 @@ def _read_config(path: str) -> bytes:
         value = json.loads(data)
     except ValueError as err:  # not UTF-8, or not JSON
         raise CheckpointError(f"--config {path} is not JSON: {err}") from err
+    except RecursionError:
+        raise CheckpointError(f"--config {path} is nested too deeply") from None
     if not isinstance(value, dict):
         raise CheckpointError(
             f"--config {path} holds a JSON {type(value).__name__}; a model config is a JSON "

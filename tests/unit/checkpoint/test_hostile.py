@@ -803,12 +803,15 @@ RAW_EDITS: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "byte-order-mark": (lambda data: b"\xef\xbb\xbf" + data, "not valid JSON"),
     "duplicate-top-key": (
         _raw(b'{"format":', b'{"format":"shardwise-checkpoint","format":'),
-        "repeats a key",
+        "the checkpoint index repeats the key 'format' in one JSON object",
     ),
-    "duplicate-save-key": (_raw(b'"writer":', b'"writer":"x","writer":'), "repeats a key"),
+    "duplicate-save-key": (
+        _raw(b'"writer":', b'"writer":"x","writer":'),
+        "repeats the key 'writer'",
+    ),
     "duplicate-checksum-key": (
         _raw(b'"block_size":', b'"block_size":4096,"block_size":'),
-        "repeats a key",
+        "repeats the key 'block_size'",
     ),
     "trailing-comma": (_raw(b'"world_size":1', b'"world_size":1,'), "not valid JSON"),
     "comment": (_raw(b'"world_size":1', b'"world_size":1/*x*/'), "not valid JSON"),
@@ -841,7 +844,7 @@ def _object_text(fqn: str, text: str) -> Edit:
 STORED_JSON = {
     "nested-65": (json.dumps(json.loads("[" * 65 + "]" * 65)), "deeper than 64"),
     "nested-100000": ("[" * 100000 + "]" * 100000, "nested too deeply"),
-    "repeated-key": ('{"a": 1, "a": 2}', "repeats a key"),
+    "repeated-key": ('{"a": 1, "a": 2}', "the stored JSON value repeats the key 'a'"),
     "5000-digits": ("9" * 5000, "not valid JSON"),
     "truncated": ("[1, 2", "not valid JSON"),
     "empty": ("", "not valid JSON"),

@@ -594,6 +594,20 @@ def test_index_that_is_not_json(text: str | bytes) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # Was: RecursionError, and a repeated key read as the parser chose.
+        ("[" * 100_000 + "]" * 100_000, "is nested too deeply"),
+        ('{"format": "shardwise-checkpoint", "format": "x"}', "repeats the key 'format'"),
+        ("9" * 5000, "is not valid JSON"),
+    ],
+)
+def test_index_that_is_not_strict_json(text: str, message: str) -> None:
+    with pytest.raises(CheckpointFormatError, match=message):
+        Metadata.from_json(text)
+
+
+@pytest.mark.parametrize(
     ("md", "message"),
     [
         (Metadata({}, planner_data=(1, 2)), "tuple is not JSON-able"),

@@ -203,6 +203,7 @@ def test_config_is_copied(
     [
         ("[1, 2]", "holds a JSON list; a model config is a JSON object"),
         ("{'a': 1}", "is not JSON: Expecting property name enclosed in double quotes"),
+        ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "is nested too deeply"),  # was a traceback
         (None, "cannot read --config"),
     ],
 )

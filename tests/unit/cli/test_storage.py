@@ -193,6 +193,7 @@ def test_storage_library_detection() -> None:
     ("text", "why"),
     [
         ("{not json", "invalid JSON '{not json': "),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["),
         ("[1, 2]", "'[1, 2]' is a JSON list, not an object"),
         ("null", "'null' is a JSON NoneType, not an object"),
     ],

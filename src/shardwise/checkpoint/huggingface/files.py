@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from shardwise._codec import strict_json
 from shardwise.checkpoint.index.data_file import MAX_HEADER_BYTES
 from shardwise.errors import CheckpointFormatError, CheckpointKeyError, CheckpointMismatchError
 
@@ -198,19 +199,6 @@ def _refuse(message: str, file: str) -> CheckpointFormatError:
     return CheckpointFormatError(message, file=file)
 
 
-class _RepeatedKeyError(ValueError):
-    """A JSON object of the index names a key twice (JSON parsers keep either value)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _RepeatedKeyError(f"the index repeats the key {key!r}")
-        result[key] = value
-    return result
-
-
 def parse_index_json(data: bytes, file: str) -> dict[str, str]:
     """The ``weight_map`` of an index (``file``: its URL, for errors): tensor name -> weight
     file name, every name checked.
@@ -223,15 +211,9 @@ def parse_index_json(data: bytes, file: str) -> dict[str, str]:
     if len(data) > MAX_INDEX_JSON_BYTES:
         raise _refuse(f"the index has more than {MAX_INDEX_JSON_BYTES} bytes", file)
     try:
-        document: Any = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except RecursionError as err:
-        raise _refuse("the index is nested too deeply", file) from err
-    except _RepeatedKeyError as err:
-        raise _refuse(str(err), file) from err
-    except UnicodeDecodeError as err:
-        raise _refuse(f"the index is not UTF-8 text: {err}", file) from err
+        document: Any = strict_json(data, "the index")
     except ValueError as err:
-        raise _refuse(f"the index is not valid JSON: {err}", file) from err
+        raise _refuse(str(err), file) from err
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict):
         raise _refuse('the index must be a JSON object with a "weight_map" object', file)

@@ -4,10 +4,10 @@ file, tensor tiling, and keys; each failure a :class:`~shardwise.errors.Checkpoi
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from typing import Any, NoReturn
 
+from shardwise._codec import strict_json
 from shardwise.checkpoint.entries.pyjson import check_plain, json_depth, untag
 from shardwise.checkpoint.index.names import MAX_DEPTH, MAX_DIMS, MAX_INT
 from shardwise.checkpoint.index.records import ObjectRecord
@@ -29,31 +29,14 @@ def fail(message: str, key: str | None = None) -> NoReturn:
     raise CheckpointFormatError(message, key=key)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        fail("the checkpoint index repeats a key inside one JSON object")
-    return result
-
-
-def _reject_constant(name: str) -> NoReturn:
-    fail(f"the checkpoint index contains {name}, which is not JSON")
-
-
 def parse_json(data: bytes | str, what: str, constants: bool = False) -> Any:
-    """Strict JSON: UTF-8, no repeated keys, bounded nesting and digits, and no NaN or
-    Infinity unless ``constants`` (stored values may hold them: ``float("inf")`` round-trips)."""
+    """Strict JSON (:func:`~shardwise._codec.strict_json`): UTF-8, no repeated keys, bounded
+    nesting and digits, and no NaN or Infinity unless ``constants`` (stored values may hold
+    them: ``float("inf")`` round-trips)."""
     try:
-        # Decoded here, strictly: json.loads would take UTF-16 or UTF-32, a byte order mark,
-        # and surrogates encoded in UTF-8.
-        text = data.decode() if isinstance(data, bytes) else data
-        constant = None if constants else _reject_constant
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=constant)
-    except RecursionError:
-        fail(f"{what} is nested too deeply")
-    # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.
-    except (ValueError, UnicodeDecodeError) as err:
-        fail(f"{what} is not valid JSON: {err}")
+        return strict_json(data, what, constants=constants)
+    except ValueError as err:
+        fail(str(err))
 
 
 def load_json_value(text: str, key: str) -> Any:

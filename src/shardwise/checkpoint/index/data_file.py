@@ -4,15 +4,15 @@ and :func:`compare_header` let ``shardwise verify`` check every header against t
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
+from shardwise._codec import strict_json
 from shardwise.checkpoint.entries.pyjson import compact
 from shardwise.checkpoint.index.names import MAX_DIMS, MAX_INT, creatable
 
@@ -190,23 +190,6 @@ def header_length(prefix: bytes | bytearray | memoryview, file_size: int) -> int
     return int(length)
 
 
-class _RepeatedKeyError(ValueError):
-    """A JSON object of the header names a key twice (JSON parsers keep either one)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _RepeatedKeyError(f"the header repeats the key {key!r}")
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> NoReturn:
-    _invalid(f"the header contains {name}, which is not JSON")
-
-
 def _is_int(value: object) -> bool:
     return type(value) is int and 0 <= value < MAX_INT
 
@@ -257,18 +240,7 @@ def parse_header(data: bytes | bytearray | memoryview, file_size: int) -> Header
     raw = bytes(data[_LENGTH_BYTES:data_start])
     if not raw.startswith(b"{"):
         _invalid("the header does not start with '{'")
-    try:
-        text = raw.decode("utf-8")
-        document = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
-    except RecursionError:
-        _invalid("the header is nested too deeply")
-    except _RepeatedKeyError:
-        raise
-    except UnicodeDecodeError as err:
-        raise ValueError(f"the header is not UTF-8 text: {err}") from err
-    # JSONDecodeError is a ValueError; so is an integer of more digits than Python converts.
-    except ValueError as err:
-        raise ValueError(f"the header is not valid JSON: {err}") from err
+    document = strict_json(raw, "the header")
     if type(document) is not dict:
         _invalid(f"the header must be a JSON object, got {type(document).__name__}")
     metadata = document.get(_METADATA_KEY)
