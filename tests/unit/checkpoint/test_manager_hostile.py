@@ -482,7 +482,7 @@ def test_a_retention_that_fails_is_retried_at_the_next_commit_not_at_every_step(
         calls.append(args)
         raise PermissionError(errno.EACCES, "Permission denied", "an index")
 
-    monkeypatch.setattr("shardwise.checkpoint.manager.manager.protected_files", unreadable)
+    monkeypatch.setattr("shardwise.checkpoint.manager.deletion.protected_files", unreadable)
     policy = ckpt.SavePolicy(every_steps=10)
     retention = ckpt.RetentionPolicy(keep_last=1)
     with ckpt.CheckpointManager(

@@ -21,12 +21,24 @@ from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 
 from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
-from shardwise.checkpoint.manager.series import CheckpointInfo, referenced_files, step_name
+from shardwise.checkpoint.manager.policy import RetentionPolicy, retained
+from shardwise.checkpoint.manager.series import (
+    CheckpointInfo,
+    list_series,
+    referenced_files,
+    step_name,
+)
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.storage import Storage, UnsafePathError
 from shardwise.errors import CheckpointError, CheckpointLockedError
 
-__all__ = ["DELETION_ERRORS", "delete_checkpoint", "finish_deletions", "protected_files"]
+__all__ = [
+    "DELETION_ERRORS",
+    "apply_retention",
+    "delete_checkpoint",
+    "finish_deletions",
+    "protected_files",
+]
 
 logger = logging.getLogger("shardwise.checkpoint.manager")
 
@@ -142,3 +154,35 @@ def finish_deletions(
         except DELETION_ERRORS as err:
             logger.warning("could not finish deleting %s: %s; a later call retries", info.path, err)
     return deleted
+
+
+def apply_retention(
+    storage: Storage,
+    retention: RetentionPolicy,
+    own: list[int],
+    writing: int | None,
+    open_step: Callable[[int], Storage],
+    shown: Callable[[int], str],
+) -> None:
+    """Delete the committed checkpoints ``retention`` drops (never ``own``: the step being
+    written and the manager's last commit) and finish interrupted deletions; ``shown(step)``
+    names a checkpoint in the log. Failures are logged, not raised: space is lost, not a
+    checkpoint, and the caller tries again at its next commit (a failure that lasts would
+    otherwise cost a listing, and a warning, at every training step)."""
+    try:
+        listing = list_series(storage, records=retention.keep_best is not None)
+        good = {info.step: info.metrics for info in listing if info.good}
+        dropped = sorted(set(good) - retained(retention, good, own))
+        # Before anything is removed: the files that the checkpoints staying reference.
+        protected = protected_files(storage, listing, dropped)
+        for step in dropped:
+            try:
+                if delete_checkpoint(storage, step, open_step, protected):
+                    logger.info("deleted %s (retention)", shown(step))
+            except DELETION_ERRORS as err:  # this one stays for the next try; the others go on
+                logger.warning("could not delete %s: %s", shown(step), err)
+        finish_deletions(storage, listing, open_step, writing=writing, protected=protected)
+    except DELETION_ERRORS as err:
+        logger.warning(
+            "could not apply the retention policy under %s: %s", storage.url(storage.root), err
+        )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import operator
 import os
 import signal
 import time
@@ -24,16 +23,16 @@ import torch
 from shardwise import collectives
 from shardwise.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, decode_index
 from shardwise.checkpoint.loading.load import load
-from shardwise.checkpoint.manager.deletion import (
-    DELETION_ERRORS,
-    delete_checkpoint,
-    finish_deletions,
-    protected_files,
+from shardwise.checkpoint.manager.arguments import (
+    as_step,
+    plain_metrics,
+    save_failure,
+    storage_failure,
 )
-from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy, retained
+from shardwise.checkpoint.manager.deletion import apply_retention
+from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
 from shardwise.checkpoint.manager.preemption import PreemptionNotice
 from shardwise.checkpoint.manager.series import (
-    MAX_STEP,
     REJECTED_NAME,
     STEP_RECORD_NAME,
     list_series,
@@ -71,74 +70,6 @@ _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFou
 _NOTICE, _FAILED, _DUE, _FORCE, _POLICY_FAILED, _BAD_STEP, _STEP, _NEGATED_STEP = range(8)
 # The step as the agreement carries it (an int64; a larger step is rare, and only compared).
 _MAX_AGREED_STEP = 2**63 - 1
-
-
-def _as_step(step: object) -> int:
-    """``step`` as an int: an int, a NumPy integer or an integer tensor of one element.
-
-    Raises:
-        ValueError: ``step`` is not such an integer from 0 to :data:`MAX_STEP` (a bool, a
-            float: not a step; a larger one would be named so that no listing reads it).
-    """
-    if not isinstance(step, bool) and hasattr(type(step), "__index__"):
-        dtype = getattr(step, "dtype", None)
-        try:
-            value = operator.index(step)  # type: ignore[arg-type]
-        except (TypeError, ValueError, RuntimeError):
-            pass
-        else:
-            if 0 <= value <= MAX_STEP and dtype is not torch.bool:
-                return value
-    raise ValueError(f"step must be an int >= 0 and <= {MAX_STEP}, not {step!r}")
-
-
-def _plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
-    """``metrics`` with one-number tensors and NumPy numbers as Python numbers
-    (:func:`step_record` refuses what is not then an int or float).
-
-    Raises:
-        TypeError: ``metrics`` is not a mapping, or a value is a tensor or array of another
-            size than one number.
-    """
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise TypeError(
-            f"metrics must be a mapping of names to numbers, not {type(metrics).__name__}"
-        )
-    plain: dict[str, object] = {}
-    for name, value in metrics.items():
-        item = getattr(value, "item", None)
-        if callable(item) and not isinstance(value, (int, float)):
-            try:
-                value = item()
-            except Exception as err:  # a tensor or array of several numbers, or none
-                raise TypeError(
-                    f"metric {name!r}: one number, not a {type(value).__name__} ({err})"
-                ) from None
-        plain[name] = value
-    return plain
-
-
-def _storage_failure(err: OSError, doing: str) -> CheckpointError:
-    """``err`` of the storage as a ``CheckpointStorageError`` (unless it is a
-    ``CheckpointError`` already, as the errors of an object store are)."""
-    if isinstance(err, CheckpointError):
-        return err
-    filename = err.filename if isinstance(err.filename, str) else None
-    return CheckpointStorageError(f"{doing}: {err}", file=filename)
-
-
-def _save_failure(err: BaseException, path: str) -> BaseException:
-    """A save's failure as the manager raises it: a bare ``OSError`` that got through the save
-    (a file of the save's own name that is a directory, ...) as a ``CheckpointStorageError``
-    caused by it; anything else as it is."""
-    if not isinstance(err, OSError) or isinstance(err, CheckpointError):
-        return err
-    filename = err.filename if isinstance(err.filename, str) else None
-    wrapped = CheckpointStorageError(f"the save to {path} failed: {err}", file=filename)
-    wrapped.__cause__ = err
-    return wrapped
 
 
 class RestoreFallbackWarning(UserWarning):
@@ -224,7 +155,7 @@ class CheckpointManager:
 
     def path(self, step: int) -> str:
         """The checkpoint directory (or URL) of ``step``: ``root/step-00000100``."""
-        return self._storage.url(self._storage.join(step_name(_as_step(step))))
+        return self._storage.url(self._storage.join(step_name(as_step(step))))
 
     def _checkpoint_path(self, step: int) -> str:
         """:meth:`path` of ``step``, once group rank 0 has found there a real directory of the
@@ -251,7 +182,7 @@ class CheckpointManager:
                     file=path,
                 ) from err
             except OSError as err:
-                raise _storage_failure(err, f"cannot list {path}") from err
+                raise storage_failure(err, f"cannot list {path}") from err
 
         self._comm.broadcast_or_raise(check, src=0)
         return path
@@ -273,7 +204,7 @@ class CheckpointManager:
         try:
             listing = list_series(self._storage, records=False)
         except OSError as err:  # the root is a file, unreadable, ...
-            raise _storage_failure(err, f"cannot list the series at {self.root}") from err
+            raise storage_failure(err, f"cannot list the series at {self.root}") from err
         return [info.step for info in listing if info.good]
 
     def latest_step(self) -> int | None:
@@ -345,7 +276,7 @@ class CheckpointManager:
         self._check_open()
         given = step
         try:
-            step = _as_step(step)
+            step = as_step(step)
         except ValueError as err:  # raised below, once every rank knows (no rank waits alone)
             bad_step: ValueError | None = err
         else:
@@ -383,10 +314,10 @@ class CheckpointManager:
             self._finish_in_flight()  # at most one save in flight; its failure reaches all
             if self._comm.rank == 0:
                 self._tidy()
-                record = step_record(step, _plain_metrics(metrics), self.retention)
+                record = step_record(step, plain_metrics(metrics), self.retention)
                 self._write_step_record(step, record)
 
-        self._comm.exchange_or_raise(prepare, lambda _: None)
+        self._comm.agree_or_raise(prepare)
         self._last_save = time.monotonic()
         options: dict[str, Any] = {
             "process_group": self._process_group,
@@ -406,7 +337,7 @@ class CheckpointManager:
             else:
                 _save(state_dict, path, **options)
         except OSError as err:
-            raise _save_failure(err, path)  # noqa: B904 (its cause is err, or it is err)
+            raise save_failure(err, path)  # noqa: B904 (its cause is err, or it is err)
         if not self._async or preempting:
             self._untidy = True
             self._committed_step = step
@@ -461,7 +392,7 @@ class CheckpointManager:
                 file=self.path(step),
             ) from err
         except OSError as err:
-            raise _storage_failure(err, f"cannot write the step record of {name}") from err
+            raise storage_failure(err, f"cannot write the step record of {name}") from err
 
     def _finish_in_flight(self) -> None:
         """Wait for the save in flight and raise its error (this rank's own)."""
@@ -472,7 +403,7 @@ class CheckpointManager:
                 future.result()
             except BaseException as err:
                 self._base_step = None  # it did not commit: the next save asks the series
-                raise _save_failure(err, self.path(step or 0))  # noqa: B904 (as above)
+                raise save_failure(err, self.path(step or 0))  # noqa: B904 (as above)
             self._untidy = self._untidy or future is not self._tidied_after  # once a commit
             self._committed_step = step
 
@@ -484,7 +415,7 @@ class CheckpointManager:
         assert future is not None, "a rank reported a failed save that no rank started"
         error = future.exception()  # waits: the save is collective, it ends on every rank
         if error is not None:
-            raise _save_failure(error, self.path(step or 0))
+            raise save_failure(error, self.path(step or 0))
         raise CheckpointError(
             f"the background save of step {step} to {self.path(step or 0)} failed on another "
             "rank (its error is raised there); this rank's part finished"
@@ -493,7 +424,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Finish the save in flight (collective); raise its failure on every rank."""
         self._check_open()
-        self._comm.exchange_or_raise(self._finish_in_flight, lambda _: None)
+        self._comm.agree_or_raise(self._finish_in_flight)
         if self._comm.rank == 0:
             self._tidy()
 
@@ -522,27 +453,7 @@ class CheckpointManager:
         # Being written, and this manager's last commit: the newest of this run, even where
         # the series holds newer ones (an abandoned run's, or a bogus one).
         own = [step for step in (writing, self._committed_step) if step is not None]
-        try:
-            listing = list_series(self._storage, records=self.retention.keep_best is not None)
-            good = {info.step: info.metrics for info in listing if info.good}
-            kept = retained(self.retention, good, own)
-            dropped = sorted(set(good) - kept)
-            # Before anything is removed: the files that the checkpoints staying reference.
-            protected = protected_files(self._storage, listing, dropped)
-            for step in dropped:
-                try:
-                    if delete_checkpoint(self._storage, step, self._open_step, protected):
-                        logger.info("deleted %s (retention)", self.path(step))
-                except DELETION_ERRORS as err:  # this one stays (retried at the next
-                    # commit); the others go on
-                    logger.warning("could not delete %s: %s", self.path(step), err)
-            finish_deletions(
-                self._storage, listing, self._open_step, writing=writing, protected=protected
-            )
-        except DELETION_ERRORS as err:  # the storage failed: space is lost, not a checkpoint
-            # Retried at the next commit, not at the next call: a failure that lasts would
-            # cost a listing (and a warning) at every training step.
-            logger.warning("could not apply the retention policy under %s: %s", self.root, err)
+        apply_retention(self._storage, self.retention, own, writing, self._open_step, self.path)
 
     # -- restoring -------------------------------------------------------------------------
 
@@ -610,7 +521,7 @@ class CheckpointManager:
         the same (collective: a rank given a bad one does not raise alone)."""
 
         def checked() -> int | None:
-            return None if step is None else _as_step(step)
+            return None if step is None else as_step(step)
 
         mine, every = self._comm.exchange_or_raise(checked)
         if any(value != every[0] for value in every):
@@ -633,7 +544,8 @@ class CheckpointManager:
             and not isinstance(cause, (FileNotFoundError, UnsafePathError, CheckpointError))
             and not isinstance(err, ChecksumError)
         )
-        return any(self._comm.all_gather_json(mine))
+        _, (failed,) = self._comm.agree_or_raise(lambda: None, lambda _: [int(mine)], 1)
+        return failed > 0
 
     def _reject(self, step: int, reason: str) -> None:
         warnings.warn(
