@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import socket
@@ -55,12 +56,26 @@ def test_a_running_save_keeps_a_second_one_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["dead-process", "no-heartbeat", "garbage", "future-heartbeat", "bad-pid", "deep"]
+    "kind",
+    [
+        "dead-process",
+        "no-heartbeat",
+        "garbage",
+        "future-heartbeat",
+        "bad-pid",
+        "deep",
+        "nan-heartbeat",  # was: never stale, so the path could never be saved again
+        "huge-pid",  # was: OverflowError from os.kill
+    ],
 )
 def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "c"
     if kind == "dead-process":
         _lock(path, _dead_pid())
+    elif kind == "nan-heartbeat":
+        _lock(path, os.getpid(), age=math.nan)
+    elif kind == "huge-pid":
+        _lock(path, 2**40)
     elif kind == "no-heartbeat":
         _lock(path, 1, host="another-host", age=3600)
     elif kind == "future-heartbeat":
@@ -75,6 +90,19 @@ def test_the_lock_of_a_dead_save_is_taken_over(tmp_path: Path, kind: str) -> Non
         (path / LOCK_NAME).write_bytes(b"\x00 not json")
     ckpt.save({"w": torch.ones(3)}, path)
     assert not (path / LOCK_NAME).exists()
+    target = {"w": torch.empty(3)}
+    ckpt.load(target, path)
+    assert torch.equal(target["w"], torch.ones(3))
+
+
+def test_a_directory_in_place_of_the_lock_is_a_storage_error(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    ckpt.save({"w": torch.ones(3)}, path)
+    (path / LOCK_NAME).mkdir()
+    (path / LOCK_NAME / "keep").write_text("x")
+    with pytest.raises(ckpt.CheckpointStorageError, match="the save lock cannot be taken over"):
+        ckpt.save({"w": torch.zeros(3)}, path)  # was: a bare IsADirectoryError
+    assert (path / LOCK_NAME / "keep").read_text() == "x"
     target = {"w": torch.empty(3)}
     ckpt.load(target, path)
     assert torch.equal(target["w"], torch.ones(3))

@@ -213,9 +213,11 @@ def test_retention_goes_on_past_a_hostile_save_lock(tmp_path: Path) -> None:
     with ckpt.CheckpointManager(root, async_save=False) as manager:
         for step in (1, 2, 3):
             manager.save(step, _state(step))
-    # A process id beyond the platform's, on this host: checking it raised OverflowError.
+    # A directory where the save lock is: no deletion may take it over (it stays).
+    (root / "step-00000001" / "shardwise.lock").mkdir()
+    # A process id beyond the platform's, on this host: checking it raised OverflowError (and
+    # stopped every deletion); no process holds such a lock, so it is stale.
     holder = {"save_id": "x", "host": socket.gethostname(), "pid": 2**40, "heartbeat": 1e18}
-    (root / "step-00000001" / "shardwise.lock").write_text(json.dumps(holder))
     (root / "step-00000002" / "shardwise.json").unlink()  # a deletion a kill interrupted
     (root / "step-00000002" / "shardwise.lock").write_text(json.dumps(holder))
     retention = ckpt.RetentionPolicy(keep_last=1)
@@ -223,6 +225,7 @@ def test_retention_goes_on_past_a_hostile_save_lock(tmp_path: Path) -> None:
         assert manager.save(4, _state(4))
         assert manager.save(5, _state(5))
         assert manager.steps() == [1, 5]
+    assert "step-00000002" not in _dirs(root)
     assert "step-00000003" not in _dirs(root) and "step-00000004" not in _dirs(root)
 
 

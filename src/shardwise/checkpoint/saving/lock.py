@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -25,6 +26,8 @@ logger = logging.getLogger("shardwise.checkpoint.lock")
 #: Name of the lock file, in the checkpoint directory.
 LOCK_NAME = "shardwise.lock"
 _MAX_LOCK_BYTES = 4096
+# Process ids are C ints (os.kill raises OverflowError past them).
+_MAX_PID = 2**31
 
 
 class SaveLock:
@@ -61,8 +64,11 @@ class SaveLock:
     def _stale(self, holder: dict[str, Any]) -> bool:
         heartbeat, host, pid = holder.get("heartbeat"), holder.get("host"), holder.get("pid")
         # The lock is a file like any other: a value no holder writes (a pid that is not a
-        # process id, a heartbeat from the future) marks it stale rather than held forever.
-        if type(heartbeat) not in (int, float) or type(pid) is not int or pid <= 0:
+        # process id, a heartbeat that is not a time or is from the future) marks it stale
+        # rather than held forever.
+        if type(heartbeat) not in (int, float) or not math.isfinite(float(heartbeat or 0)):
+            return True
+        if type(pid) is not int or not 0 < pid < _MAX_PID:
             return True
         if host == socket.gethostname():
             try:
@@ -94,7 +100,18 @@ class SaveLock:
                     f"whose save died is taken over after {stale} s without a heartbeat",
                     file=self._path,
                 )
-            self._storage.remove(self._path)
+            try:
+                self._storage.remove(self._path)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except CheckpointStorageError:
+                raise
+            except OSError as err:  # a directory, or a file this process may not remove
+                raise CheckpointStorageError(
+                    f"the save lock cannot be taken over: {err.strerror or err} (a directory "
+                    "in its place?); remove it if no save to this path is running",
+                    file=self._path,
+                ) from err
         raise CheckpointLockedError(
             "could not take the save lock: other saves keep taking it", file=self._path
         )
