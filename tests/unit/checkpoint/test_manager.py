@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,24 @@ def test_restore_raises_when_no_checkpoint_loads(tmp_path: Path) -> None:
         manager.save(2, _state(2))
         with pytest.raises(ckpt.CheckpointKeyError):
             manager.restore({**_blank(), "extra": torch.zeros(1)})
+
+
+def test_a_restore_after_every_checkpoint_was_rejected_says_so(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        manager.save(1, _state(1))
+        _flip_data_byte(root / "step-00000001")
+        with pytest.warns(ckpt.RestoreFallbackWarning), pytest.raises(ckpt.CheckpointError):
+            manager.restore(_blank())
+        # Was: None in silence, as on a fresh run.
+        with pytest.warns(ckpt.RestoreFallbackWarning, match=r"rejected 1 committed checkpoint"):
+            assert manager.restore(_blank()) is None
+    with (
+        ckpt.CheckpointManager(tmp_path / "fresh", async_save=False) as manager,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error")
+        assert manager.restore(_blank()) is None  # a fresh series: nothing to say
 
 
 class _KilledError(Exception):

@@ -144,7 +144,7 @@ def test_restore_reads_no_checkpoint_through_a_link_named_like_a_step(
             manager.restore(state, step=step)
         assert state["step"] == 0 and torch.equal(state["w"], torch.zeros(4))
     # A listing that saw a directory which is a link by the time it is loaded: skipped too.
-    monkeypatch.setattr(manager, "steps", lambda: [1, 3])
+    monkeypatch.setattr(manager, "_restorable", lambda: ([1, 3], 0))
     with pytest.warns(ckpt.RestoreFallbackWarning, match="step-00000003"):
         assert manager.restore(state) == 1
     assert state["step"] == 1

@@ -34,12 +34,12 @@ from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
 from shardwise.checkpoint.manager.preemption import PreemptionNotice
 from shardwise.checkpoint.manager.series import (
     REJECTED_NAME,
-    STEP_RECORD_NAME,
-    list_series,
     open_series,
     rejection_record,
+    restorable,
     step_name,
     step_record,
+    write_step_record,
 )
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.saving.save import async_save as _async_save
@@ -51,7 +51,6 @@ from shardwise.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
-    CheckpointStorageError,
     ChecksumError,
 )
 
@@ -201,11 +200,14 @@ class CheckpointManager:
 
     def _listed_steps(self) -> list[int]:
         """:meth:`steps` from a listing of this rank's own (no collective)."""
+        return self._restorable()[0]
+
+    def _restorable(self) -> tuple[list[int], int]:
+        """:func:`restorable` of the series (no collective)."""
         try:
-            listing = list_series(self._storage, records=False)
+            return restorable(self._storage)
         except OSError as err:  # the root is a file, unreadable, ...
             raise storage_failure(err, f"cannot list the series at {self.root}") from err
-        return [info.step for info in listing if info.good]
 
     def latest_step(self) -> int | None:
         """The step of the newest committed checkpoint (None when there is none)."""
@@ -315,7 +317,7 @@ class CheckpointManager:
             if self._comm.rank == 0:
                 self._tidy()
                 record = step_record(step, plain_metrics(metrics), self.retention)
-                self._write_step_record(step, record)
+                write_step_record(self._storage, step, record, self.path(step))
 
         self._comm.agree_or_raise(prepare)
         self._last_save = time.monotonic()
@@ -371,28 +373,6 @@ class CheckpointManager:
             return None
 
         return self._comm.broadcast_or_raise(newest, src=0)  # type: ignore[no-any-return]
-
-    def _write_step_record(self, step: int, record: bytes) -> None:
-        """Rank 0, before the save of ``step``: make its directory, remove a rejection record,
-        write the step record (the index is the commit: the record must be there by then).
-
-        Raises:
-            CheckpointStorageError: The step's name is a link or a file, or the storage failed.
-        """
-        name = step_name(step)
-        try:
-            self._storage.makedirs(self._storage.join(name))
-            self._storage.remove(self._storage.join(name, REJECTED_NAME))
-            self._storage.replace_small(self._storage.join(name, STEP_RECORD_NAME), record)
-        except UnsafePathError as err:
-            raise CheckpointStorageError(
-                f"cannot save step {step} to {self.path(step)}: it is not a real directory (a "
-                "symbolic link, or a file named like a step), and a series follows no link "
-                "below its root; move it away",
-                file=self.path(step),
-            ) from err
-        except OSError as err:
-            raise storage_failure(err, f"cannot write the step record of {name}") from err
 
     def _finish_in_flight(self) -> None:
         """Wait for the save in flight and raise its error (this rank's own)."""
@@ -491,7 +471,10 @@ class CheckpointManager:
             self._base_step = step
             return step
         failed: list[str] = []
-        for candidate in reversed(self.steps()):
+        self._check_open()
+        good, rejected = self._comm.broadcast_or_raise(self._restorable, src=0)
+        candidate: int
+        for candidate in reversed(good):
             path = self.path(candidate)
             try:
                 # Listed as a directory, but checked again: it may be a link by now.
@@ -513,6 +496,14 @@ class CheckpointManager:
         if failed:
             raise CheckpointError(
                 f"no checkpoint under {self.root} could be restored: " + "; ".join(failed)
+            )
+        if rejected:  # a fresh start, but not a fresh series: say so
+            warnings.warn(
+                f"no checkpoint under {self.root} can be restored: earlier restores rejected "
+                f"{rejected} committed checkpoint(s) (`shardwise ls` says why); starting "
+                "from scratch",
+                RestoreFallbackWarning,
+                stacklevel=2,
             )
         return None
 

@@ -31,6 +31,7 @@ from shardwise.checkpoint.storage import (
     UnsafePathError,
     open_shared_storage,
 )
+from shardwise.errors import CheckpointError, CheckpointStorageError
 
 __all__ = [
     "MAX_STEP",
@@ -43,9 +44,11 @@ __all__ = [
     "open_series",
     "parse_step_name",
     "read_step_record",
+    "restorable",
     "rejection_record",
     "step_name",
     "step_record",
+    "write_step_record",
 ]
 
 #: The step record of a checkpoint: written by the manager before the save that commits it.
@@ -308,3 +311,40 @@ def referenced_files(storage: Storage, step: int) -> dict[tuple[str, str], int]:
         )
         for match in _REFERENCE.finditer(data)
     }
+
+
+def restorable(storage: Storage) -> tuple[list[int], int]:
+    """The steps of the series at ``storage`` that a restore may choose (committed and not
+    rejected, oldest first), and how many committed checkpoints earlier restores rejected."""
+    listing = list_series(storage, records=False)
+    good = [info.step for info in listing if info.good]
+    return good, sum(1 for info in listing if info.committed and not info.good)
+
+
+def write_step_record(storage: Storage, step: int, record: bytes, shown: str) -> None:
+    """Before the save of ``step`` (``shown``: its path, for errors): make its directory,
+    remove a rejection record, write the step record (the index is the commit: the record must
+    be there by then).
+
+    Raises:
+        CheckpointStorageError: The step's name is a link or a file, or the storage failed.
+    """
+    name = step_name(step)
+    try:
+        storage.makedirs(storage.join(name))
+        storage.remove(storage.join(name, REJECTED_NAME))
+        storage.replace_small(storage.join(name, STEP_RECORD_NAME), record)
+    except UnsafePathError as err:
+        raise CheckpointStorageError(
+            f"cannot save step {step} to {shown}: it is not a real directory (a symbolic link, "
+            "or a file named like a step), and a series follows no link below its root; move "
+            "it away",
+            file=shown,
+        ) from err
+    except CheckpointError:
+        raise
+    except OSError as err:
+        filename = err.filename if isinstance(err.filename, str) else None
+        raise CheckpointStorageError(
+            f"cannot write the step record of {name}: {err}", file=filename
+        ) from err
