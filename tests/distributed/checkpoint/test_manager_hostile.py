@@ -17,16 +17,10 @@ import torch.distributed as dist
 
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.storage import LocalStorage
+from tests.distributed.checkpoint.test_manager import _shared_dir
 from tests.harness import distributed
 
 WORLD = 2
-
-
-def _shared_dir(tmp_path: Path) -> Path:
-    """``tmp_path`` of rank 0 (each rank's pytest fixture would be another directory)."""
-    path = [str(tmp_path)]
-    dist.broadcast_object_list(path, src=0)
-    return Path(path[0])
 
 
 @distributed(world_size=WORLD, timeout=60)
