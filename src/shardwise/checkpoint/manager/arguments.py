@@ -26,10 +26,9 @@ def as_step(step: object) -> int:
         try:
             value = operator.index(step)  # type: ignore[arg-type]
         except (TypeError, ValueError, RuntimeError):
-            pass
-        else:
-            if 0 <= value <= MAX_STEP and dtype is not torch.bool:
-                return value
+            value = -1  # not an integer after all: refused below
+        if 0 <= value <= MAX_STEP and dtype is not torch.bool:
+            return value
     raise ValueError(f"step must be an int >= 0 and <= {MAX_STEP}, not {step!r}")
 
 
