@@ -32,6 +32,7 @@ from shardwise.checkpoint.manager.series import (
 )
 from shardwise.checkpoint.storage import LocalStorage
 from shardwise.cli import main
+from tests import _hostile as h
 
 
 def _state(value: float) -> dict[str, Any]:
@@ -513,3 +514,23 @@ def test_a_save_whose_lock_name_is_a_directory_fails_with_a_checkpoint_error(
         assert manager.save(6, _state(6))  # the next save goes on
         manager.wait()
         assert manager.steps() == [6]
+
+
+def test_a_checkpoint_of_another_format_version_is_skipped_but_never_rejected(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(step))
+    document = h.read_document(root / "step-00000002")
+    document["format_version"] = 6  # as a newer shardwise might write it
+    h.write_resealed(root / "step-00000002", document)
+    with ckpt.CheckpointManager(root, async_save=False) as manager:
+        for _ in range(2):  # skipped each time, never marked: a newer shardwise reads it
+            state = _state(0)
+            with pytest.warns(ckpt.RestoreFallbackWarning, match="format version 6"):
+                assert manager.restore(state) == 1
+            assert state["step"] == 1
+            assert not (root / "step-00000002" / REJECTED_NAME).exists()
+        assert manager.steps() == [1, 2]

@@ -48,6 +48,7 @@ from shardwise.checkpoint.index.names import (
     SEAL_KEY,
     SEAL_LENGTH,
     TEXT_ENCODINGS,
+    UNSUPPORTED_VERSION,
     VERSIONS,
     creatable,
     is_data_file_name,
@@ -102,7 +103,7 @@ def decode_index(data: bytes) -> Index:
         version = document.get("format_version")
         if type(version) is not int or version not in VERSIONS:
             fail(
-                f"unsupported checkpoint format version {version!r}; this shardwise reads "
+                f"{UNSUPPORTED_VERSION} {version!r}; this shardwise reads "
                 f"version {FORMAT_VERSION} and version {INCREMENTAL_VERSION} (incremental "
                 "checkpoints) (a newer shardwise may read it)"
             )

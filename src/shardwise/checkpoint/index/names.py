@@ -25,6 +25,9 @@ FORMAT_VERSION = 4
 INCREMENTAL_VERSION = 5
 #: The versions a reader reads.
 VERSIONS = (FORMAT_VERSION, INCREMENTAL_VERSION)
+#: How the refusal of an index of another version begins (a series keeps such a checkpoint:
+#: another shardwise may read it).
+UNSUPPORTED_VERSION = "unsupported checkpoint format version"
 #: A chunk's content digest in version 5: xxh3_128, as 32 lowercase hex digits.
 DIGEST_ALGORITHM = "xxh3_128"
 DIGEST_HEX = 32

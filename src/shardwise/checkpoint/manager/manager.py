@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import collectives
-from shardwise.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, decode_index
+from shardwise.checkpoint.index import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    UNSUPPORTED_VERSION,
+    decode_index,
+)
 from shardwise.checkpoint.loading.load import load
 from shardwise.checkpoint.manager.arguments import (
     as_step,
@@ -483,7 +488,11 @@ class CheckpointManager:
                 if self._storage_failed(err):  # not the checkpoint's fault: nothing rejected
                     raise
                 failed.append(f"{path}: {err}")
-                self._reject(candidate, str(err))
+                # Another shardwise's format is not corruption: kept for a version that reads it.
+                unread = isinstance(err, CheckpointFormatError) and err.bare_message.startswith(
+                    UNSUPPORTED_VERSION
+                )
+                self._reject(candidate, str(err), record=not unread)
                 continue
             if failed and result.missing_keys:
                 raise CheckpointError(
@@ -538,13 +547,14 @@ class CheckpointManager:
         _, (failed,) = self._comm.agree_or_raise(lambda: None, lambda _: [int(mine)], 1)
         return failed > 0
 
-    def _reject(self, step: int, reason: str) -> None:
+    def _reject(self, step: int, reason: str, record: bool = True) -> None:
+        """Warn that ``step`` is skipped, and (``record``) mark it rejected on rank 0."""
         warnings.warn(
             f"cannot restore {self.path(step)}: {reason}; restoring the checkpoint before it",
             RestoreFallbackWarning,
             stacklevel=3,
         )
-        if self._comm.rank != 0:
+        if self._comm.rank != 0 or not record:
             return
         try:
             self._storage.replace_small(
