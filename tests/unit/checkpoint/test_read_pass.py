@@ -215,6 +215,52 @@ def test_destinations_that_share_bytes_are_each_filled(tmp_path: Path) -> None:
     assert torch.equal(state["a"], weight) and torch.equal(state["b"], weight)
 
 
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_keys_sharing_memory_loaded_from_two_saved_tensors_end_as_the_later_key(
+    tmp_path: Path, order: str
+) -> None:
+    # An untied checkpoint loaded into a tied state dict (one tensor under two keys), and a
+    # key that is a view of another's first rows. Was: both read at once into the same memory
+    # by the I/O threads, and each block hashed from there after the other had overwritten it:
+    # a ChecksumError calling the (intact) file corrupt, or a mix of both values.
+    columns = _MIB // 16
+    saved = {"a": torch.full((64, columns), 1.0), "b": torch.full((64, columns), 2.0)}
+    ckpt.save(dict(sorted(saved.items(), reverse=order == "ba")), tmp_path / "c")
+    later = order[1]
+    for _ in range(3):
+        tied = torch.zeros(64, columns)
+        ckpt.load({key: tied for key in order}, tmp_path / "c")
+        assert torch.equal(tied, saved[later])
+    rows = {"a": saved["a"], "b": saved["b"][:16]}
+    ckpt.save(dict(sorted(rows.items(), reverse=order == "ba")), tmp_path / "rows")
+    whole = torch.zeros(64, columns)
+    views = {"a": whole, "b": whole[:16]}
+    ckpt.load({key: views[key] for key in order}, tmp_path / "rows")
+    expected = saved["a"].clone()
+    if order == "ab":
+        expected[:16] = 2.0  # "b" (rows 0-15 of "a"'s memory) is loaded after "a"
+    assert torch.equal(whole, expected)
+
+
+def test_destinations_of_different_targets_that_share_memory_go_in_later_layers() -> None:
+    memory = torch.zeros(64)
+    other = torch.zeros(64)
+
+    def job(target: int, destination: torch.Tensor) -> tuple[int, torch.Tensor, list[Any]]:
+        return target, destination, [(target, destination.data_ptr())]
+
+    def layers(*jobs: tuple[int, torch.Tensor, list[Any]]) -> list[list[Any]]:
+        return _fill._layers(list(jobs))
+
+    # Disjoint memory, or two bands of one target: one layer, in job order.
+    assert layers(job(0, memory), job(1, other)) == [[job(0, memory)[2][0], job(1, other)[2][0]]]
+    assert len(layers(job(0, memory[:32]), job(0, memory[32:]))) == 1
+    # Another target's memory, whole or in part: a layer later, each time it overlaps again.
+    first, second, third = job(0, memory), job(1, memory[10:20]), job(2, memory[15:16])
+    assert layers(first, second, third) == [first[2], second[2], third[2]]
+    assert layers(first, job(1, other), second) == [first[2] + job(1, other)[2], second[2]]
+
+
 def test_a_column_band_reads_the_blocks_it_touches_once(tmp_path: Path) -> None:
     # Rows of 2 MiB (two blocks each) saved in 4 row blocks; the left quarter of every row
     # loaded: verified, every block a row's quarter touches is read once (whole blocks: here

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from shardwise._boxes import borrowed_bytes, byte_view, narrow_to
@@ -45,7 +46,7 @@ def fill(
     also: Sequence[Segment] = (),
 ) -> None:
     """Read ``jobs`` into ``targets`` and the segments ``also`` in one pass (:func:`.read.read`)."""
-    segments = list(also)
+    direct: list[tuple[int, torch.Tensor, list[Segment]]] = []
     staged: list[tuple[Job, torch.Tensor]] = []
     for job in jobs:
         if not job.read.nbytes:
@@ -55,19 +56,55 @@ def fill(
         destination = target.tensor
         if overlap[0] != target.offsets or overlap[1] != target.sizes:
             destination = narrow_to(target.tensor, target.offsets, overlap[0], overlap[1])
-        direct = _direct_segments(job, destination)
-        if direct is not None:
-            segments.extend(direct)
+        pieces = _direct_segments(job, destination)
+        if pieces is not None:
+            direct.append((job.target, destination, pieces))
         else:
             staged.extend(_in_rows(job, destination, tuning.TUNING.read_batch_bytes))
+    first, *later = _layers(direct)
     rounds = list(batches(staged, lambda pair: pair[0].read.nbytes, tuning.TUNING.read_batch_bytes))
     # Direct segments go with the first round: a block shared with a staged read is read once.
     for number, group in enumerate(rounds or [[]]):
         stages = _stage(group)
-        wanted = (segments if number == 0 else []) + [stage.segment for stage in stages]
+        wanted = ([*also, *first] if number == 0 else []) + [stage.segment for stage in stages]
         read(files, wanted, verify=verify, progress=progress, note=note)
         for stage in stages:
             stage.finish()
+    for layer in later:
+        read(files, layer, verify=verify, progress=progress, note=note)
+
+
+def _layers(direct: list[tuple[int, torch.Tensor, list[Segment]]]) -> list[list[Segment]]:
+    """The segments of the direct jobs ``(target, destination, segments)`` in layers read one
+    after another: the I/O threads read one layer at once, so two jobs whose destinations
+    share memory without being the same target (keys tied in the state dict, loaded from two
+    saved tensors) go in different layers, the later job in a later one, so that it wins as in
+    a load of one key after the other, never a mix of both. Almost always one layer: the check
+    is one sort of the destinations' addresses."""
+    if len(direct) > 1:
+        begins = np.fromiter((d.data_ptr() for _, d, _ in direct), np.int64, len(direct))
+        ends = begins + np.fromiter((d.nbytes for _, d, _ in direct), np.int64, len(direct))
+        order = np.argsort(begins, kind="stable")
+        if (begins[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
+            return _layered(direct)
+    return [[segment for _, _, segments in direct for segment in segments]]
+
+
+def _layered(direct: list[tuple[int, torch.Tensor, list[Segment]]]) -> list[list[Segment]]:
+    """:func:`_layers` when destinations of different targets share memory (rare)."""
+    layers: list[list[Segment]] = []
+    placed: list[tuple[int, int, int, int]] = []  # (begin, end, target, layer) of each job
+    for target, destination, segments in direct:
+        begin = destination.data_ptr()
+        end = begin + destination.nbytes
+        layer = 1 + max(
+            (at for b, e, other, at in placed if other != target and b < end and begin < e),
+            default=-1,
+        )
+        placed.append((begin, end, target, layer))
+        layers.extend([] for _ in range(layer + 1 - len(layers)))
+        layers[layer].extend(segments)
+    return layers
 
 
 def _stage(group: list[tuple[Job, torch.Tensor]]) -> list[_Staged]:
