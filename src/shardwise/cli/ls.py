@@ -11,10 +11,11 @@ from shardwise._progress import human_bytes
 from shardwise.checkpoint.manager.policy import RetentionPolicy, retained
 from shardwise.checkpoint.manager.series import (
     CheckpointInfo,
+    References,
     checkpoint_bytes,
     list_series,
     open_series,
-    referenced_files,
+    references_of,
     step_name,
 )
 from shardwise.cli._common import EXIT_OK, _printable
@@ -26,6 +27,15 @@ def _state(info: CheckpointInfo, read: set[str]) -> str:
     if not info.committed:
         return "retired" if step_name(info.step) in read else "uncommitted"
     return "rejected" if info.rejected is not None else "committed"
+
+
+def _shared_bytes(found: References | None) -> int | None:
+    """The sizes an index declares for the data files of other checkpoints it reads; None
+    when it does not decode and names some (their sizes are not known then)."""
+    if found is None:
+        return 0
+    sizes = list(found.files.values())
+    return None if None in sizes else sum(size or 0 for size in sizes)
 
 
 def _newest_policy(listing: list[CheckpointInfo]) -> RetentionPolicy | None:
@@ -42,9 +52,9 @@ def _summary(root: str, storage_options: dict[str, Any] | None) -> dict[str, Any
     good = {info.step: info.metrics for info in listing if info.good}
     kept = set(good) if policy is None else retained(policy, good)
     references = {
-        info.step: referenced_files(storage, info.step) for info in listing if info.committed
+        info.step: references_of(storage, info.step) for info in listing if info.committed
     }
-    read = {owner for files in references.values() for owner, _ in files}
+    read = {owner for found in references.values() for owner, _ in found.files}
     checkpoints = [
         {
             "step": info.step,
@@ -52,7 +62,7 @@ def _summary(root: str, storage_options: dict[str, Any] | None) -> dict[str, Any
             "state": _state(info, read),
             "bytes": checkpoint_bytes(storage, info.step),
             # Bytes of other checkpoints' data files it reads (an incremental checkpoint).
-            "shared_bytes": sum(references.get(info.step, {}).values()),
+            "shared_bytes": _shared_bytes(references.get(info.step)),
             "time": info.time,
             "metrics": info.metrics,
             # Only a good checkpoint is the policy's to keep; the others are never chosen.
@@ -93,7 +103,8 @@ def _text(summary: dict[str, Any]) -> str:
             f"{_printable(name)}={_number(value)}" for name, value in row["metrics"].items()
         )
         kept = {True: "yes", False: "no", None: ""}[row["kept"]]
-        shared = human_bytes(row["shared_bytes"]) if row["shared_bytes"] else "-"
+        nbytes = row["shared_bytes"]
+        shared = "?" if nbytes is None else human_bytes(nbytes) if nbytes else "-"
         table.append(
             (
                 str(row["step"]),

@@ -23,7 +23,7 @@ from shardwise.errors import (
     CheckpointStorageError,
 )
 
-__all__ = ["decode", "quoted", "read_index_bytes"]
+__all__ = ["decode", "quoted", "read_index_at", "read_index_bytes"]
 
 
 def read_index_bytes(storage: Storage, path: str) -> bytes:
@@ -36,6 +36,19 @@ def read_index_bytes(storage: Storage, path: str) -> bytes:
     name = storage.join(INDEX_NAME)
     if not storage.exists(name):
         raise CheckpointNotFoundError(_what_is_there(storage, path), file=storage.url(name))
+    return read_index_at(storage, name, path)
+
+
+def read_index_at(storage: Storage, name: str, path: str) -> bytes:
+    """The raw bytes of the index file ``name`` (a path of ``storage``) of the checkpoint at
+    ``path`` (for messages), read as every reader reads one: a regular file reached without
+    following a link, of at most ``MAX_INDEX_BYTES``, whole.
+
+    Raises:
+        CheckpointNotFoundError: It is not there.
+        CheckpointFormatError: It is not a regular file, or too large to be an index.
+        CheckpointDataError: The storage failed to open or read it.
+    """
     # On an object store a save may replace the index between the size lookup and the read:
     # a length other than the size (one byte more is asked for) is read again rather than
     # decoded as a mix. (Locally, the open file is the index that was there, whole.)

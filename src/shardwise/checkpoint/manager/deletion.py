@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterable
-from collections.abc import Set as AbstractSet
 
 from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME
 from shardwise.checkpoint.manager.policy import RetentionPolicy, retained
 from shardwise.checkpoint.manager.series import (
     CheckpointInfo,
     list_series,
-    referenced_files,
+    references_of,
     step_name,
 )
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
@@ -57,27 +56,29 @@ def _remove_files(storage: Storage, *parts: str, keep: Callable[[str], bool]) ->
 
 def protected_files(
     storage: Storage, listing: Iterable[CheckpointInfo], deleting: Iterable[int] = ()
-) -> set[tuple[str, str]]:
+) -> frozenset[tuple[str, str]]:
     """``(step directory, "data/<file>")`` of every data file that a committed checkpoint of
-    ``listing``, but those of ``deleting``, references: what no deletion may remove.
+    ``listing``, but those of ``deleting``, references (:func:`references_of`: what the
+    validated reader reads through its index, or every reference name an index that does not
+    decode holds): what no deletion may remove.
 
     Raises:
-        OSError: An index could not be read (then nothing may be deleted: it may reference
-            anything).
+        CheckpointError: An index could not be read (then nothing may be deleted: it may
+            reference anything).
     """
     skip = set(deleting)
     protected: set[tuple[str, str]] = set()
     for info in listing:
         if info.committed and info.step not in skip:
-            protected.update(referenced_files(storage, info.step))
-    return protected
+            protected.update(references_of(storage, info.step).files)
+    return frozenset(protected)
 
 
 def delete_checkpoint(
     storage: Storage,
     step: int,
     open_step: Callable[[int], Storage],
-    protected: AbstractSet[tuple[str, str]] = frozenset(),
+    protected: frozenset[tuple[str, str]] = frozenset(),
 ) -> bool:
     """Delete the checkpoint of ``step`` from the series at ``storage``'s root, but the data
     files of ``protected`` (:func:`protected_files`), which stay in its ``data/``.
@@ -132,7 +133,7 @@ def finish_deletions(
     open_step: Callable[[int], Storage],
     *,
     writing: int | None,
-    protected: AbstractSet[tuple[str, str]] = frozenset(),
+    protected: frozenset[tuple[str, str]] = frozenset(),
 ) -> list[int]:
     """Delete the uncommitted step directories older than the newest committed checkpoint:
     deletions that a kill interrupted, and saves killed before their commit that no resumed run

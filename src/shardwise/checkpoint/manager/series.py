@@ -13,8 +13,8 @@ Only names that match :func:`step_name` exactly are the series' (``step-7``, ``s
 
 from __future__ import annotations
 
-import errno
 import json
+import logging
 import math
 import os
 import re
@@ -23,7 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME, MAX_INDEX_BYTES
+import xxhash
+
+from shardwise._codec import strict_json
+from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME, decode_index
+from shardwise.checkpoint.index.names import parse_reference
+from shardwise.checkpoint.loading.index_file import read_index_at
 from shardwise.checkpoint.manager.policy import RetentionPolicy
 from shardwise.checkpoint.storage import (
     LocalStorage,
@@ -31,19 +36,25 @@ from shardwise.checkpoint.storage import (
     UnsafePathError,
     open_shared_storage,
 )
-from shardwise.errors import CheckpointError, CheckpointStorageError
+from shardwise.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+)
 
 __all__ = [
     "MAX_STEP",
     "REJECTED_NAME",
     "STEP_RECORD_NAME",
     "CheckpointInfo",
+    "References",
     "checkpoint_bytes",
     "list_series",
-    "referenced_files",
     "open_series",
     "parse_step_name",
     "read_step_record",
+    "references_of",
     "restorable",
     "rejection_record",
     "step_name",
@@ -55,6 +66,8 @@ __all__ = [
 STEP_RECORD_NAME = "shardwise-step.json"
 #: Written into a checkpoint that a restore found unusable.
 REJECTED_NAME = "shardwise-rejected.json"
+logger = logging.getLogger("shardwise.checkpoint.manager")
+
 _RECORD_FORMAT = "shardwise-step"
 _RECORD_VERSION = 1
 _MAX_RECORD_BYTES = 1 << 20
@@ -62,12 +75,15 @@ _STEP_DIGITS = 8
 _STEP_NAME = re.compile(r"step-([0-9]{8,19})")
 #: The largest step: its name has the most digits a series' listing reads (19).
 MAX_STEP = 10**19 - 1
-# A reference to a step's data file in an index's raw bytes, with the size the index declares
-# (``docs/format.md``, *Incremental checkpoints*): found without decoding, so that an index
-# too damaged to decode still protects what it references.
-_MAX_SIZE_DIGITS = 20
-_REFERENCE = re.compile(
-    rb'"\.\./(step-[0-9]{8,19})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)",([0-9]+),'
+# References (``references_of``): the decoded results by the xxh3_128 of the index's bytes.
+# Indexes do not change once committed, and retention asks for every kept one at each commit:
+# decoding a 10,000-tensor index takes tens of milliseconds, and a run keeping a checkpoint
+# every N steps holds hundreds. The key is the content, so a changed index is decoded anew.
+_REFERENCES_CACHED = 1024
+_references_cache: dict[bytes, References] = {}
+# The fallback for an index that is not even JSON: reference names found in its raw bytes.
+_RAW_REFERENCE = re.compile(
+    rb"\.\./([^/\\\"\x00]{1,255})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)"
 )
 
 
@@ -288,29 +304,92 @@ def checkpoint_bytes(storage: Storage, step: int) -> int:
     return total
 
 
-def referenced_files(storage: Storage, step: int) -> dict[tuple[str, str], int]:
-    """The data files of other step directories that the index of ``step`` references:
-    ``(step directory, "data/<file>") -> declared size``; empty when it has no index, or one
-    that no reader opens (a link, a directory, larger than an index may be: ``load`` refuses
-    it, so nothing it names is ever read through it). Any other failure to read it raises
-    ``OSError``."""
+@dataclass(frozen=True, slots=True)
+class References:
+    """The data files of other checkpoints that one checkpoint's index names."""
+
+    #: ``(checkpoint directory, "data/<file>")`` -> the size the index declares (None when the
+    #: index did not decode).
+    files: dict[tuple[str, str], int | None] = field(default_factory=dict)
+    #: Why the index did not decode (None: it did, and ``files`` is exactly what a reader reads
+    #: through it). Then ``files`` holds every reference name found in it: as JSON strings
+    #: where it is JSON (any formatting, key order or escape), else in its raw bytes.
+    undecoded: str | None = None
+
+
+def references_of(storage: Storage, step: int) -> References:
+    """What the index of ``step`` references, read and decoded by the one validated reader
+    (``docs/manager.md``, *Retention by reference*): exactly the sibling data files a load
+    reads through it. An index that does not decode (damaged, of a version this shardwise does
+    not read, malformed) is taken to reference every reference name it holds. No index, or one
+    that no reader opens (a link, a directory, larger than an index may be), references nothing.
+
+    Raises:
+        CheckpointError: The storage failed to read it (then nothing may be deleted: it may
+            reference anything).
+    """
     path = storage.join(step_name(step), INDEX_NAME)
     try:
-        data = storage.read_small(path, MAX_INDEX_BYTES)
-    except (FileNotFoundError, UnsafePathError):
-        return {}
-    except OSError as err:
-        if err.errno == errno.EFBIG:
-            return {}
-        raise
-    # A declared size of more digits than any file's (a damaged or hostile index) is taken as
-    # 0: the file it names is protected all the same.
-    return {
-        (match[1].decode(), f"{DATA_DIR}/{match[2].decode()}"): (
-            int(match[3]) if len(match[3]) <= _MAX_SIZE_DIGITS else 0
-        )
-        for match in _REFERENCE.finditer(data)
-    }
+        data = read_index_at(storage, path, storage.url(storage.join(step_name(step))))
+    except CheckpointNotFoundError:
+        return References()
+    except CheckpointFormatError as err:
+        return References(undecoded=err.bare_message)
+    key = xxhash.xxh3_128_digest(data)
+    found = _references_cache.get(key)
+    if found is None:
+        found = _decoded_references(data)
+        if len(_references_cache) >= _REFERENCES_CACHED:
+            del _references_cache[next(iter(_references_cache))]
+        _references_cache[key] = found
+        if found.undecoded is not None:
+            logger.warning(
+                "the index of %s does not decode (%s): retention keeps every data file it "
+                "names (%d found in it)",
+                storage.url(path),
+                found.undecoded,
+                len(found.files),
+            )
+    return found
+
+
+def _decoded_references(data: bytes) -> References:
+    try:
+        index = decode_index(data)
+    except CheckpointFormatError as err:
+        return References(dict.fromkeys(_names_in(data)), err.bare_message)
+    files: dict[tuple[str, str], int | None] = {}
+    for name, size in index.files.items():
+        reference = parse_reference(name)
+        if reference is not None:
+            files[reference] = size
+    return References(files)
+
+
+def _names_in(data: bytes) -> list[tuple[str, str]]:
+    """Every reference name in an index that does not decode: each JSON string (keys too) that
+    is one, at any depth; in bytes that are not JSON, each found in them as raw text."""
+    try:
+        document = strict_json(data, "the checkpoint index", constants=True)
+    except ValueError:
+        texts = []
+        for match in _RAW_REFERENCE.finditer(data):
+            try:
+                texts.append(match[0].decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+    else:
+        texts, pending = [], [document]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, str):
+                texts.append(value)
+            elif isinstance(value, list):
+                pending.extend(value)
+            elif isinstance(value, dict):
+                texts.extend(value)
+                pending.extend(value.values())
+    return [found for found in map(parse_reference, texts) if found is not None]
 
 
 def restorable(storage: Storage) -> tuple[list[int], int]:
