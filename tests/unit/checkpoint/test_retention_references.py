@@ -6,6 +6,7 @@ loadable (``docs/manager.md``, *Retention by reference*)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,7 +82,9 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _copy(template: Path) -> Iterator[Path]:
+@contextlib.contextmanager
+def _copied(template: Path) -> Iterator[Path]:
+    """A copy of the series ``template``, removed afterwards."""
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory) / "run"
         shutil.copytree(template, root)
@@ -147,7 +150,7 @@ def reencoded(
 
 
 def test_the_issues_example_an_indented_index_keeps_its_files(template: Path) -> None:
-    for root in _copy(template):
+    with _copied(template) as root:
         index = _step_dir(root, 4) / "shardwise.json"
         index.write_bytes(
             reencoded(
@@ -194,7 +197,7 @@ def test_every_reencoding_keeps_what_the_kept_checkpoints_read(
     deleting: set[int],
     seed: int,
 ) -> None:
-    for root in _copy(template):
+    with _copied(template) as root:
         readable = set(range(1, NUM_STEPS + 1)) - shuffled
         expected_files = {step: _referenced(root, step) for step in range(1, NUM_STEPS + 1)}
         for step in set(encodings) | shuffled:
@@ -233,13 +236,25 @@ def test_every_reencoding_keeps_what_the_kept_checkpoints_read(
             assert {path.resolve() for path in left} <= kept  # only what others read stays
 
 
+def test_a_protected_file_is_kept_whatever_the_case_of_its_reference(template: Path) -> None:
+    with _copied(template) as root:
+        storage = LocalStorage(str(root))
+        (kept,) = (_step_dir(root, 1) / "data").iterdir()
+        upper = {("STEP-00000001", f"data/{kept.name}")}  # read there on a case-blind system
+        deletion.delete_checkpoint(
+            storage, 1, lambda s: LocalStorage(str(_step_dir(root, s))), frozenset(upper)
+        )
+        assert [path.name for path in (_step_dir(root, 1) / "data").iterdir()] == [kept.name]
+        assert not (_step_dir(root, 1) / "shardwise.json").exists()
+
+
 # -- indexes that do not decode --------------------------------------------------------------
 
 
 def test_an_index_of_an_unknown_version_keeps_every_name_it_holds_and_says_so(
     template: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    for root in _copy(template):
+    with _copied(template) as root:
         index = _step_dir(root, 4) / "shardwise.json"
         referenced = _referenced(root, 4)
         document = json.loads(index.read_bytes())
@@ -272,7 +287,7 @@ def test_an_index_of_an_unknown_version_keeps_every_name_it_holds_and_says_so(
 def test_ls_counts_shared_bytes_of_an_index_it_cannot_decode_as_unknown(
     template: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for root in _copy(template):
+    with _copied(template) as root:
         index = _step_dir(root, 3) / "shardwise.json"
         data = index.read_bytes()
         index.write_bytes(data.replace(b'"format_version":5', b'"format_version":6'))  # seal broken
@@ -333,7 +348,7 @@ def _delete_in_child(root: Path, deleting: list[int], kill_at: int) -> int:
 def test_kill_9_at_any_removal_of_deletions_with_reencoded_indexes(template: Path) -> None:
     kill_at = 1
     while True:
-        for root in _copy(template):
+        with _copied(template) as root:
             for step, options in ((4, {"indent": 1}), (3, {"escaped": set("sp"), "slash": True})):
                 index = _step_dir(root, step) / "shardwise.json"
                 settings_ = {

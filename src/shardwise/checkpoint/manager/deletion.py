@@ -108,14 +108,24 @@ def delete_checkpoint(
         # The commit marker first: from here on nothing reads it as a checkpoint.
         storage.remove(storage.join(name, INDEX_NAME))
         storage.sync_dir(storage.join(name))
-        kept = {file.removeprefix(f"{DATA_DIR}/") for owner, file in protected if owner == name}
+        # Compared without case: on a file system that ignores it (macOS, Windows), a
+        # reference to STEP-00000001/data/RANK-... reads this directory's files.
+        kept = {
+            file.casefold().removeprefix(f"{DATA_DIR}/")
+            for owner, file in protected
+            if owner.casefold() == name.casefold()
+        }
+
+        def keep(entry: str) -> bool:
+            return entry.casefold() in kept
+
         if DATA_DIR in storage.listdir(storage.join(name)):
             try:
-                _remove_files(storage, name, DATA_DIR, keep=kept.__contains__)
+                _remove_files(storage, name, DATA_DIR, keep=keep)
             except UnsafePathError:  # a link (or a file) named data: removed, never followed
                 storage.remove(storage.join(name, DATA_DIR))
             else:
-                if not kept.intersection(storage.listdir(storage.join(name, DATA_DIR))):
+                if not any(map(keep, storage.listdir(storage.join(name, DATA_DIR)))):
                     storage.remove_directory(storage.join(name, DATA_DIR))
         _remove_files(storage, name, keep=lambda entry: entry.startswith(LOCK_NAME))
     finally:
