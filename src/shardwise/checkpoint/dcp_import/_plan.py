@@ -17,7 +17,7 @@ from shardwise.checkpoint.dcp_import._unpickle import (
     DCPStorageInfo,
     DCPTensorEntry,
 )
-from shardwise.checkpoint.index.names import MAX_INT, creatable
+from shardwise.checkpoint.index.names import MAX_INT, PORTABLE_RULE, creatable, is_portable_name
 from shardwise.errors import DCPImportError
 from shardwise.metadata import ShardMetadata
 from shardwise.sharding_spec._internals import (
@@ -42,15 +42,20 @@ def shown(value: object) -> str:
 
 
 def _relative_path_problem(path: str) -> str | None:
-    """Why ``path`` is not a relative path of normal components, or None."""
+    """Why ``path`` is not a relative path of portable components (DCP writes
+    ``__0_0.distcp``; ``index.names.is_portable_name``), or None."""
     if not path:
         return "it is empty"
     if "\0" in path:
         return "it contains a NUL character"
     if path.startswith("/"):
         return "it is absolute"
-    if any(part in ("", ".", "..") for part in path.split("/")):
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
         return "it has an empty, '.' or '..' component"
+    odd = next((part for part in parts if not is_portable_name(part)), None)
+    if odd is not None:
+        return f"its component {odd!r} is not a portable file name ({PORTABLE_RULE})"
     return None
 
 

@@ -16,6 +16,7 @@ import torch
 
 from shardwise._codec import strict_json
 from shardwise.checkpoint.index.data_file import MAX_HEADER_BYTES
+from shardwise.checkpoint.index.names import PORTABLE_RULE, is_portable_name
 from shardwise.errors import CheckpointFormatError, CheckpointKeyError, CheckpointMismatchError
 
 __all__ = [
@@ -45,13 +46,15 @@ SINGLE_NAME = "model.safetensors"
 #: The index of a split model: which file holds each tensor.
 INDEX_NAME = "model.safetensors.index.json"
 #: The names a writer of this module makes (a later write removes those it did not make).
-OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+#: (Matched whole, digits as ``[0-9]``: ``\d`` takes Unicode digits, names no writer makes.)
+OUTPUT_NAME = re.compile(r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?")
 #: The temporary names those writers write under (``save_safetensors``: a token of 16 hex
 #: digits; ``shardwise consolidate``: a process id; the index written aside: process and
 #: thread ids): what a killed write leaves, which a later write removes.
 LEFTOVER_NAME = re.compile(
-    r"\.(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|config\.json)\.([0-9a-f]{16}|\d+)\.tmp"
-    r"|model\.safetensors\.index\.json\.\d+\.\d+\.tmp"
+    r"\.(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?|config\.json)"
+    r"\.([0-9a-f]{16}|[0-9]+)\.tmp"
+    r"|model\.safetensors\.index\.json\.[0-9]+\.[0-9]+\.tmp"
 )
 #: The header metadata transformers writes and requires ("pt": PyTorch tensors).
 METADATA = {"format": "pt"}
@@ -61,8 +64,7 @@ METADATA_KEY = "__metadata__"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 #: The largest index a reader accepts (one of a model of thousands of tensors is a few MiB).
 MAX_INDEX_JSON_BYTES = 64 << 20
-# A weight file an index may name: one plain name in the directory (no path, no hidden file).
-_WEIGHT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,250}\.safetensors")
+_WEIGHT_SUFFIX = ".safetensors"
 
 T = TypeVar("T")
 
@@ -190,9 +192,10 @@ def is_unicode_text(text: str) -> bool:
 
 
 def is_weight_file_name(name: str) -> bool:
-    """Whether an index may name ``name`` as a weight file: a plain ``*.safetensors`` name of
-    this directory (no separator, no ``..``, not hidden)."""
-    return _WEIGHT_FILE.fullmatch(name) is not None
+    """Whether an index may name ``name`` as a weight file: a portable file name of this
+    directory (``index.names.is_portable_name``: ASCII letters, digits, ``._-``, not hidden,
+    at most 255) ending in ``.safetensors``, as ``model-00001-of-00004.safetensors``."""
+    return name.endswith(_WEIGHT_SUFFIX) and is_portable_name(name)
 
 
 def _refuse(message: str, file: str) -> CheckpointFormatError:
@@ -225,7 +228,8 @@ def parse_index_json(data: bytes, file: str) -> dict[str, str]:
         if not is_weight_file_name(value):
             raise CheckpointFormatError(
                 f"the index places this tensor in {value!r}, which is not a plain "
-                "*.safetensors name in the model directory; refusing to open it",
+                f"*.safetensors name in the model directory ({PORTABLE_RULE}); refusing to "
+                "open it",
                 key=name,
                 file=file,
             )

@@ -44,6 +44,7 @@ from shardwise.checkpoint.index.names import (
     MAX_INDEX_BYTES,
     MAX_INT,
     MIN_BLOCK,
+    PORTABLE_RULE,
     QUANTIZED,
     SEAL_KEY,
     SEAL_LENGTH,
@@ -383,7 +384,11 @@ def _file_name(name: object, files: Mapping[str, int], references: bool) -> str:
     name = text_of(name, "a data file name")
     own = name.startswith(f"{DATA_DIR}/") and is_data_file_name(name[len(DATA_DIR) + 1 :])
     if not own and not (references and parse_reference(name) is not None):
-        also = ", or ../<checkpoint>/data/rank-*.safetensors" if references else ""
+        also = (
+            f", or ../<checkpoint>/data/rank-*.safetensors, <checkpoint> {PORTABLE_RULE}"
+            if references
+            else ""
+        )
         fail(f"{name!r} is not a data file name of this format (data/rank-*.safetensors{also})")
     if name in files:
         fail(f"the data file {name!r} is listed twice")

@@ -65,12 +65,40 @@ ENCODINGS = ("json", "pyjson", "pyjson2", "bytes", "bytesio", "pickle")
 TEXT_ENCODINGS = ("json", "pyjson", "pyjson2")
 SEAL_KEY = b'"index_checksum":"'
 SEAL_LENGTH = len(SEAL_KEY) + HEX + 2  # the key, 16 hex digits, '"}'
+# Every pattern of a name is matched whole (``fullmatch``: ``$`` would take a trailing
+# newline) and spells its characters as ASCII ranges: ``\d``, ``\w`` and ``str.isdigit``
+# take Unicode digits and letters, which are no characters of these names.
 _DATA_FILE = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors")
 _TEMPORARY = re.compile(r"rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors\.tmp")
-# ``../<checkpoint>/data/<data file>``: one component, no separator, NUL or control character.
-_REFERENCE = re.compile(
-    r"\.\./([^/\\\x00-\x1f]{1,255})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)"
+#: The most characters of a portable name (``NAME_MAX`` of the usual file systems; the
+#: characters are ASCII, so it is their bytes too).
+MAX_NAME = 255
+#: The characters of a portable name, in words (for error messages).
+PORTABLE_RULE = (
+    "1 to 255 of the characters A-Z a-z 0-9 . _ - (POSIX's portable file name characters), "
+    "not starting with . or -"
 )
+# POSIX's portable file name character set; the first character not "." (hidden, "." and "..")
+# nor "-" (taken for an option by command-line tools).
+_PORTABLE = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_NAME - 1}}}")
+# ``../<checkpoint>/data/<data file>``: the checkpoint one component, checked apart.
+_REFERENCE = re.compile(rf"\.\./([^/]*)/{DATA_DIR}/({_DATA_FILE.pattern})")
+
+
+def is_portable_name(name: str) -> bool:
+    """Whether ``name`` is a portable file name: :data:`PORTABLE_RULE` (so one path component,
+    never ``.`` or ``..``, no separator, space, NUL, control or non-ASCII character). Every
+    name read from a file that becomes a path component is held to it: a sibling checkpoint
+    of a reference (:func:`is_checkpoint_name`), a Hugging Face weight map's file, a DCP
+    storage path's components."""
+    return _PORTABLE.fullmatch(name) is not None
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` may be the directory name of a checkpoint that an incremental
+    checkpoint's index references (a portable name: the manager's ``step-00000100``, and
+    what a user names a base)."""
+    return is_portable_name(name)
 
 
 def data_file_name(rank: int, save_id: str) -> str:
@@ -95,9 +123,9 @@ def reference_name(checkpoint: str, file: str) -> str:
 
 def parse_reference(name: str) -> tuple[str, str] | None:
     """``(checkpoint, "data/<file>")`` of a reference name ``../<checkpoint>/data/<file>``
-    (the checkpoint one path component, neither ``.`` nor ``..``), else None."""
+    (``<checkpoint>`` a checkpoint name, :func:`is_checkpoint_name`), else None."""
     match = _REFERENCE.fullmatch(name)
-    if match is None or match.group(1) in (".", ".."):
+    if match is None or not is_checkpoint_name(match.group(1)):
         return None
     return match.group(1), f"{DATA_DIR}/{match.group(2)}"
 

@@ -26,7 +26,13 @@ from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.items import TensorValue
 from shardwise.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, Index, decode_index
 from shardwise.checkpoint.index.data_file import chunk_key
-from shardwise.checkpoint.index.names import DIGEST_HEX, parse_reference, reference_name
+from shardwise.checkpoint.index.names import (
+    DIGEST_HEX,
+    PORTABLE_RULE,
+    is_checkpoint_name,
+    parse_reference,
+    reference_name,
+)
 from shardwise.checkpoint.planning.planner import WriteAssignment
 from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.errors import CheckpointError
@@ -81,8 +87,9 @@ def open_base(path: str, base: str, storage_options: dict[str, Any] | None) -> B
     """The base ``base`` of a save to ``path``, its index read and validated.
 
     Raises:
-        ValueError: ``base`` is not a sibling of ``path`` (the same parent directory), or is
-            ``path`` itself.
+        ValueError: ``base`` is not a sibling of ``path`` (the same parent directory), is
+            ``path`` itself, or has a directory name that no index may reference (checked
+            before anything is read: the same verdict on every rank).
         CheckpointError: Its index cannot be read or is invalid.
     """
     root, name = _series_parts(path)
@@ -94,6 +101,13 @@ def open_base(path: str, base: str, storage_options: dict[str, Any] | None) -> B
         )
     if base_name == name:
         raise ValueError(f"base={base!r} is the checkpoint being saved: it cannot build on itself")
+    if not is_checkpoint_name(base_name):
+        # The new index would name ``../<base_name>/data/...``, which every reader refuses.
+        raise ValueError(
+            f"base={base!r}: its directory name {base_name!r} cannot be referenced by an "
+            f"incremental checkpoint's index; a referenced checkpoint's name is {PORTABLE_RULE} "
+            "(docs/format.md, Incremental checkpoints): rename the base, or save without it"
+        )
     storage: Storage = open_storage(os.path.expanduser(base), storage_options)
     try:
         data = storage.read_small(storage.join(INDEX_NAME), MAX_INDEX_BYTES)

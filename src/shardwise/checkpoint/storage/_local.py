@@ -32,7 +32,13 @@ _ASIDE_ATTEMPTS = 5
 # O_NONBLOCK keeps the open of a FIFO from waiting for a writer (it is refused right after,
 # unread); O_NOCTTY keeps a terminal from becoming this process's.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Every file written is created by the open (O_CREAT | O_EXCL: never an existing entry, so
+# never a file outside through a hard link or a symbolic link put at its name; O_NOFOLLOW for
+# good measure): see _create.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Reopening a file another process created (PartWriter): never a link, and never waiting on a
+# FIFO put in its place (refused right after, unwritten).
+_REOPEN_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # Buffers one preadv or writev takes at most (the kernel refuses more: EINVAL).
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
@@ -66,12 +72,44 @@ def _vectored(views: list[memoryview], transfer: Callable[[list[memoryview], int
     return total
 
 
+def _create(path: str) -> int:
+    """A new file at ``path``, opened for writing: the one way this backend opens a file to
+    write into it from scratch. An entry already there (a stale file, or a link someone put at
+    the name, hard or symbolic, to a file elsewhere) is ``FileExistsError``, never opened and
+    so never written through; a caller that may meet its own stale file removes it first
+    (``remove`` unlinks the name, never what a link points at)."""
+    return os.open(path, _CREATE_FLAGS, 0o644)
+
+
+def _reopen(path: str) -> int:
+    """The file at ``path`` that another process of the same write created (with
+    :func:`_create`), opened for writing: a regular file with no other name. A link, FIFO or
+    device there is refused unopened; a file with other names (a hard link put in place of
+    the one created, to a file elsewhere) is refused unwritten."""
+    before = os.lstat(path)
+    _refuse_unless(before.st_mode, path, directory=False)
+    fd = os.open(path, _REOPEN_FLAGS)
+    try:
+        opened = os.fstat(fd)
+        _refuse_unless(opened.st_mode, path, directory=False)
+        if opened.st_nlink != 1 or not os.path.samestat(before, opened):
+            raise UnsafePathError(
+                errno.EMLINK,
+                f"it has {opened.st_nlink} names (a hard link to a file elsewhere?) or changed "
+                "while opened",
+                path,
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class _LocalWriter:
     def __init__(self, storage: LocalStorage, path: str) -> None:
         self._storage = storage
         self._path = path
-        # O_EXCL: a writer only ever creates a fresh (temporary) name; never an existing file.
-        self._fd = os.open(path, _WRITE_FLAGS, 0o644)
+        self._fd = _create(path)  # a writer only ever writes a name it created
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
         self.write_vector([data])
@@ -258,20 +296,16 @@ class LocalStorage:
         return _LocalWriter(self, path)
 
     def open_parts(self, path: str, size: int | None = None) -> PartWriter:
-        """``path`` for writes in parts: created (never an existing file) with ``size`` bytes
-        when ``size`` is given, else the regular file there, opened without following a link."""
+        """``path`` for writes in parts: created (never an existing entry: ``FileExistsError``)
+        with ``size`` bytes when ``size`` is given, else the file another process created so,
+        reopened (:func:`_reopen`: ``UnsafePathError`` for a link, a special file, or a file
+        with other names)."""
         self._check_parents(path)
-        if size is not None:
-            fd = os.open(path, _WRITE_FLAGS, 0o644)
-            try:
-                os.ftruncate(fd, size)
-            except BaseException:
-                os.close(fd)
-                raise
-            return PartWriter(path, fd)
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if size is None:
+            return PartWriter(path, _reopen(path))
+        fd = _create(path)
         try:
-            _refuse_unless(os.fstat(fd).st_mode, path, directory=False)
+            os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
             raise
