@@ -48,6 +48,7 @@ SHARDED_TENSORS = "Sharded tensors"
 CHECKPOINTS = "Checkpoints"
 OWN_CODE = "Use it from your own code"
 FSDP2 = "FSDP2 and DTensor"
+FROM_DCP = "From code that calls DCP"
 TRAINING = "Training with sharded parameters"
 COMMAND_LINE = "Command line"
 EXPORT_HF = "Export to Hugging Face"
@@ -58,6 +59,7 @@ RUN = {
     CHECKPOINTS: "test_checkpoint_tour_in_one_process",
     OWN_CODE: "test_train_py_saves_and_resumes_on_2_ranks",
     FSDP2: "test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4",
+    FROM_DCP: "test_dcp_plugins_block_on_2_ranks",
     TRAINING: "test_training_tour_on_4_ranks",
     EXPORT_HF: "test_export_to_hugging_face_in_one_process",
     HF_IN_OUT: "test_hugging_face_in_and_out_in_one_process",
@@ -310,6 +312,28 @@ def test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4(tmp_path: Path) -> None:
             assert got[what].keys() == expected[what].keys(), f"rank {rank}: {what} keys"
             for key, tensor in expected[what].items():
                 assert torch.equal(got[what][key], tensor), f"rank {rank}: {key} differs"
+
+
+# -- From code that calls DCP ------------------------------------------------------------------
+
+
+def _dcp_block(cwd: str) -> dict[str, torch.Tensor]:
+    namespace = run_script(section_blocks(FROM_DCP), cwd)
+    weight = namespace["model"].weight
+    return {
+        "weight": weight.full_tensor().detach(),
+        "saved": namespace["state"]["model"]["weight"].full_tensor(),
+    }
+
+
+def test_dcp_plugins_block_on_2_ranks(tmp_path: Path) -> None:
+    results = run_on_ranks(_dcp_block, 2, args=(str(tmp_path),))
+    path = tmp_path / "checkpoints" / "dcp"
+    assert sorted(entry.name for entry in path.iterdir()) == ["data", "shardwise.json"]
+    assert cli.main(["verify", str(path)]) == 0
+    weight = ckpt.load_tensor(path, "model.weight")
+    for result in results:
+        assert torch.equal(result["weight"], weight) and torch.equal(result["saved"], weight)
 
 
 # -- Training with sharded parameters ----------------------------------------------------------

@@ -6,13 +6,13 @@ parts): ``docs/format.md``, *Keys*.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["Flat", "display_key", "flatten", "is_stateful", "restore"]
+__all__ = ["Flat", "display_key", "flatten", "is_stateful", "key_of_path", "restore"]
 
 _MAX_DEPTH = 100
 _SEPARATOR = "\x00"
@@ -51,6 +51,19 @@ def _key_of(state: _KeyState) -> str:
     """The internal key of a path's state."""
     dotted, ints, _ = state
     return f"{dotted}{_SEPARATOR}{','.join(ints)}" if ints else dotted
+
+
+def key_of_path(path: Sequence[str | int]) -> str:
+    """The internal key of the leaf at ``path`` (its keys from the top, str or int), as
+    :func:`flatten` names it.
+
+    Raises:
+        TypeError: A part is neither ``str`` nor ``int``, or not valid in a key.
+    """
+    state = _ROOT
+    for number, part in enumerate(path):
+        state = _extend(state, _check_part(part, tuple(path[:number])), number == 0)
+    return _key_of(state)
 
 
 @dataclass(slots=True)
