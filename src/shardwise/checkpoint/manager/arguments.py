@@ -1,17 +1,27 @@
 """The arguments of :class:`~shardwise.checkpoint.CheckpointManager` checked (a step, the
-metrics of a save), and the failures of its storage as the ``CheckpointError`` it raises."""
+metrics of a save, whether they hold the one ``keep_best`` ranks by), and the failures of its
+storage as the ``CheckpointError`` it raises."""
 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Mapping
 
 import torch
 
+from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
 from shardwise.checkpoint.manager.series import MAX_STEP
 from shardwise.errors import CheckpointError, CheckpointStorageError
 
-__all__ = ["as_step", "plain_metrics", "save_failure", "storage_failure"]
+__all__ = [
+    "as_step",
+    "check_policies",
+    "plain_metrics",
+    "save_failure",
+    "storage_failure",
+    "warn_if_unranked",
+]
 
 
 def as_step(step: object) -> int:
@@ -30,6 +40,15 @@ def as_step(step: object) -> int:
         if 0 <= value <= MAX_STEP and dtype is not torch.bool:
             return value
     raise ValueError(f"step must be an int >= 0 and <= {MAX_STEP}, not {step!r}")
+
+
+def check_policies(save_policy: object, retention: object) -> None:
+    """Raise ``TypeError`` unless the policies are a ``SavePolicy`` and a ``RetentionPolicy``
+    (or None, the defaults)."""
+    if save_policy is not None and not isinstance(save_policy, SavePolicy):
+        raise TypeError(f"save_policy must be a SavePolicy, not {type(save_policy).__name__}")
+    if retention is not None and not isinstance(retention, RetentionPolicy):
+        raise TypeError(f"retention must be a RetentionPolicy, not {type(retention).__name__}")
 
 
 def plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
@@ -58,6 +77,29 @@ def plain_metrics(metrics: Mapping[str, object] | None) -> dict[str, object]:
                 ) from None
         plain[name] = value
     return plain
+
+
+def warn_if_unranked(
+    retention: RetentionPolicy, metrics: Mapping[str, object] | None, step: int, root: str
+) -> bool:
+    """Warn (a ``UserWarning``, at the caller of ``save``) when ``retention`` keeps the best
+    by a metric that ``metrics``, recorded for ``step``, lack: a checkpoint without it is never
+    ranked, so a misspelt or forgotten name makes ``keep_best`` keep nothing. Returns whether
+    it warned (the manager warns once)."""
+    name = retention.best_metric
+    if retention.keep_best is None or name is None or (metrics is not None and name in metrics):
+        return False
+    given = ", ".join(repr(key) for key in sorted(map(str, metrics or {}))) or "none"
+    warnings.warn(
+        f"RetentionPolicy(keep_best={retention.keep_best}, best_metric={name!r}) of the series "
+        f"at {root} ranks checkpoints by {name!r}, but save(step={step}) got the metrics "
+        f"{given}: a checkpoint saved without {name!r} is never ranked best (keep_last and "
+        f"keep_every still keep it); pass metrics={{{name!r}: ...}} to save. Warned once "
+        "per manager",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def storage_failure(err: OSError, doing: str) -> CheckpointError:

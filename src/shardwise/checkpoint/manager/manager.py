@@ -30,9 +30,11 @@ from shardwise.checkpoint.index import (
 from shardwise.checkpoint.loading.load import load
 from shardwise.checkpoint.manager.arguments import (
     as_step,
+    check_policies,
     plain_metrics,
     save_failure,
     storage_failure,
+    warn_if_unranked,
 )
 from shardwise.checkpoint.manager.deletion import apply_retention
 from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
@@ -126,10 +128,7 @@ class CheckpointManager:
         sync_files: bool = True,
         incremental: bool = False,
     ) -> None:
-        if save_policy is not None and not isinstance(save_policy, SavePolicy):
-            raise TypeError(f"save_policy must be a SavePolicy, not {type(save_policy).__name__}")
-        if retention is not None and not isinstance(retention, RetentionPolicy):
-            raise TypeError(f"retention must be a RetentionPolicy, not {type(retention).__name__}")
+        check_policies(save_policy, retention)
         self.root = os.path.expanduser(os.fspath(root))
         self.save_policy = save_policy or SavePolicy()
         self.retention = retention or RetentionPolicy()
@@ -150,6 +149,7 @@ class CheckpointManager:
         self._untidy = False  # a save committed since rank 0 last applied the retention
         self._tidied_after: concurrent.futures.Future[Metadata] | None = None
         self._last_save = time.monotonic()
+        self._warned_unranked = False  # warn_if_unranked: once per manager
         self._closed = False
         #: True once a preemption notice made :meth:`save` save: stop training and exit.
         self.preempted = False
@@ -200,7 +200,6 @@ class CheckpointManager:
         One listing, on group rank 0, sent to every rank: all get the same answer.
         """
         self._check_open()
-
         return list(self._comm.broadcast_or_raise(self._listed_steps, src=0))
 
     def _listed_steps(self) -> list[int]:
@@ -325,6 +324,8 @@ class CheckpointManager:
                 write_step_record(self._storage, step, record, self.path(step))
 
         self._comm.agree_or_raise(prepare)
+        if self._comm.rank == 0 and not self._warned_unranked:  # its metrics are recorded
+            self._warned_unranked = warn_if_unranked(self.retention, metrics, step, self.root)
         self._last_save = time.monotonic()
         options: dict[str, Any] = {
             "process_group": self._process_group,
@@ -594,6 +595,5 @@ class CheckpointManager:
         # Leaving on an error, maybe on this rank alone: no collective, only this rank's wait.
         self._closed = True
         self._notice.close()
-        future = self._in_flight
-        if future is not None:
-            concurrent.futures.wait([future])
+        if self._in_flight is not None:
+            concurrent.futures.wait([self._in_flight])

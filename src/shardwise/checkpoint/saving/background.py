@@ -6,7 +6,10 @@ and the store's address under a key of the save group's store, and every writer 
 group of its own under that token. A writer that dies (or whose training process dies) sets
 the token's *abort* key: every other writer then reports it and exits, so each rank's future
 fails naming the rank, or, when no save was in flight, its next ``async_save`` raises; the
-call after that starts new writers. Protocol: ``docs/architecture.md``, *Async save*.
+call after that starts new writers. A save in flight whose writers failed may have committed
+all the same (a writer killed after the index was renamed into place): each rank then reads
+the index at the path, once no writer can still commit, and the future succeeds when it is the
+save's own. Protocol: ``docs/architecture.md``, *Async save*.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -26,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import TYPE_CHECKING, Any
@@ -38,9 +43,10 @@ from shardwise import collectives
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
-from shardwise.checkpoint.saving.outcome import returned_metadata
+from shardwise.checkpoint.saving.outcome import committed_metadata, returned_metadata
 from shardwise.checkpoint.saving.snapshot import Snapshot
 from shardwise.checkpoint.saving.staging import SharedBuffer, Staged, StagingArea
+from shardwise.checkpoint.storage import LocalStorage, open_storage
 from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -51,6 +57,9 @@ __all__ = ["Writer", "shutdown_writers", "writer_for"]
 logger = logging.getLogger("shardwise.checkpoint.save")
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo groups
 _STOP_SECONDS = 30.0
+#: How long a rank whose save's writers failed waits to see the coordinator's writer end
+#: before it reads the index (only that writer renames it into place).
+_FINAL_SECONDS = 30.0
 _WRITER_MODULE = "shardwise.checkpoint.saving.writer_process"
 
 
@@ -116,6 +125,48 @@ def claim_abort(store: Any, key: str, reason: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Unsettled:
+    """A save in flight whose writers failed: what it takes to learn whether it committed."""
+
+    future: concurrent.futures.Future[Metadata]
+    save_id: str | None  # None: the writer never learned it, so nothing can have committed
+    path: str
+    directory: str  # the training process's directory at submit (a relative path's base)
+    storage_options: dict[str, Any] | None
+    coordinator: int
+
+
+def _not_committed(cause: str, starts: str, rank: int | None) -> CheckpointError:
+    return CheckpointError(
+        f"{cause}; the save in flight, if any, was not committed (the previous checkpoint is "
+        f"intact), and the next async_save starts {starts}",
+        rank=rank,
+    )
+
+
+def _unconfirmed(
+    cause: str, starts: str, rank: int | None, save: _Unsettled, why: BaseException
+) -> CheckpointError:
+    error = CheckpointError(
+        f"{cause}; the save in flight to {save.path} may have committed: reading its index to "
+        f"find out failed ({type(why).__name__}: {why}). It committed if "
+        f"read_metadata({save.path!r}).storage_meta.save_id is {save.save_id!r}; if not, the "
+        f"checkpoint there before it is untouched. The next async_save starts {starts}",
+        rank=rank,
+    )
+    error.__cause__ = why
+    return error
+
+
+def _located(path: str, directory: str, storage_options: dict[str, Any] | None) -> str:
+    """``path`` as the writer opened it: a relative local path from ``directory``."""
+    storage = open_storage(path, storage_options)
+    if isinstance(storage, LocalStorage) and not os.path.isabs(storage.root):
+        return os.path.join(directory, storage.root)
+    return path
+
+
 class Writer:
     """This rank's writer process for one save group, and the save it has in flight."""
 
@@ -134,6 +185,12 @@ class Writer:
         self.future: concurrent.futures.Future[Metadata] | None = None
         self.path = ""
         self.storage_options: dict[str, Any] | None = None
+        #: The id of the save in flight, once the writer sent it (before anything commits).
+        self.save_id: str | None = None
+        self._directory = ""  # this process's directory at submit: a relative path's base
+        self._coordinator = 0
+        #: The id of the last save the writer replied "done" to.
+        self._last_done: str | None = None
         # What the writer was last sent of the staged tensors (it keeps its views of them).
         self._last_tensors: list[tuple[Any, ...]] | None = None
         self._last_aliases: dict[str, str] = {}
@@ -229,8 +286,9 @@ class Writer:
             self._last_tensors = None
             payload = pickle.dumps(("save", empty, path, options, error, self.members, os.getcwd()))
         with self._lock:
-            self.future, self.path = future, path
+            self.future, self.path, self.save_id = future, path, None
             self.storage_options = options.storage_options
+            self._directory, self._coordinator = os.getcwd(), options.coordinator_rank
             if self.dead:  # died since the caller looked: fail like a save it was writing
                 self._fail_in_flight(self.pending or CheckpointError("the writer process died"))
                 return future
@@ -273,13 +331,18 @@ class Writer:
             kind = message[0]
             if kind == "log":
                 logging.getLogger(message[1]).log(message[2], "%s", message[3])
+            elif kind == "save_id":
+                with self._lock:
+                    self.save_id = message[1]
             elif kind == "done":
+                with self._lock:
+                    self._last_done = message[2]
                 self._settle(self._metadata(message[1], message[2]), None)
             elif kind == "error":
-                self._settle(None, message[1])
                 if message[2]:  # the writers' group broke: this writer exits now
-                    with self._lock:
-                        self.dead = True
+                    self._broken(message[1])
+                else:
+                    self._settle(None, message[1])
             elif kind == "aborted":
                 try:
                     reason = json.loads(message[1])
@@ -294,6 +357,9 @@ class Writer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self._store is not None:  # another rank's verdict on the save may wait for this
+            with contextlib.suppress(Exception):
+                self._store.set(self._gone_key(self.rank), "1")
         with self._lock:
             expected = self.dead  # stopped, aborted, or broken: already reported
         if not expected:
@@ -306,9 +372,18 @@ class Writer:
             path, storage_options = self.path, self.storage_options
         return returned_metadata(outcome, path, storage_options, save_id)
 
-    def _settle(self, result: Metadata | None, error: BaseException | None) -> None:
+    def _settle(
+        self,
+        result: Metadata | None,
+        error: BaseException | None,
+        future: concurrent.futures.Future[Metadata] | None = None,
+    ) -> None:
+        """Settle ``future`` (default: the save in flight), no longer in flight after."""
         with self._lock:
-            future, self.future = self.future, None
+            if future is None:
+                future = self.future
+            if self.future is future:
+                self.future = None
         if future is None or future.done():
             return
         if error is not None:
@@ -321,36 +396,154 @@ class Writer:
         if not isinstance(reason, dict):  # not what a writer claims: reported as it is
             reason = {"reason": repr(reason)[:200]}
         rank, why, kind = reason.get("rank"), reason.get("reason"), reason.get("kind")
-        error = CheckpointError(
-            f"the background writer of rank {rank} failed: {why}; the save in flight, if any, "
-            "was not committed (the previous checkpoint is intact), and the next async_save "
-            "starts new writer processes",
-            rank=rank if isinstance(rank, int) else None,
+        self._fail(
+            f"the background writer of rank {rank} failed: {why}",
+            "new writer processes",
+            rank if isinstance(rank, int) else None,
+            report_later=kind == "death",
+            during=reason.get("save_id"),
         )
-        self._fail(error, report_later=kind == "death")
 
     def _died(self, how: str, publish: bool = False) -> None:
-        error = CheckpointError(
-            f"the background writer process of rank {self.rank} {how}; the save in flight, if "
-            "any, was not committed (the previous checkpoint is intact), and the next "
-            "async_save starts a new writer process",
-            rank=self.rank,
-        )
         if publish and self._store is not None:
+            with self._lock:  # the save it died in, if any: see _fail's ``during``
+                save_id = self.save_id if self.future is not None else None
             with contextlib.suppress(Exception):
-                reason = {"kind": "death", "rank": self.rank, "reason": f"its process {how}"}
+                reason = {
+                    "kind": "death",
+                    "rank": self.rank,
+                    "reason": f"its process {how}",
+                    "save_id": save_id,
+                }
                 claim_abort(self._store, self._abort_key, reason)
-        self._fail(error, report_later=True)
+        self._fail(
+            f"the background writer process of rank {self.rank} {how}",
+            "a new writer process",
+            self.rank,
+            report_later=True,
+        )
 
-    def _fail(self, error: CheckpointError, report_later: bool) -> None:
+    def _broken(self, error: BaseException) -> None:
+        """The save failed and broke the writers' group: it may have committed first."""
+
+        def unconfirmed(save: _Unsettled, why: BaseException) -> CheckpointError:
+            cause = f"the save failed ({type(error).__name__}: {error})"
+            found = _unconfirmed(cause, "new writer processes", None, save, why)
+            found.__cause__ = error  # the failure itself; the message names the reading's
+            return found
+
+        with self._lock:
+            self.dead = True
+            save = self._unsettled()
+        if save is not None:
+            self._conclude(save, error, unconfirmed)
+
+    def _fail(
+        self,
+        cause: str,
+        starts: str,
+        rank: int | None,
+        report_later: bool,
+        during: Any = None,
+    ) -> None:
+        """The writers failed: settle the save in flight by what is true at its path, or
+        (``report_later``) keep the error for the next call. ``during``: the id of the save a
+        writer of another rank died in; when this writer replied "done" to it, it committed,
+        and that rank's future succeeds by the same reading: nothing is left to report."""
         with self._lock:
             if self.dead:
                 return
             self.dead = True
-            if self.future is not None:
-                self._fail_in_flight(error)
-            elif report_later:
-                self.pending = error
+            save = self._unsettled()
+            if save is None:
+                if report_later and (during is None or during != self._last_done):
+                    self.pending = _not_committed(cause, starts, rank)
+                return
+        self._conclude(
+            save,
+            _not_committed(cause, starts, rank),
+            functools.partial(_unconfirmed, cause, starts, rank),
+        )
+
+    def _unsettled(self) -> _Unsettled | None:
+        """The save in flight (the lock held); it stays in flight until it is settled, so the
+        next ``async_save`` waits for its verdict."""
+        if self.future is None:
+            return None
+        return _Unsettled(
+            self.future,
+            self.save_id,
+            self.path,
+            self._directory,
+            self.storage_options,
+            self._coordinator,
+        )
+
+    def _conclude(
+        self,
+        save: _Unsettled,
+        error: BaseException,
+        unconfirmed: Callable[[_Unsettled, BaseException], BaseException],
+    ) -> None:
+        """Settle ``save``, whose writers failed: a success when its index is at the path,
+        else ``error``; ``unconfirmed(save, why)`` when the index cannot be read."""
+        if save.save_id is None:  # its writer died before exchange 2, so before any commit
+            self._settle(None, error, save.future)
+            return
+        threading.Thread(  # storage reads and waits: never on the receiving thread
+            target=self._confirm,
+            args=(save, error, unconfirmed),
+            name="shardwise-async-confirm",
+            daemon=True,
+        ).start()
+
+    def _confirm(
+        self,
+        save: _Unsettled,
+        error: BaseException,
+        unconfirmed: Callable[[_Unsettled, BaseException], BaseException],
+    ) -> None:
+        assert save.save_id is not None
+        try:
+            self._wait_until_final(save.coordinator)
+            path = _located(save.path, save.directory, save.storage_options)
+            metadata = committed_metadata(path, save.storage_options, save.save_id)
+        except Exception as err:  # whatever failed, the future settles, saying it is unknown
+            self._settle(None, unconfirmed(save, err), save.future)
+            return
+        if metadata is None:
+            self._settle(None, error, save.future)
+        else:  # committed: the save is durable, however its writer ended
+            self._settle(metadata, None, save.future)
+
+    def _wait_until_final(self, coordinator: int) -> None:
+        """Return once no writer can still commit the save: this rank's own has ended, and so
+        has the coordinator's (only it renames the index into place), as its training
+        process publishes; every rank then reads the same index, and reaches the same verdict.
+
+        Raises:
+            CheckpointError: The coordinator's writer was not seen to end in time.
+        """
+        with contextlib.suppress(OSError):
+            self.process.kill()  # failed: it exits anyway, and must not commit meanwhile
+        self.process.wait()
+        if self._store is None or coordinator == self.rank:
+            return
+        host, port = self.rendezvous.host, self.rendezvous.port
+        assert host is not None and port is not None  # a store: a group of more than one
+        limit = datetime.timedelta(seconds=_FINAL_SECONDS)
+        try:  # a client of its own: a wait holds a client's lock, check_abort would queue
+            store = TCPStore(host, port, None, False, limit, wait_for_workers=False)
+            store.wait([self._gone_key(coordinator)], limit)
+        except Exception as err:  # a timeout, or the store is gone: not known, said so
+            raise CheckpointError(
+                f"the writer process of rank {coordinator}, the save's coordinator, was not "
+                f"seen to end within {_FINAL_SECONDS:.0f} s ({type(err).__name__}: {err})"
+            ) from err
+
+    def _gone_key(self, rank: int) -> str:
+        """Set once ``rank``'s writer process of this generation has ended."""
+        return f"shardwise/async/{self.rendezvous.token}/gone/{rank}"
 
     def _fail_in_flight(self, error: CheckpointError) -> None:
         future, self.future = self.future, None

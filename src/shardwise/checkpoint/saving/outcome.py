@@ -1,6 +1,7 @@
 """What every rank of a save learns once the index is committed, and what it returns: a
 :class:`Metadata` decoded on first use, from the index sent with the outcome when small, else
-from storage (``docs/architecture.md``, *Save*); a loop that ignores it pays for neither."""
+from storage (``docs/architecture.md``, *Save*); a loop that ignores it pays for neither. And,
+for a save whose writer process died before it replied, whether it committed after all."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from shardwise.checkpoint import tuning
 from shardwise.checkpoint.index import decode_index
 from shardwise.checkpoint.loading.load import read_metadata
 from shardwise.checkpoint.metadata import STORAGE_TYPES, Metadata, StorageMeta
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 
-__all__ = ["outcome", "returned_metadata"]
+__all__ = ["committed_metadata", "outcome", "returned_metadata"]
 
 
 def outcome(data: bytes, metadata: Metadata) -> dict[str, Any]:
@@ -59,6 +60,23 @@ def returned_metadata(
         storage_meta=StorageMeta(checkpoint_id=received["checkpoint_id"], save_id=save_id),
         version=received["version"],
     )
+
+
+def committed_metadata(path: str, storage_options: Any, save_id: str) -> Metadata | None:
+    """The Metadata of the checkpoint at ``path`` when its index is the one the save
+    ``save_id`` committed; None when the save did not commit: no index there, an index of
+    another save, or one that does not decode (a commit renames a whole, valid index).
+
+    Raises:
+        CheckpointError, OSError: The storage failed: whether the save committed is unknown.
+    """
+    try:
+        found = read_metadata(path, storage_options=storage_options)
+    except (CheckpointNotFoundError, CheckpointFormatError):
+        return None
+    if found.storage_meta is None or found.storage_meta.save_id != save_id:
+        return None
+    return found
 
 
 class _OnFirstUse(MutableMapping[Any, Any]):

@@ -13,7 +13,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -166,6 +166,7 @@ def save_outcome(
     options: SaveOptions,
     local_error: BaseException | None = None,
     members: dict[int, int] | None = None,
+    on_save_id: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], str, Metadata | None]:
     """:func:`save_snapshot`, returning what the commit told every rank (``outcome.outcome``),
     the save's id, and the coordinator's metadata (``None`` on other ranks): what a writer
@@ -174,6 +175,8 @@ def save_outcome(
     Args:
         members: The save group's rank of each global rank of its members (default: those of
             ``comm``'s group; a writer process's own group numbers its ranks differently).
+        on_save_id: Called with the save's id once this rank knows it (exchange 2), before
+            this rank writes anything, so before the coordinator can commit.
     """
     started = time.monotonic()
     ranks = _members(comm) if members is None else members
@@ -263,6 +266,8 @@ def save_outcome(
         # Exchange 2: each rank's assignment (or the plan's error, on every rank).
         assignment = comm.scatter_or_raise(plan, src=coordinator_rank)
         save_id = assignment["save_id"]
+        if on_save_id is not None:
+            on_save_id(save_id)
         mine, grid_cells = _save_tables.own_file_writes(
             table, snapshot.tensors, assignment, comm.rank
         )

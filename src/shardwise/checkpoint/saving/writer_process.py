@@ -159,6 +159,14 @@ def main(setup: dict[str, Any]) -> int:
             abort("break", f"its writer could not join the writers' group: {err}")
             link.send(("failed", f"{type(err).__name__}: {err}"))
             return 1
+
+    def announce(save_id: str) -> None:
+        """Tell the training process the save's id before anything can commit: should this
+        process die later, it reads the index at the path to learn whether the save did (the
+        socket delivers this before the end of the stream, even after a kill)."""
+        with contextlib.suppress(OSError, ValueError):  # gone: its watcher ends this process
+            link.send(("save_id", save_id))
+
     gc.freeze()  # what the imports made lives for ever: the collections after saves skip it
     link.send(("ready", os.getpid()))
     buffer: SharedBuffer | None = None
@@ -189,7 +197,9 @@ def main(setup: dict[str, Any]) -> int:
             if tensors is None:
                 raise CheckpointError("the writer lost the layout of the staged tensors")
             snapshot = Snapshot(tensors, staged.objects, staged.aliases)
-            outcome, save_id, _ = save_outcome(snapshot, path, comm, options, local_error, members)
+            outcome, save_id, _ = save_outcome(
+                snapshot, path, comm, options, local_error, members, announce
+            )
         except BaseException as err:
             broken = _breaks_group(err)
             if broken:
