@@ -23,6 +23,7 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.planning.planner import Box, SavedChunk
+from shardwise.checkpoint.storage import local_path
 from shardwise.errors import CheckpointStorageError
 
 
@@ -153,7 +154,7 @@ def check_url(path: str) -> None:
         CheckpointStorageError: fsspec, or the package of the URL's protocol (e.g. s3fs for
             ``s3://``), is not installed, or the protocol is unknown.
     """
-    if "://" not in path or path.startswith("file://"):  # as open_storage tells them apart
+    if local_path(path) is not None:  # as open_storage tells them apart
         return
     protocol = path.split("://", 1)[0]
     try:

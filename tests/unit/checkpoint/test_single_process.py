@@ -568,6 +568,21 @@ def test_file_urls_are_local_paths(tmp_path: Path) -> None:
     assert torch.equal(ckpt.load_tensor(f"file://{tmp_path}/c", "w"), torch.arange(3))
 
 
+def test_local_urls_are_local_paths_that_follow_no_link(tmp_path: Path) -> None:
+    from shardwise.checkpoint.storage import LocalStorage, open_storage
+
+    assert isinstance(open_storage(f"local://{tmp_path}/c"), LocalStorage)
+    ckpt.save({"w": torch.arange(3)}, f"local://{tmp_path}/c")
+    assert torch.equal(ckpt.load_tensor(tmp_path / "c", "w"), torch.arange(3))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "data").symlink_to(outside)  # fsspec's local backend would write there
+    with pytest.raises(ckpt.CheckpointError, match="not a real directory"):
+        ckpt.save({"w": torch.arange(3)}, f"local://{tmp_path}/d")
+    assert list(outside.iterdir()) == []
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
 def test_quantized_tensors_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)

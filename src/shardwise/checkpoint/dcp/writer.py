@@ -59,7 +59,7 @@ from shardwise.checkpoint.planning.planner import SavedChunk, WriteAssignment
 from shardwise.checkpoint.saving import save as _save
 from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import SaveLock
-from shardwise.checkpoint.storage import UnsafePathError, open_storage
+from shardwise.checkpoint.storage import UnsafePathError, local_path, open_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointFormatError
 from shardwise.metadata import TensorProperties
 
@@ -243,7 +243,7 @@ def _path_of(path: str | os.PathLike[str]) -> str:
 
 
 def _openable(text: str) -> bool:
-    if "://" not in text or text.startswith("file://"):
+    if local_path(text) is not None:
         return True
     try:
         import fsspec  # type: ignore[import-untyped]

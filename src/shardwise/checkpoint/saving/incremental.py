@@ -34,7 +34,7 @@ from shardwise.checkpoint.index.names import (
     reference_name,
 )
 from shardwise.checkpoint.planning.planner import WriteAssignment
-from shardwise.checkpoint.storage import Storage, open_storage
+from shardwise.checkpoint.storage import Storage, local_path, open_storage
 from shardwise.errors import CheckpointError
 
 __all__ = ["Base", "digest_of", "open_base", "split_writes"]
@@ -76,10 +76,11 @@ class Base:
 
 def _series_parts(path: str) -> tuple[str, str]:
     """``(series root, name)`` of a checkpoint path, lexically (a URL by its last ``/``)."""
-    if "://" in path and not path.startswith("file://"):
+    local = local_path(path)
+    if local is None:
         head, _, name = path.rstrip("/").rpartition("/")
         return head, name
-    local = os.path.abspath(path.removeprefix("file://"))
+    local = os.path.abspath(local)
     return os.path.dirname(local), os.path.basename(local)
 
 

@@ -36,22 +36,37 @@ __all__ = [
     "Writer",
     "batches",
     "describe_storage_error",
+    "local_path",
     "open_shared_storage",
     "open_storage",
     "run_concurrently",
 ]
 
 
+# URL schemes that name this machine's files: served by LocalStorage, which follows no link
+# below its root and creates every file it writes (fsspec's local backend does neither).
+_LOCAL_SCHEMES = ("file://", "local://")
+
+
+def local_path(path: str | os.PathLike[str]) -> str | None:
+    """The local path ``path`` names (a plain path, or a ``file://`` or ``local://`` URL),
+    or None for a URL of another store: the one rule telling local storage from fsspec's."""
+    text = os.fspath(path)
+    for scheme in _LOCAL_SCHEMES:
+        if text.startswith(scheme):
+            return text[len(scheme) :]
+    return None if "://" in text else text
+
+
 def open_storage(
     path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> Storage:
-    """The storage backend for ``path``: local for plain paths, fsspec for URLs."""
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        return FsspecStorage(text, storage_options)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    return LocalStorage(text)
+    """The storage backend for ``path``: local for plain paths (and ``file://``,
+    ``local://``), fsspec for other URLs."""
+    local = local_path(path)
+    if local is None:
+        return FsspecStorage(os.fspath(path), storage_options)
+    return LocalStorage(local)
 
 
 def open_shared_storage(
