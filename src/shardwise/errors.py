@@ -6,8 +6,10 @@ Hierarchy::
     └── MetadataFormatError          a JSON metadata document shardwise cannot read
 
     CheckpointError                  any failure to read, validate or load a checkpoint
-    ├── CheckpointFormatError        malformed index, unknown format version, key or dtype name
-    │                                (also a MetadataFormatError, hence a ValueError)
+    ├── CheckpointFormatError        malformed index, unknown key or dtype name
+    │   │                            (also a MetadataFormatError, hence a ValueError)
+    │   └── CheckpointVersionError   an index of a format version this shardwise does not read
+    │                                (another shardwise may: a series keeps it)
     ├── CheckpointNotFoundError      no committed checkpoint at the path (also FileNotFoundError)
     ├── CheckpointKeyError           a requested key is not in the checkpoint (also KeyError)
     ├── CheckpointMismatchError      saved and target size or dtype differ (also ValueError)
@@ -23,6 +25,10 @@ Hierarchy::
     │                                (also RuntimeError, as torch's own collective errors are)
     └── DCPImportError               a torch.distributed.checkpoint directory is malformed, or
                                      cannot be read without running pickled code
+
+    RuntimeError
+    └── RemoteError                  another rank of the group failed with an error that has
+                                     no counterpart here; the message names the rank and it
 
 User mistakes otherwise raise the built-in ``ValueError``/``TypeError``/``RuntimeError``
 with the upstream ``torch.distributed._shard`` messages, which are part of the API contract.
@@ -48,10 +54,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStorageError",
     "CheckpointTimeoutError",
+    "CheckpointVersionError",
     "ChecksumError",
     "DCPImportError",
     "MetadataFormatError",
     "PickleNotAllowedError",
+    "RemoteError",
 ]
 
 
@@ -121,6 +129,11 @@ class CheckpointFormatError(CheckpointError, MetadataFormatError):
     layout or memory format."""
 
 
+class CheckpointVersionError(CheckpointFormatError):
+    """The index is of a format version this shardwise does not read (a newer shardwise may:
+    a ``CheckpointManager`` skips such a checkpoint on restore without rejecting it)."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """There is no committed checkpoint at the path (missing directory, or no index: a save that
     did not finish)."""
@@ -177,6 +190,11 @@ class DCPImportError(CheckpointError):
     """A DCP checkpoint is malformed, or cannot be read without running pickled code."""
 
 
+class RemoteError(RuntimeError):
+    """Another rank of the group failed with an error of a type that cannot be raised here as
+    it is; the message names the rank, the type and its message."""
+
+
 #: Every CheckpointError class by name (to rebuild one another rank raised).
 CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
     cls.__name__: cls
@@ -190,6 +208,7 @@ CHECKPOINT_ERRORS: dict[str, type[CheckpointError]] = {
         CheckpointNotFoundError,
         CheckpointStorageError,
         CheckpointTimeoutError,
+        CheckpointVersionError,
         ChecksumError,
         PickleNotAllowedError,
         DCPImportError,

@@ -28,9 +28,11 @@ from shardwise.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     CheckpointTimeoutError,
+    CheckpointVersionError,
     ChecksumError,
     DCPImportError,
     PickleNotAllowedError,
+    RemoteError,
 )
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStorageError",
     "CheckpointTimeoutError",
+    "CheckpointVersionError",
     "ChecksumError",
     "ChunkStorageMetadata",
     "DCPImportError",
@@ -52,6 +55,7 @@ __all__ = [
     "Metadata",
     "MetadataIndex",
     "PickleNotAllowedError",
+    "RemoteError",
     "RestoreFallbackWarning",
     "RetentionPolicy",
     "SavePolicy",

@@ -13,7 +13,7 @@ from typing import Any
 from torch.distributed import ProcessGroup
 
 from shardwise.collectives.groups import global_ranks, group_rank, group_timeout, group_world_size
-from shardwise.errors import CHECKPOINT_ERRORS, CheckpointError, CheckpointTimeoutError
+from shardwise.errors import CHECKPOINT_ERRORS, CheckpointError, CheckpointTimeoutError, RemoteError
 
 __all__ = ["ANY_OPERATION", "RemoteError", "bounded", "describe_error", "rebuild_error"]
 
@@ -37,10 +37,6 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         AttributeError,
     )
 }
-
-
-class RemoteError(RuntimeError):
-    """Another rank of the group failed; the message names the rank and its error."""
 
 
 def _seconds(timeout: timedelta) -> str:

@@ -27,6 +27,10 @@ from shardwise.errors import (
 
 HIERARCHY = [
     (CheckpointFormatError, (CheckpointError, MetadataFormatError, ValueError)),
+    (
+        errors.CheckpointVersionError,
+        (CheckpointFormatError, CheckpointError, MetadataFormatError, ValueError),
+    ),
     (CheckpointNotFoundError, (CheckpointError, FileNotFoundError, OSError)),
     (CheckpointKeyError, (CheckpointError, KeyError)),
     (CheckpointMismatchError, (CheckpointError, ValueError)),

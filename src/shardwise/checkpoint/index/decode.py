@@ -59,6 +59,7 @@ from shardwise.checkpoint.index.names import (
 )
 from shardwise.checkpoint.index.records import Index, ObjectRecord, SaveFacts, TensorRecord
 from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.errors import CheckpointVersionError
 from shardwise.metadata import TensorProperties
 
 __all__ = ["FileOrders", "decode_index"]
@@ -103,7 +104,7 @@ def decode_index(data: bytes) -> Index:
         # Checked first: another version may have other fields (docs/format.md, *Versioning*).
         version = document.get("format_version")
         if type(version) is not int or version not in VERSIONS:
-            fail(
+            raise CheckpointVersionError(
                 f"{UNSUPPORTED_VERSION} {version!r}; this shardwise reads "
                 f"version {FORMAT_VERSION} and version {INCREMENTAL_VERSION} (incremental "
                 "checkpoints) (a newer shardwise may read it)"

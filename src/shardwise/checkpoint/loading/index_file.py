@@ -211,6 +211,6 @@ def decode(data: bytes, storage: Storage) -> Index:
     try:
         return decode_index(data)
     except CheckpointFormatError as err:
-        raise CheckpointFormatError(
+        raise type(err)(
             err.bare_message, key=err.key, file=storage.url(storage.join(INDEX_NAME))
         ) from err

@@ -24,7 +24,6 @@ from shardwise import collectives
 from shardwise.checkpoint.index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
-    UNSUPPORTED_VERSION,
     decode_index,
 )
 from shardwise.checkpoint.loading.load import load
@@ -58,6 +57,7 @@ from shardwise.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointVersionError,
     ChecksumError,
 )
 
@@ -490,9 +490,7 @@ class CheckpointManager:
                     raise
                 failed.append(f"{path}: {err}")
                 # Another shardwise's format is not corruption: kept for a version that reads it.
-                unread = isinstance(err, CheckpointFormatError) and err.bare_message.startswith(
-                    UNSUPPORTED_VERSION
-                )
+                unread = isinstance(err, CheckpointVersionError)
                 self._reject(candidate, str(err), record=not unread)
                 continue
             if failed and result.missing_keys:
