@@ -101,6 +101,27 @@ def is_checkpoint_name(name: str) -> bool:
     return is_portable_name(name)
 
 
+# A reference name anywhere in raw bytes (the sibling's name checked apart, by parse_reference).
+_RAW_REFERENCE = re.compile(
+    rf'\.\./[^/\\"\x00]{{1,{MAX_NAME}}}/{DATA_DIR}/{_DATA_FILE.pattern}'.encode()
+)
+
+
+def references_in_bytes(data: bytes) -> list[tuple[str, str]]:
+    """``(checkpoint, "data/<file>")`` of every reference name found as raw text in ``data``:
+    for bytes that are not JSON, where no decoder can say what they name (retention keeps what
+    a damaged index names)."""
+    found = []
+    for match in _RAW_REFERENCE.finditer(data):
+        try:
+            reference = parse_reference(match[0].decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        if reference is not None:
+            found.append(reference)
+    return found
+
+
 def data_file_name(rank: int, save_id: str) -> str:
     """The data file of ``rank`` in save ``save_id``, relative to the checkpoint."""
     return f"{DATA_DIR}/rank-{rank:05d}.{save_id}.safetensors"

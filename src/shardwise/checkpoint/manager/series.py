@@ -27,7 +27,7 @@ import xxhash
 
 from shardwise._codec import strict_json
 from shardwise.checkpoint.index import DATA_DIR, INDEX_NAME, decode_index
-from shardwise.checkpoint.index.names import parse_reference
+from shardwise.checkpoint.index.names import parse_reference, references_in_bytes
 from shardwise.checkpoint.loading.index_file import read_index_at
 from shardwise.checkpoint.manager.policy import RetentionPolicy
 from shardwise.checkpoint.storage import (
@@ -81,10 +81,6 @@ MAX_STEP = 10**19 - 1
 # every N steps holds hundreds. The key is the content, so a changed index is decoded anew.
 _REFERENCES_CACHED = 1024
 _references_cache: dict[bytes, References] = {}
-# The fallback for an index that is not even JSON: reference names found in its raw bytes.
-_RAW_REFERENCE = re.compile(
-    rb"\.\./([^/\\\"\x00]{1,255})/data/(rank-[0-9]{5,9}\.[0-9a-f]{16}\.safetensors)"
-)
 
 
 def open_series(root: str, storage_options: dict[str, Any] | None, world_size: int = 1) -> Storage:
@@ -372,23 +368,17 @@ def _names_in(data: bytes) -> list[tuple[str, str]]:
     try:
         document = strict_json(data, "the checkpoint index", constants=True)
     except ValueError:
-        texts = []
-        for match in _RAW_REFERENCE.finditer(data):
-            try:
-                texts.append(match[0].decode("utf-8"))
-            except UnicodeDecodeError:
-                continue
-    else:
-        texts, pending = [], [document]
-        while pending:
-            value = pending.pop()
-            if isinstance(value, str):
-                texts.append(value)
-            elif isinstance(value, list):
-                pending.extend(value)
-            elif isinstance(value, dict):
-                texts.extend(value)
-                pending.extend(value.values())
+        return references_in_bytes(data)
+    texts, pending = [], [document]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            texts.extend(value)
+            pending.extend(value.values())
     return [found for found in map(parse_reference, texts) if found is not None]
 
 
