@@ -192,10 +192,13 @@ def read_step_record(storage: Storage, step: int) -> dict[str, Any] | None:
     """The step record of ``step`` when it is there and well formed, else None."""
     path = storage.join(step_name(step), STEP_RECORD_NAME)
     try:
-        record = json.loads(storage.read_small(path, _MAX_RECORD_BYTES))
+        # NaN and Infinity taken: a hand-edited record's non-finite metric is null (below).
+        record = strict_json(
+            storage.read_small(path, _MAX_RECORD_BYTES), "a step record", constants=True
+        )
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, RecursionError):  # unreadable: as if absent
+    except (OSError, ValueError):  # unreadable: as if absent
         return None
     if (
         not isinstance(record, dict)
@@ -231,8 +234,8 @@ def _rejection(storage: Storage, step: int) -> str | None:
     except OSError as err:
         return f"unreadable rejection record ({err})"
     try:
-        reason = json.loads(data).get("reason")
-    except (ValueError, RecursionError, AttributeError):
+        reason = strict_json(data, "a rejection record", constants=True).get("reason")
+    except (ValueError, AttributeError):
         reason = None
     return reason if isinstance(reason, str) else "malformed rejection record"
 
