@@ -15,6 +15,11 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" -e ".[test]"
+# torchtitan for tests/*/integrations: --no-deps, plus only what the modules the tests
+# import need (README, "Dependencies"); its own list (datasets, wandb, ...) is not needed.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		"torchtitan==0.3.0" "tyro==1.0.17" "docstring-parser==0.18.0" "typeguard==4.6.1" \
+		"spmd_types==0.2.3" "triton==3.9.0"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -49,6 +49,7 @@ CHECKPOINTS = "Checkpoints"
 OWN_CODE = "Use it from your own code"
 FSDP2 = "FSDP2 and DTensor"
 FROM_DCP = "From code that calls DCP"
+FROM_TORCHTITAN = "From torchtitan"
 TRAINING = "Training with sharded parameters"
 COMMAND_LINE = "Command line"
 EXPORT_HF = "Export to Hugging Face"
@@ -60,6 +61,7 @@ RUN = {
     OWN_CODE: "test_train_py_saves_and_resumes_on_2_ranks",
     FSDP2: "test_fsdp2_recipe_saves_on_2_ranks_and_resumes_on_4",
     FROM_DCP: "test_dcp_plugins_block_on_2_ranks",
+    FROM_TORCHTITAN: "test_torchtitan_block_in_one_process",
     TRAINING: "test_training_tour_on_4_ranks",
     EXPORT_HF: "test_export_to_hugging_face_in_one_process",
     HF_IN_OUT: "test_hugging_face_in_and_out_in_one_process",
@@ -334,6 +336,25 @@ def test_dcp_plugins_block_on_2_ranks(tmp_path: Path) -> None:
     weight = ckpt.load_tensor(path, "model.weight")
     for result in results:
         assert torch.equal(result["weight"], weight) and torch.equal(result["saved"], weight)
+
+
+# -- From torchtitan -------------------------------------------------------------------------
+
+
+def test_torchtitan_block_in_one_process() -> None:
+    pytest.importorskip("torchtitan")
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    from shardwise.integrations.torchtitan import ShardwiseCheckpointManager
+
+    checkpoint = run_blocks(section_blocks(FROM_TORCHTITAN))["checkpoint"]
+    # What Trainer.Config.checkpoint takes, and what the trainer's build() makes of it.
+    assert isinstance(checkpoint, BaseCheckpointManager.Config)
+    assert checkpoint._owner is ShardwiseCheckpointManager
+    assert (checkpoint.enable, checkpoint.interval, checkpoint.keep_latest_k) == (True, 500, 3)
+    assert checkpoint.keep_every == 10_000
+    assert checkpoint.preemption_signals == ["SIGTERM", "SIGUSR1"]
+    assert checkpoint.async_save is True
 
 
 # -- Training with sharded parameters ----------------------------------------------------------

@@ -1,0 +1,86 @@
+"""ShardwiseCheckpointManager.Config: torchtitan's validation of the shared fields, ours of
+our own (a ValueError naming the field), and the one-line switch of a trainer's config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.components.checkpointer import BaseCheckpointManager
+
+from shardwise.integrations.torchtitan import ShardwiseCheckpointManager
+
+Config = ShardwiseCheckpointManager.Config
+
+
+def test_is_a_torchtitan_checkpoint_config_that_builds_our_manager() -> None:
+    config = Config(enable=False)
+    assert isinstance(config, BaseCheckpointManager.Config)
+    assert issubclass(ShardwiseCheckpointManager, BaseCheckpointManager)
+    manager = config.build(
+        dataloader=None,
+        model_parts=[],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder="/nowhere",
+    )
+    assert type(manager) is ShardwiseCheckpointManager
+    assert manager.load() is False and manager.save(10) is False  # disabled: nothing happens
+    manager.close()
+
+
+def test_defaults() -> None:
+    config = Config()
+    assert (config.async_save, config.incremental, config.verify) == (True, False, True)
+    assert config.keep_latest_k == 10 and config.interval == 500  # torchtitan's
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"keep_every": 0}, "keep_every"),
+        ({"keep_every": True}, "keep_every"),
+        ({"keep_best": 0, "best_metric": "loss"}, "keep_best"),
+        ({"keep_best": 2}, "keep_best requires best_metric"),
+        ({"best_metric": "loss"}, "best_metric"),
+        ({"keep_best": 1, "best_metric": "loss", "best_mode": "lowest"}, "best_mode"),
+        ({"preemption_signals": ["SIGNOPE"]}, "preemption_signals"),
+        ({"preemption_signals": "SIGTERM"}, "preemption_signals"),
+        ({"storage_options": "anon"}, "storage_options"),
+        (
+            {
+                "initial_load_path": "/w",
+                "initial_load_in_hf": True,
+                "initial_load_in_hf_quantized": True,
+            },
+            "initial_load_in_hf_quantized",
+        ),
+        # torchtitan's own checks of the shared fields still run
+        ({"keep_latest_k": 1}, "at least 2"),
+        ({"interval": 0}, "interval"),
+        ({"initial_load_path": "relative/dir"}, "initial_load_path"),
+        ({"last_save_in_hf": True, "last_save_model_only": False}, "last_save_in_hf"),
+    ],
+)
+def test_invalid_fields_raise_value_error_naming_them(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Config(**fields)
+
+
+def test_valid_own_fields() -> None:
+    config = Config(
+        keep_every=1000,
+        keep_best=2,
+        best_metric="loss",
+        best_mode="max",
+        preemption_signals=["SIGTERM", "SIGUSR1"],
+        storage_options={"anon": True},
+        incremental=True,
+        async_save=False,
+    )
+    assert config.preemption_signals == ["SIGTERM", "SIGUSR1"]
