@@ -28,7 +28,7 @@ from shardwise.checkpoint.index import (
     encode_index,
     num_blocks,
 )
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.metadata import TensorProperties
 
 _FILE = "data/rank-00000.0123456789abcdef.safetensors"

@@ -34,6 +34,7 @@ import torch
 import xxhash
 
 import shardwise.checkpoint as swckpt
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.load import read_metadata
 from shardwise.checkpoint.planning import planner
 
@@ -227,9 +228,7 @@ def strided_section(root: str, size_mib: int, top: int) -> None:
     entry = metadata.state_dict_metadata["w"]
     data = metadata.storage_data or {}
     chunks = [
-        planner.SavedChunk(
-            tuple(c.offsets), tuple(c.sizes), info["file"], info["begin"], info["end"]
-        )
+        SavedChunk(tuple(c.offsets), tuple(c.sizes), info["file"], info["begin"], info["end"])
         for c in entry.chunks  # type: ignore[union-attr]
         for info in [data[swckpt.MetadataIndex("w", c.offsets)]]
     ]

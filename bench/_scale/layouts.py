@@ -33,8 +33,8 @@ from shardwise.checkpoint.index import (
     paused_gc,
 )
 from shardwise.checkpoint.index.layouts import LayoutChunks
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.planning.save_plan import SavePlan, TableRow, plan_save
 from shardwise.metadata import TensorProperties
 

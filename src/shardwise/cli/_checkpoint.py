@@ -21,8 +21,9 @@ from shardwise.checkpoint.index import (
     decode_text,
     load_json_value,
 )
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.reader import CheckpointReader
-from shardwise.checkpoint.planning.planner import Box, SavedChunk
+from shardwise.checkpoint.planning.planner import Box
 from shardwise.checkpoint.storage import local_path
 from shardwise.errors import CheckpointStorageError
 

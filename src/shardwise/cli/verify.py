@@ -20,9 +20,9 @@ from shardwise.checkpoint.index.data_file import (
     parse_header,
 )
 from shardwise.checkpoint.index.names import parse_reference
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.read import audit
 from shardwise.checkpoint.loading.reader import CheckpointReader
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.storage import UnsafePathError
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
 from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _keys_text

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.checkpoint.index import decode
+from shardwise.checkpoint.index import tiling as _tiling
 from shardwise.checkpoint.index.checks import Ranges, row_of
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning import tiling as _tiling
 from shardwise.checkpoint.planning.planner import Box, ChunkRead
 from shardwise.errors import CheckpointFormatError
 from tests.unit.checkpoint.test_planner import _chunks_of, _tiling_and_targets, reads_at_cost
@@ -123,7 +123,7 @@ def test_split_check_accepts_only_tilings_and_agrees_with_the_general_check(
     if _tiling.split_tiles(size, boxes):
         assert truth
     try:
-        planner.check_tiling(size, boxes)
+        _tiling.check_tiling(size, boxes)
         accepted = True
     except ValueError:
         accepted = False
@@ -150,7 +150,7 @@ def test_split_check_leaves_the_unusual_to_the_general_check() -> None:
     assert not _tiling.split_tiles((4, 4), [((0, 0), (2, 4)), ((2, 0), (3, 4))])  # past the end
     assert not _tiling.split_tiles((4, 4), [[[0, 0], [4, 4]]])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="overlap"):
-        planner.check_tiling((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])
+        _tiling.check_tiling((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])
 
 
 # -- whole layouts ----------------------------------------------------------------------------

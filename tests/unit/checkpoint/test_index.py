@@ -31,8 +31,9 @@ from shardwise.checkpoint.index import (
     seal,
 )
 from shardwise.checkpoint.index.layouts import FileOrder, Grid, LayoutChunks, ceil_grid_steps
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.metadata import MetadataIndex
-from shardwise.checkpoint.planning.planner import SavedChunk, plan_reads
+from shardwise.checkpoint.planning.planner import plan_reads
 from shardwise.errors import CheckpointFormatError
 from shardwise.metadata import TensorProperties
 

@@ -18,6 +18,7 @@ from shardwise.checkpoint.index import (
     decode_index,
     encode_index,
 )
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -26,7 +27,6 @@ from shardwise.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
 F0 = "data/rank-00000.0123456789abcdef.safetensors"

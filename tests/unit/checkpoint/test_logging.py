@@ -13,7 +13,7 @@ import torch
 
 import shardwise.checkpoint as ckpt
 from shardwise._progress import human_bytes
-from shardwise.checkpoint.saving.report import log_done
+from shardwise.checkpoint.report import log_done
 
 
 def _records(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:

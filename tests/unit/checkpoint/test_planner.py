@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from shardwise._boxes import intersect
 from shardwise.checkpoint import tuning
+from shardwise.checkpoint.index.records import SavedChunk
+from shardwise.checkpoint.index.tiling import check_tiling
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning.planner import Box, ChunkRead, SavedChunk
+from shardwise.checkpoint.planning.planner import Box, ChunkRead
 from shardwise.checkpoint.planning.save_plan import TableRow, plan_save
 from shardwise.checkpoint.tuning import TUNING
 
@@ -309,7 +311,7 @@ def _chunks_of(boxes: list[Box]) -> list[SavedChunk]:
 @given(_tiling_and_targets())
 def test_chunk_lookup_plans_exactly_what_the_all_pairs_search_plans(case: Any) -> None:
     size, boxes, targets = case
-    planner.check_tiling(size, boxes)
+    check_tiling(size, boxes)
     chunks = _chunks_of(boxes)
     lookup = planner.ChunkLookup([(c.offsets, c.sizes) for c in chunks])
     for target in targets:

@@ -32,8 +32,8 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key, layout_file
 from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps, file_cells
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.reader import CheckpointReader
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.cli import main
 from shardwise.errors import (
     CheckpointDataError,

@@ -55,7 +55,8 @@ from shardwise.checkpoint.index import (
     encode_index,
 )
 from shardwise.checkpoint.index.data_file import bytes_key, chunk_key
-from shardwise.checkpoint.planning.planner import SavedChunk, WriteAssignment
+from shardwise.checkpoint.index.records import SavedChunk
+from shardwise.checkpoint.planning.planner import WriteAssignment
 from shardwise.checkpoint.saving import save as _save
 from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import SaveLock

@@ -22,7 +22,7 @@ from shardwise.checkpoint.index.data_file import (
     parse_header,
     torch_dtype,
 )
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.errors import CheckpointFormatError
 
 __all__ = ["LENGTH_BYTES", "MAX_HEADERS_BYTES", "Catalog", "StoredTensor", "catalog", "length_of"]

@@ -47,7 +47,7 @@ from shardwise.checkpoint.loading.index_file import quoted
 from shardwise.checkpoint.loading.load import LoadResult, report_load
 from shardwise.checkpoint.loading.targets import check_target, describe_target
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar
+from shardwise.checkpoint.report import exchange_with_bar, job_bar
 from shardwise.checkpoint.storage import (
     Reader,
     Storage,

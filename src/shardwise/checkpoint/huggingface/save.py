@@ -57,9 +57,10 @@ from shardwise.checkpoint.huggingface.files import (
 )
 from shardwise.checkpoint.huggingface.keys import KeyMap, Names
 from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safetensors_dtype
+from shardwise.checkpoint.index.records import SavedChunk
+from shardwise.checkpoint.index.tiling import check_tiling
 from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning.tiling import check_tiling
-from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.storage import LocalStorage, PartWriter, open_shared_storage
 from shardwise.errors import (
     CheckpointError,
@@ -260,9 +261,7 @@ def _slabs(box: LocalBox, limit: int) -> list[LocalBox]:
 
 def _write_box(writer: PartWriter, box: LocalBox, tensor: OutTensor, start: int) -> int:
     """Write ``box`` of ``tensor`` (stored from byte ``start`` of its file); the bytes written."""
-    chunk = planner.SavedChunk(
-        (0,) * len(tensor.shape), tensor.shape, "", start, start + tensor.nbytes
-    )
+    chunk = SavedChunk((0,) * len(tensor.shape), tensor.shape, "", start, start + tensor.nbytes)
     itemsize = tensor.dtype.itemsize
     written = 0
     for slab in _slabs(box, tuning.TUNING.read_batch_bytes):

@@ -10,9 +10,8 @@ from typing import Any, NoReturn
 from shardwise._codec import strict_json
 from shardwise.checkpoint.entries.pyjson import check_plain, json_depth, untag
 from shardwise.checkpoint.index.names import MAX_DEPTH, MAX_DIMS, MAX_INT
-from shardwise.checkpoint.index.records import ObjectRecord
-from shardwise.checkpoint.planning import planner
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import ObjectRecord, SavedChunk
+from shardwise.checkpoint.index.tiling import check_tiling
 from shardwise.errors import CheckpointFormatError
 
 __all__ = ["decode_text", "fail", "load_json_value"]
@@ -150,7 +149,7 @@ def check_chunks_tile(fqn: str, size: tuple[int, ...], chunks: list[SavedChunk])
     only = chunks[0] if len(chunks) == 1 else None
     if only is None or only.sizes != size or len(only.offsets) != len(size) or any(only.offsets):
         try:
-            planner.check_tiling(size, [(c.offsets, c.sizes) for c in chunks])
+            check_tiling(size, [(c.offsets, c.sizes) for c in chunks])
         except ValueError as err:
             fail(f"the saved chunks do not tile the tensor of size {list(size)}: {err}", fqn)
 

@@ -57,8 +57,13 @@ from shardwise.checkpoint.index.names import (
     parse_reference,
     paused_gc,
 )
-from shardwise.checkpoint.index.records import Index, ObjectRecord, SaveFacts, TensorRecord
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import (
+    Index,
+    ObjectRecord,
+    SavedChunk,
+    SaveFacts,
+    TensorRecord,
+)
 from shardwise.errors import CheckpointVersionError
 from shardwise.metadata import TensorProperties
 

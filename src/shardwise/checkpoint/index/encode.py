@@ -20,8 +20,7 @@ from shardwise.checkpoint.index.names import (
     SEAL_KEY,
     paused_gc,
 )
-from shardwise.checkpoint.index.records import ObjectRecord, SaveFacts
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import ObjectRecord, SavedChunk, SaveFacts
 from shardwise.metadata import TensorProperties
 
 __all__ = ["FileFacts", "LayoutRecord", "PropertyTable", "encode_index", "seal"]

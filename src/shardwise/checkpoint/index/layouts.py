@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from shardwise._boxes import Box
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import SavedChunk
 
 __all__ = ["FileOrder", "Grid", "LayoutChunks", "ceil_grid_steps", "file_cells"]
 

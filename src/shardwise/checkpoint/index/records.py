@@ -22,13 +22,39 @@ from shardwise.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.metadata import TensorProperties
 
-__all__ = ["Index", "LazyMapping", "ObjectRecord", "SaveFacts", "TensorRecord", "metadata_view"]
+__all__ = [
+    "Index",
+    "LazyMapping",
+    "ObjectRecord",
+    "SaveFacts",
+    "SavedChunk",
+    "TensorRecord",
+    "metadata_view",
+]
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+@dataclass(slots=True)
+class SavedChunk:
+    """Stored bytes as the index records them: a tensor chunk (its box; ``()`` for a 0-d
+    tensor) or an object blob (an empty box), bytes ``[begin, end)`` of ``file`` (relative to
+    the checkpoint), checksummed by the file's blocks they touch (``Index.blocks_of``).
+    Slotted, not frozen, and treated as immutable: a save or load builds one per chunk, and
+    frozen construction costs four to five times as much."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
 
 
 @dataclass(frozen=True, slots=True)

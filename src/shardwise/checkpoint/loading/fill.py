@@ -15,6 +15,7 @@ import torch
 from shardwise._boxes import borrowed_bytes, byte_view, narrow_to
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.items import LocalBox
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.data_files import SourceFiles
 from shardwise.checkpoint.loading.read import Segment, read
 from shardwise.checkpoint.planning import planner
@@ -30,7 +31,7 @@ class Job:
 
     target: int
     key: str
-    chunk: planner.SavedChunk
+    chunk: SavedChunk
     read: planner.ChunkRead
     dtype: torch.dtype
 

@@ -31,7 +31,7 @@ from shardwise.checkpoint.loading.reader import CheckpointReader, Job, decode, r
 from shardwise.checkpoint.loading.targets import check_target, describe_target
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
-from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
+from shardwise.checkpoint.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.storage import open_shared_storage
 from shardwise.errors import (
     CheckpointDataError,

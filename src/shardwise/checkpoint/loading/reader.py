@@ -15,6 +15,7 @@ from shardwise.checkpoint.entries.items import LocalBox
 from shardwise.checkpoint.entries.state_dict import display_key
 from shardwise.checkpoint.index import INDEX_NAME, Index, ObjectRecord, TensorRecord
 from shardwise.checkpoint.index.layouts import LayoutChunks
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.data_files import DataFiles
 from shardwise.checkpoint.loading.fill import Job, fill
 from shardwise.checkpoint.loading.index_file import decode, read_index_bytes
@@ -61,7 +62,7 @@ class CheckpointReader:
         """Close every data file this reader opened."""
         self.files.close()
 
-    def check_files(self, items: Iterable[tuple[str, planner.SavedChunk]]) -> None:
+    def check_files(self, items: Iterable[tuple[str, SavedChunk]]) -> None:
         """Open (and so check) the data file of every ``(key, chunk)``."""
         for key, chunk in items:
             if chunk.nbytes:

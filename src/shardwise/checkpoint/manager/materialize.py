@@ -25,9 +25,9 @@ from shardwise.checkpoint.index import (
     encode_index,
 )
 from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key, layout_file
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.read import Segment, read
 from shardwise.checkpoint.loading.reader import CheckpointReader
-from shardwise.checkpoint.planning.planner import SavedChunk
 from shardwise.checkpoint.saving.writer import FileBlocks, open_fresh
 from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.errors import CheckpointError, CheckpointStorageError

@@ -15,18 +15,16 @@ from typing import Any, Protocol
 
 from shardwise._boxes import Box, intersect
 from shardwise.checkpoint import tuning
-from shardwise.checkpoint.planning.tiling import check_tiling
+from shardwise.checkpoint.index.records import SavedChunk
 
 __all__ = [
     "Box",
     "Candidates",
     "ChunkLookup",
     "ChunkRead",
-    "SavedChunk",
     "TensorPlan",
     "WriteAssignment",
     "agree_aliases",
-    "check_tiling",
     "plan_reads",
     "whole_reads",
 ]
@@ -90,23 +88,6 @@ class WriteAssignment:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
-
-
-@dataclass(slots=True)
-class SavedChunk:
-    """Stored bytes as the index records them: a tensor chunk (its box; ``()`` for a 0-d
-    tensor) or an object blob (an empty box), bytes ``[begin, end)`` of ``file`` (relative to
-    the checkpoint), checksummed by the file's blocks they touch (``Index.blocks_of``)."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from shardwise._boxes import Box
 from shardwise.checkpoint.index.layouts import Grid, ceil_grid_steps
-from shardwise.checkpoint.planning.planner import check_tiling
+from shardwise.checkpoint.index.tiling import check_tiling
 
 __all__ = ["Mesh", "SavePlan", "TableRow", "mesh_grid", "plan_save"]
 

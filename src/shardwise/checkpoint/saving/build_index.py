@@ -24,7 +24,7 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.index.data_file import bytes_key, chunk_key
 from shardwise.checkpoint.index.layouts import Grid, LayoutChunks
-from shardwise.checkpoint.planning.planner import SavedChunk
+from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.planning.tables import CoordinatorPlan
 from shardwise.errors import CheckpointError
 from shardwise.metadata import TensorProperties

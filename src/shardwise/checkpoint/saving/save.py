@@ -36,13 +36,13 @@ from shardwise.checkpoint.index import (
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.planning import tables as _save_tables
+from shardwise.checkpoint.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.saving import background as _background
 from shardwise.checkpoint.saving import build_index as _save_index
 from shardwise.checkpoint.saving import incremental as _incremental
 from shardwise.checkpoint.saving import outcome as _save_outcome
 from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
-from shardwise.checkpoint.saving.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.storage import (
     Storage,
