@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from shardwise.api import shard_parameter, shard_tensor
+    from shardwise.clip_grad import clip_grad_norm_
     from shardwise.errors import (
         CheckpointDataError,
         CheckpointError,
@@ -115,6 +116,7 @@ _SOURCES: dict[str, str] = {
     "ShardingPlanner": "shardwise.sharding_plan",
     "ShardingSpec": "shardwise.sharding_spec",
     "TensorProperties": "shardwise.metadata",
+    "clip_grad_norm_": "shardwise.clip_grad",
     "collect_local_shard": "shardwise.module",
     "custom_sharded_op_impl": "shardwise.ops",
     "custom_sharding_spec_op": "shardwise.ops",
@@ -170,6 +172,7 @@ __all__ = [
     "ShardingPlanner",
     "ShardingSpec",
     "TensorProperties",
+    "clip_grad_norm_",
     "collect_local_shard",
     "custom_sharded_op_impl",
     "custom_sharding_spec_op",
@@ -200,6 +203,7 @@ _SUBMODULES = frozenset(
         "api",
         "checkpoint",
         "cli",
+        "clip_grad",
         "collectives",
         "errors",
         "local_shards",

@@ -30,6 +30,7 @@ EXPECTED_NAMES = {
     "ShardMetadata",
     "ShardedTensorMetadata",
     "TensorProperties",
+    "clip_grad_norm_",
 }
 
 #: Public classes that deliberately stay in their submodule, with the reason.
