@@ -307,3 +307,36 @@ def test_norm_types_that_do_not_add_up_over_ranks_are_refused(norm_type: float) 
     with pytest.raises(ValueError, match=r"needs a norm_type > 0 or inf"):
         sw.clip_grad_norm_(param, 1.0, norm_type)
     assert torch.equal(param.grad, torch.ones(2))
+
+
+def _sync_then_clip(seed: int) -> dict[str, Any]:
+    """Each rank's plain gradient differs (its own loss); ``ShardedOptimizer.sync_grads``
+    sums them before the clip, so the norm is the reference's and the step sums nothing again."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sharded, reference = _models(seed)
+    params = {name: value for name, value in sharded.items()}
+    # This rank's share of the plain gradients: their sum over the ranks is the reference's.
+    for name, _ in PLAIN[:2]:
+        whole = params[name].grad
+        assert whole is not None
+        params[name].grad = whole * (rank + 1) / (world * (world + 1) / 2)
+    optim = sw.ShardedOptimizer(params, torch.optim.SGD, lr=1.0, sync_replicated_grads=True)
+    optim.sync_grads()
+    for name, _ in PLAIN[:2]:
+        _close(params[name].grad, dict(zip(sharded, reference, strict=True))[name].grad)
+    norm = sw.clip_grad_norm_(list(params.values()), 0.5)
+    expected = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    _close(norm, expected)
+    _check_grads(sharded, reference)
+    before = {name: params[name].detach().clone() for name, _ in PLAIN[:2]}
+    optim.step()  # plain parameters move by the clipped summed gradient, once
+    for (name, _), ref in zip(PLAIN[:2], reference[len(SHARDED) :], strict=False):
+        assert ref.grad is not None
+        _close(params[name].detach(), before[name] - ref.grad)
+    return {"norm": norm.item()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sync_grads_before_the_clip_counts_replicated_gradients_once(world: int) -> None:
+    results = run_on_ranks(_sync_then_clip, world, args=(7,))
+    assert len({result["norm"] for result in results}) == 1

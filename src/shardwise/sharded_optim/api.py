@@ -130,6 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.named_params: dict[str, torch.Tensor] = _named(named_params)
         #: Whether :meth:`step` sums the plain parameters' gradients over the ranks.
         self.sync_replicated_grads = sync_replicated_grads
+        self._summed = False  # sync_grads() summed the replicated gradients of this step
         self._slots: list[_Slot] = []
         self._slot_of: dict[int, _Slot] = {}
         tensors = self._add_slots(self.named_params)
@@ -226,18 +227,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every local tensor (``None`` unless ``set_to_none=False``)."""
+        self._summed = False
         self._optim.zero_grad(set_to_none)
+
+    def sync_grads(self) -> None:
+        """Sum the plain (replicated) parameters' gradients over the ranks now, as
+        ``sync_replicated_grads`` makes :meth:`step` do (collective: every rank calls it), so
+        that what runs between backward and the step sees the gradients the step applies:
+        ``shardwise.clip_grad_norm_`` then counts each replicated gradient once, the same on
+        every rank. The next :meth:`step` does not sum them again."""
+        self._sum_replicated_grads()
+        self._summed = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimization step of the wrapped optimizer; returns the closure's loss.
 
         With ``sync_replicated_grads`` this is collective: the plain parameters' gradients
-        are summed over the ranks first (after the closure, if there is one).
+        are summed over the ranks first (after the closure, if there is one), unless
+        :meth:`sync_grads` summed them since the last step.
         """
+        summed, self._summed = self._summed, False
         if not self.sync_replicated_grads:
             return self._optim.step(closure)  # type: ignore[arg-type]
         if closure is None:
-            self._sum_replicated_grads()
+            if not summed:
+                self._sum_replicated_grads()
             return self._optim.step()
 
         def synced() -> Any:
