@@ -514,9 +514,9 @@ def run_cli(*argv: str) -> CliResult:
 
 
 def check_cli(result: CliResult) -> None:
-    """The CLI's error contract: exit 0, 1 or 2; on 2 exactly one line on stderr; never a
-    traceback."""
-    assert result.code in (0, 1, 2), result
+    """The CLI's error contract: exit 0, 1, 2 (usage), 3 (invalid input) or 4 (storage); on 2
+    and up exactly one line on stderr; never a traceback."""
+    assert result.code in (0, 1, 2, 3, 4), result
     assert "Traceback" not in result.err and "Traceback" not in result.out, result
-    if result.code == 2:
+    if result.code >= 2:
         assert len(result.err.strip().splitlines()) == 1, result

@@ -1,7 +1,7 @@
 """The ``shardwise`` command line on real checkpoints written in a single process: inspect,
 verify (corruption, truncation, missing files, safetensors headers, no other index), diff
 (tolerances), consolidate to Hugging Face style safetensors (single file and split), hostile
-checkpoints (linked data files, corrupt blocks: exit 2, nothing outside opened, nothing written),
+checkpoints (linked data files, corrupt blocks: exit 3, nothing outside opened, nothing written),
 convert-dcp from a real torch DCP checkpoint, and the refusal of DCP metadata that references
 anything but DCP's own classes."""
 
@@ -278,11 +278,11 @@ def test_missing_or_incomplete_checkpoint_is_unreadable_input(
     (copy / "shardwise.json").unlink()
     for command in (["verify", copy], ["inspect", copy], ["diff", copy, copy]):
         code, out, err = _run(capsys, *command)
-        assert (code, out) == (2, "")
+        assert (code, out) == (3, "")
         assert err.startswith(f"shardwise {command[0]}: error: {copy} is not a complete shardwise")
         assert "Traceback" not in err
     code, _, err = _run(capsys, "consolidate", tmp_path / "nothing", tmp_path / "out")
-    assert code == 2
+    assert code == 3
     assert err == (
         f"shardwise consolidate: error: no checkpoint at {tmp_path / 'nothing'} "
         f"(file '{tmp_path / 'nothing' / 'shardwise.json'}')\n"
@@ -531,7 +531,7 @@ def test_a_metadata_document_is_no_index(copy: Path, capsys: pytest.CaptureFixtu
     (copy / "shardwise.json").write_text(ckpt.read_metadata(copy).to_json())
     for command in ("verify", "inspect"):
         code, out, err = _run(capsys, command, copy)
-        assert (code, out) == (2, "")
+        assert (code, out) == (3, "")
         assert "unsupported checkpoint format version 1; this shardwise reads version 4" in err
         assert err.count("\n") == 1
 
@@ -687,7 +687,7 @@ def test_diff_of_a_corrupt_checkpoint_is_unreadable_input(
     info = _chunk_info(copy, "ids", (0,))
     _flip_byte(copy, info, 0)
     code, out, err = _run(capsys, "diff", source[0], copy)
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     # The file's one block holds every entry: the first entry read fails.
     end = (copy / info["file"]).stat().st_size
     assert re.fullmatch(
@@ -841,7 +841,7 @@ def test_data_behind_a_symbolic_link_is_never_opened(
         assert "link" in problem
         assert summary == f"{copy}: 1 problem in 12 entries"
         return
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith(
         f"shardwise {command}: error: data file is not a regular file inside the checkpoint: "
     )
@@ -892,7 +892,7 @@ def test_a_flipped_byte_inside_a_sub_box(
         code, out, err = _run(capsys, "consolidate", path, out_dir)
         assert os.listdir(out_dir) == ["model.safetensors"]
         assert (out_dir / "model.safetensors").read_bytes() == before
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith(f"shardwise {command}: error: {block}")
     assert f"expected {info['checksums'][1]}, got " in err
     assert err.endswith(f"(key 'big', file '{path / info['file']}')\n")
@@ -1012,7 +1012,7 @@ def test_convert_dcp_refuses_metadata_outside_the_allow_list(
     assert isinstance(data, bytes)
     (directory / ".metadata").write_bytes(data)
     code, out, err = _run(capsys, "convert-dcp", directory, tmp_path / "out")
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith("shardwise convert-dcp: error: ")
     assert message in err
     assert "Traceback" not in err
@@ -1030,7 +1030,7 @@ def test_dcp_metadata_cannot_alter_the_allowed_stand_ins(
         b"ctorch.distributed.checkpoint.metadata\nMetadataIndex\nN}S'FIELDS'\n(S'x'\nts\x86b."
     )
     code, _, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
-    assert code == 2
+    assert code == 3
     assert "__setstate__() missing 1 required positional argument" in err
     assert _unpickle.DCPIndex.FIELDS == ("fqn", "offset", "index")
     metadata.write_bytes(
@@ -1038,7 +1038,7 @@ def test_dcp_metadata_cannot_alter_the_allowed_stand_ins(
         b"S'torch.strided'\n\x85R."
     )
     code, _, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
-    assert code == 2
+    assert code == 3
     assert err.endswith("TypeError: invalid partial state\n")  # a fresh partial refuses it
     assert _unpickle.layout.__defaults__ is None
 
@@ -1049,7 +1049,7 @@ def test_convert_dcp_refuses_pickled_objects_and_non_dcp_directories(
     marker = tmp_path / "executed"
     _dcp_save({"w": torch.ones(2), "custom": _Custom(str(marker))}, tmp_path / "dcp")
     code, out, err = _run(capsys, "convert-dcp", tmp_path / "dcp", tmp_path / "out")
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith(
         "shardwise convert-dcp: error: 'custom': its DCP payload cannot be read without running "
         "pickled code (Weights only load failed."
@@ -1058,7 +1058,7 @@ def test_convert_dcp_refuses_pickled_objects_and_non_dcp_directories(
     assert not (tmp_path / "out").exists()
 
     code, _, err = _run(capsys, "convert-dcp", tmp_path, tmp_path / "out")
-    assert code == 2
+    assert code == 3
     assert err == (
         f"shardwise convert-dcp: error: {tmp_path} is not a torch.distributed.checkpoint "
         f"directory: {tmp_path / '.metadata'} is missing\n"

@@ -18,8 +18,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardwise import __version__
-from shardwise.cli._common import EXIT_ERROR, EXIT_OK, parse_storage_options
-from shardwise.errors import CheckpointError
+from shardwise.cli._common import (
+    EXIT_INPUT,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    UsageError,
+    parse_storage_options,
+)
+from shardwise.errors import CheckpointError, CheckpointStorageError
 
 # Hugging Face's default shard size for save_pretrained.
 _DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -65,6 +72,19 @@ _STORAGE_LIBRARIES = frozenset(
         "s3fs",
         "urllib3",
     }
+)
+# The exit code of each exception type a command may end with (docs/cli.md, *Exit codes*): the
+# first type of an exception's MRO found here decides. An exception of a storage library is
+# a storage failure too (exit_code); any other exception is a bug of shardwise.
+_EXIT_CODES: dict[type[BaseException], int] = {
+    UsageError: EXIT_USAGE,
+    CheckpointStorageError: EXIT_STORAGE,
+    CheckpointError: EXIT_INPUT,  # not found, malformed, corrupt, a DCP directory refused
+    OSError: EXIT_STORAGE,  # the file system failed (permission, a full disk)
+}
+_EXIT_CODES_TEXT = (
+    "Exit codes: 0 success, 1 verification or comparison failed, 2 bad usage, 3 invalid or "
+    "corrupt input, 4 storage failure."
 )
 
 
@@ -125,24 +145,28 @@ def _with_storage_options(parser: argparse.ArgumentParser, applies_to: str) -> N
     )
 
 
+def _with_json(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--json", action="store_true", help=f"print {what} as one JSON object")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise",
         description="Inspect, verify, compare, consolidate and convert shardwise checkpoints, "
         "and list a series of them.",
-        epilog="Exit codes: 0 success, 1 verification or comparison failed, 2 bad usage or "
-        "unreadable input.",
+        epilog=_EXIT_CODES_TEXT,
     )
     parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub = commands.add_parser("inspect", help="list the entries of a checkpoint")
     sub.add_argument("path", help="checkpoint directory or fsspec URL")
-    sub.add_argument("--json", action="store_true", help="print a JSON summary")
+    _with_json(sub, "the summary")
     _with_storage_options(sub, "PATH")
 
     sub = commands.add_parser("verify", help="read all data and check every checksum")
     sub.add_argument("path", help="checkpoint directory or fsspec URL")
+    _with_json(sub, "the problems and counts")
     _with_storage_options(sub, "PATH")
 
     sub = commands.add_parser("diff", help="compare two checkpoints")
@@ -154,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--rtol", type=_tolerance_argument, default=0.0, help="relative tolerance (default 0)"
     )
+    _with_json(sub, "the differences")
     _with_storage_options(sub, "both checkpoints")
 
     sub = commands.add_parser(
@@ -184,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
         help="split into several files above this size: 500MB, 2GB, 1GiB or bytes "
         f"(default {_DEFAULT_MAX_SHARD_SIZE})",
     )
+    _with_json(sub, "what was written")
     _with_storage_options(sub, "PATH and OUT")
 
     sub = commands.add_parser(
@@ -193,6 +219,7 @@ def _parser() -> argparse.ArgumentParser:
         "dcp_dir", help="DCP checkpoint directory or fsspec URL (.metadata + .distcp files)"
     )
     sub.add_argument("out", help="output shardwise checkpoint directory or URL")
+    _with_json(sub, "what was written")
     _with_storage_options(sub, "DCP_DIR and OUT")
 
     sub = commands.add_parser(
@@ -202,13 +229,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("path", help="checkpoint directory or fsspec URL")
     sub.add_argument("out", help="new checkpoint directory or URL (must not hold a checkpoint)")
+    _with_json(sub, "what was written")
     _with_storage_options(sub, "PATH and OUT")
 
     sub = commands.add_parser(
         "ls", help="list the checkpoints of a series (a CheckpointManager's root)"
     )
     sub.add_argument("root", help="the series' root directory or fsspec URL")
-    sub.add_argument("--json", action="store_true", help="print a JSON summary")
+    _with_json(sub, "the listing")
     _with_storage_options(sub, "ROOT")
     return parser
 
@@ -231,6 +259,19 @@ def _from_storage_library(err: BaseException) -> bool:
     return module.partition(".")[0] in _STORAGE_LIBRARIES
 
 
+def _foreign_storage_error(err: BaseException) -> bool:
+    """Whether ``err`` is a storage library's own (not one shardwise raised about it)."""
+    return not isinstance(err, (UsageError, CheckpointError)) and _from_storage_library(err)
+
+
+def exit_code(err: BaseException) -> int | None:
+    """The exit code a command that raised ``err`` ends with (2 usage, 3 invalid input, 4
+    storage failure), or None for a bug of shardwise (its traceback is kept)."""
+    if _foreign_storage_error(err):
+        return EXIT_STORAGE
+    return next((_EXIT_CODES[cls] for cls in type(err).__mro__ if cls in _EXIT_CODES), None)
+
+
 def _error_line(command: str, message: str) -> None:
     # One line, whatever a message quotes from the input.
     print(f"shardwise {command}: error: {' '.join(message.splitlines())}", file=sys.stderr)
@@ -240,8 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``shardwise`` command line with ``argv`` (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 success, 1 verification or comparison failed, 2 bad usage or
-        unreadable input (a storage failure included: one line on stderr, no traceback).
+        The exit code: 0 success, 1 verification or comparison failed, 2 bad usage, 3
+        invalid or corrupt input, 4 storage failure (2 to 4: one line on stderr, no
+        traceback).
     """
     parser = _parser()
     try:
@@ -249,14 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:
         # argparse exits on --help, --version and usage errors; report its code instead.
         code = exit_.code
-        return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_ERROR)
+        return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
     try:
         module = importlib.import_module(f"shardwise.cli.{_HANDLERS[args.command]}")
         handler: Callable[[argparse.Namespace], int] = module.run
         return handler(args)
-    except CheckpointError as err:
-        _error_line(args.command, str(err))
-        return EXIT_ERROR
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)
         return 130
@@ -269,11 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(devnull, stdout)
             os.close(devnull)
         return 141  # as a shell reports a process ended by SIGPIPE
-    except Exception as err:  # sorted below: anything else is re-raised
-        if _from_storage_library(err):
-            _error_line(args.command, f"{str(err) or 'failed'} ({type(err).__name__})")
-        elif isinstance(err, OSError):
-            _error_line(args.command, str(err))
-        else:
+    except Exception as err:  # sorted by exit_code: anything else is re-raised
+        code = exit_code(err)
+        if code is None:
             raise  # a bug: its traceback is what helps
-        return EXIT_ERROR
+        if _foreign_storage_error(err):
+            _error_line(args.command, f"{str(err) or 'failed'} ({type(err).__name__})")
+        else:
+            _error_line(args.command, str(err))
+        return code

@@ -1,6 +1,7 @@
 """What the commands share that needs neither torch nor the checkpoint code: exit codes, the
-text of keys and counts, and ``--storage-options``. (The commands' view of a checkpoint is in
-:mod:`~shardwise.cli._checkpoint`.)"""
+usage error, the text of keys and counts, ``--json`` output and ``--storage-options``. (The
+commands' view of a checkpoint is in :mod:`~shardwise.cli._checkpoint`; which exception ends
+in which exit code is :func:`shardwise.cli._app.exit_code`.)"""
 
 from __future__ import annotations
 
@@ -8,12 +9,31 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+#: Success.
 EXIT_OK = 0
+#: ``verify`` found a problem, or ``diff`` a difference.
 EXIT_FAILED = 1
-EXIT_ERROR = 2
+#: Bad usage: an argparse error, or an option value refused once the command runs.
+EXIT_USAGE = 2
+#: Invalid or corrupt input: no checkpoint there, a malformed index, a corrupt block, a DCP
+#: directory that cannot be converted safely, ...
+EXIT_INPUT = 3
+#: The storage failed: no credentials, an unreachable endpoint, permission denied, a full disk.
+EXIT_STORAGE = 4
 
 # How many keys a problem line names before it says "and N more".
 _MAX_NAMED_KEYS = 5
+
+
+class UsageError(Exception):
+    """An option value a command refuses once it runs (a ``--prefix`` no key has, a
+    ``--config`` that is not a JSON object): exit code 2, as argparse's own usage errors."""
+
+
+def print_json(value: object, indent: int | None = None) -> None:
+    """``value`` as one strict JSON document on stdout (NaN and infinities refused: a
+    command's JSON holds none)."""
+    print(json.dumps(value, indent=indent, allow_nan=False))
 
 
 def _count(number: int, noun: str, plural: str | None = None) -> str:

@@ -56,8 +56,8 @@ from shardwise.checkpoint.index import ObjectRecord, TensorRecord
 from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safetensors_dtype
 from shardwise.checkpoint.storage import LocalStorage, Storage, Writer, open_storage
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint, check_url
-from shardwise.cli._common import EXIT_OK, _count, _keys_text
-from shardwise.errors import CheckpointError, CheckpointKeyError, CheckpointStorageError
+from shardwise.cli._common import EXIT_OK, UsageError, _count, _keys_text, print_json
+from shardwise.errors import CheckpointStorageError
 from shardwise.metadata import dtype_name
 
 _CONFIG_NAME = "config.json"
@@ -87,7 +87,8 @@ def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None)
     """The tensors to write, in key order, and notes on what is not written.
 
     Raises:
-        CheckpointKeyError: No key is under ``prefix``, or two keys would get the same name.
+        UsageError: No key is under ``prefix``.
+        CheckpointKeyError: Two keys would get the same name.
     """
     shown = {key: display_key(key) for key in checkpoint.entries}
     selected = list(checkpoint.entries)
@@ -95,7 +96,7 @@ def _plan(checkpoint: _Checkpoint, prefix: str | None, cast: torch.dtype | None)
         selected = [key for key in selected if shown[key].startswith(prefix)]
         if not selected:
             parts = _top_level_parts(sorted(shown.values()))
-            raise CheckpointKeyError(
+            raise UsageError(
                 f"no key of the checkpoint starts with {prefix!r}; its top-level parts are "
                 f"{_keys_text(parts)}: give one of them to --prefix"
             )
@@ -198,23 +199,23 @@ def _read_config(path: str) -> bytes:
     """The ``--config`` file, checked to be a JSON object.
 
     Raises:
-        CheckpointError: It cannot be read, or is not a JSON object.
+        UsageError: It cannot be read, or is not a JSON object.
     """
     try:
         with open(path, "rb") as file:
             data = file.read(_MAX_CONFIG_BYTES + 1)
     except OSError as err:
-        raise CheckpointError(f"cannot read --config {path}: {err.strerror or err}") from err
+        raise UsageError(f"cannot read --config {path}: {err.strerror or err}") from err
     if len(data) > _MAX_CONFIG_BYTES:
-        raise CheckpointError(f"--config {path} is larger than {human_bytes(_MAX_CONFIG_BYTES)}")
+        raise UsageError(f"--config {path} is larger than {human_bytes(_MAX_CONFIG_BYTES)}")
     try:
         value = json.loads(data)
     except ValueError as err:  # not UTF-8, or not JSON
-        raise CheckpointError(f"--config {path} is not JSON: {err}") from err
+        raise UsageError(f"--config {path} is not JSON: {err}") from err
     except RecursionError:
-        raise CheckpointError(f"--config {path} is nested too deeply") from None
+        raise UsageError(f"--config {path} is nested too deeply") from None
     if not isinstance(value, dict):
-        raise CheckpointError(
+        raise UsageError(
             f"--config {path} holds a JSON {type(value).__name__}; a model config is a JSON "
             "object (as config.json of a Hugging Face model)"
         )
@@ -353,6 +354,18 @@ def run(args: argparse.Namespace) -> int:
     # Printed once all is written, so that a failure is reported in exactly one line.
     for note in plan.notes:
         print(note, file=sys.stderr)
+    if args.json:
+        print_json(
+            {
+                "path": args.path,
+                "out": args.out,
+                "files": list(files),
+                "config": _CONFIG_NAME if config is not None else None,
+                "num_tensors": len(plan.tensors),
+                "bytes": total,
+            }
+        )
+        return EXIT_OK
     config_text = f" and {_CONFIG_NAME}" if config is not None else ""
     print(
         f"wrote {_count(len(plan.tensors), 'tensor')} ({human_bytes(total)}) to "

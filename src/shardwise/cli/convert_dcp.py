@@ -12,7 +12,7 @@ from shardwise._progress import count_bar
 from shardwise.checkpoint import save
 from shardwise.checkpoint.dcp_import import DCPImportError, DCPReader
 from shardwise.cli._checkpoint import check_url
-from shardwise.cli._common import EXIT_OK, _count
+from shardwise.cli._common import EXIT_OK, _count, print_json
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +45,16 @@ def run(args: argparse.Namespace) -> int:
         # save's user errors here come from the DCP input, e.g. keys that DCP kept apart and
         # that collide once the dict values are flattened into dotted keys.
         raise DCPImportError(f"cannot convert {directory}: {err}") from err
+    if args.json:
+        print_json(
+            {
+                "dcp_dir": directory,
+                "out": args.out,
+                "num_tensors": num_tensors,
+                "num_objects": len(state_dict) - num_tensors,
+            }
+        )
+        return EXIT_OK
     print(
         f"converted {_count(num_tensors, 'tensor')} and "
         f"{_count(len(state_dict) - num_tensors, 'object')} from {directory} to {args.out}"

@@ -5,14 +5,51 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardwise._progress import count_bar
 from shardwise.checkpoint.index import TEXT_ENCODINGS, TensorRecord
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
-from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _printable
+from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _printable, print_json
 from shardwise.metadata import dtype_name
+
+
+@dataclass(frozen=True, slots=True)
+class _Difference:
+    """One difference: ``change`` is ``"-"`` (only in A), ``"+"`` (only in B) or ``"~"`` (in
+    both, differing in ``field``: ``kind``, ``dtype``, ``size`` or ``value``); ``a`` and ``b``
+    what each side has there (the kind for a key on one side only; None for values, which
+    ``detail`` describes)."""
+
+    change: str
+    key: str
+    field: str
+    a: Any = None
+    b: Any = None
+    detail: str | None = None
+
+    def line(self) -> str:
+        """The difference as the text output prints it."""
+        if self.change == "-":
+            return f"- {self.key!r}: only in A ({self.a})"
+        if self.change == "+":
+            return f"+ {self.key!r}: only in B ({self.b})"
+        if self.field == "value":
+            return f"~ {self.key!r}: {self.detail}"
+        return f"~ {self.key!r}: {self.field} {self.a} in A, {self.b} in B"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "change": self.change,
+            "key": self.key,
+            "field": self.field,
+            "a": self.a,
+            "b": self.b,
+            "detail": self.detail,
+        }
 
 
 def _widened(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -85,7 +122,7 @@ def _compare_bytes(kind: str, first: bytes, second: bytes) -> str | None:
     return f"{kind} values differ first at byte {where}: {_short(first)} vs {_short(second)}"
 
 
-def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> list[str]:
+def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> list[_Difference]:
     differences = []
     keys_first, keys_second = first.entries, second.entries
     common = [fqn for fqn in keys_first if fqn in keys_second]
@@ -94,31 +131,31 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
     second.check_files(common)
     for fqn in keys_first:
         if fqn not in keys_second:
-            differences.append(f"- {fqn!r}: only in A ({first.kind(fqn)})")
+            differences.append(_Difference("-", fqn, "key", a=first.kind(fqn)))
     for fqn in keys_second:
         if fqn not in keys_first:
-            differences.append(f"+ {fqn!r}: only in B ({second.kind(fqn)})")
+            differences.append(_Difference("+", fqn, "key", b=second.kind(fqn)))
     with count_bar(len(common), "comparing", unit="key") as bar:
         for fqn in common:
             bar.update(1)
             entry_first, entry_second = keys_first[fqn], keys_second[fqn]
             kind_first, kind_second = first.kind(fqn), second.kind(fqn)
             if kind_first != kind_second:
-                differences.append(f"~ {fqn!r}: kind {kind_first} in A, {kind_second} in B")
+                differences.append(_Difference("~", fqn, "kind", kind_first, kind_second))
                 continue
             if isinstance(entry_first, TensorRecord):
                 assert isinstance(entry_second, TensorRecord)
                 dtypes = entry_first.dtype, entry_second.dtype
                 if dtypes[0] != dtypes[1]:
                     differences.append(
-                        f"~ {fqn!r}: dtype {dtype_name(dtypes[0])} in A, "
-                        f"{dtype_name(dtypes[1])} in B"
+                        _Difference("~", fqn, "dtype", dtype_name(dtypes[0]), dtype_name(dtypes[1]))
                     )
                     continue
                 if entry_first.size != entry_second.size:
                     differences.append(
-                        f"~ {fqn!r}: size {list(entry_first.size)} in A, "
-                        f"{list(entry_second.size)} in B"
+                        _Difference(
+                            "~", fqn, "size", list(entry_first.size), list(entry_second.size)
+                        )
                     )
                     continue
                 why = _compare_tensors(first.tensor(fqn), second.tensor(fqn), atol, rtol)
@@ -127,7 +164,7 @@ def _diff(first: _Checkpoint, second: _Checkpoint, atol: float, rtol: float) -> 
             else:
                 why = _compare_bytes(kind_first, first.payload(fqn), second.payload(fqn))
             if why is not None:
-                differences.append(f"~ {fqn!r}: {why}")
+                differences.append(_Difference("~", fqn, "value", detail=why))
     return differences
 
 
@@ -139,8 +176,24 @@ def run(args: argparse.Namespace) -> int:
     ):
         differences = _diff(first, second, args.atol, args.rtol)
         num_keys = len(first.entries)
-    for line in differences:
-        print(line)
+        num_keys_b = len(second.entries)
+    if args.json:
+        print_json(
+            {
+                "a": args.a,
+                "b": args.b,
+                "atol": args.atol,
+                "rtol": args.rtol,
+                "equal": not differences,
+                "num_keys_a": num_keys,
+                "num_keys_b": num_keys_b,
+                "num_differences": len(differences),
+                "differences": [difference.to_json() for difference in differences],
+            }
+        )
+        return EXIT_FAILED if differences else EXIT_OK
+    for difference in differences:
+        print(difference.line())
     if differences:
         print(_count(len(differences), "difference"))
         return EXIT_FAILED

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
 from shardwise._progress import human_bytes
 from shardwise.checkpoint.index import TensorRecord
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
-from shardwise.cli._common import EXIT_OK, _count, _printable
+from shardwise.cli._common import EXIT_OK, _count, _printable, print_json
 from shardwise.metadata import dtype_name
 
 # How many ties the text summary names before it says "and N more".
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint.check_files(checkpoint.entries)
         summary = _inspect_summary(checkpoint)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print_json(summary, indent=2)
         return EXIT_OK
     header = ["key", "kind", "dtype", "size", "chunks", "bytes"]
     table = [header]

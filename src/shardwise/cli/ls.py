@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from shardwise.checkpoint.manager.series import (
     references_of,
     step_name,
 )
-from shardwise.cli._common import EXIT_OK, _printable
+from shardwise.cli._common import EXIT_OK, _printable, print_json
 from shardwise.errors import CheckpointNotFoundError
 
 
@@ -142,5 +141,8 @@ def _text(summary: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     """``shardwise ls ROOT [--json]``: one row per step directory, oldest first."""
     summary = _summary(args.root, args.storage_options)
-    print(json.dumps(summary) if args.json else _text(summary))
+    if args.json:
+        print_json(summary)
+    else:
+        print(_text(summary))
     return EXIT_OK

@@ -12,7 +12,7 @@ from shardwise.checkpoint.index import Index
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.manager.materialize import materialize
 from shardwise.cli._checkpoint import check_url
-from shardwise.cli._common import EXIT_OK, _count
+from shardwise.cli._common import EXIT_OK, _count, print_json
 
 
 def _stored(index: Index) -> Iterator[int]:
@@ -37,8 +37,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     nbytes = sum(_stored(index))
+    num_tensors = len(index.tensors) - len(index.aliases)
+    if args.json:
+        print_json(
+            {
+                "path": args.path,
+                "out": args.out,
+                "num_tensors": num_tensors,
+                "num_objects": len(index.objects),
+                "num_files": len(index.files),
+                "bytes": nbytes,
+            }
+        )
+        return EXIT_OK
     print(
-        f"wrote {_count(len(index.tensors) - len(index.aliases), 'tensor')} "
+        f"wrote {_count(num_tensors, 'tensor')} "
         f"({human_bytes(nbytes)}) and {_count(len(index.objects), 'object')} to {args.out} "
         f"in {_count(len(index.files), 'data file')}: it reads no other checkpoint"
     )

@@ -25,7 +25,7 @@ from shardwise.checkpoint.loading.read import audit
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.storage import UnsafePathError
 from shardwise.cli._checkpoint import _Checkpoint, _open_checkpoint
-from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _keys_text
+from shardwise.cli._common import EXIT_FAILED, EXIT_OK, _count, _keys_text, print_json
 from shardwise.errors import CheckpointDataError, CheckpointFormatError, ChecksumError
 
 # A BAD HEADER line names this many disagreements before it says "and N more".
@@ -45,6 +45,29 @@ class _Item:
         return (
             "the stored object" if self.blob else f"the chunk at offsets {list(self.chunk.offsets)}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    """One problem found: its kind (``MISSING``, ``CHECKSUM``, ...), the key and the data file
+    concerned (either may be None), and what is wrong."""
+
+    kind: str
+    key: str | None
+    file: str | None
+    detail: str
+
+    def line(self) -> str:
+        """The problem as the text output prints it."""
+        if self.kind == "BAD JSON":
+            return f"BAD JSON key {self.key!r}: {self.detail}"
+        if self.kind == "CHECKSUM":
+            key = f"key {self.key!r} " if self.key else ""
+            return f"CHECKSUM {key}in {self.file}: {self.detail}"
+        return f"{self.kind} data file {self.file}: {self.detail}"
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"kind": self.kind, "key": self.key, "file": self.file, "detail": self.detail}
 
 
 def _items_by_file(checkpoint: _Checkpoint) -> dict[str, list[_Item]]:
@@ -68,14 +91,14 @@ def _items_by_file(checkpoint: _Checkpoint) -> dict[str, list[_Item]]:
     return by_file
 
 
-def _json_problems(checkpoint: _Checkpoint) -> list[str]:
+def _json_problems(checkpoint: _Checkpoint) -> list[_Problem]:
     problems = []
     for fqn, entry in checkpoint.entries.items():
         if isinstance(entry, ObjectRecord) and entry.text is not None:
             try:
                 decode_text(entry)
             except CheckpointFormatError as err:
-                problems.append(f"BAD JSON key {fqn!r}: {err.bare_message}")
+                problems.append(_Problem("BAD JSON", fqn, None, err.bare_message))
     return problems
 
 
@@ -86,16 +109,16 @@ def _needed_size(reader: CheckpointReader, name: str, items: Sequence[_Item]) ->
 
 def _file_problem(
     reader: CheckpointReader, name: str, items: Sequence[_Item], err: CheckpointDataError
-) -> str:
-    """The problem line for a data file the reader refused to open."""
+) -> _Problem:
+    """The problem of a data file the reader refused to open."""
     cause = err.__cause__
     if isinstance(cause, FileNotFoundError):
         keys = sorted({item.fqn for item in items})
-        return f"MISSING data file {name}: holds {_keys_text(keys) or 'no entry'}"
+        return _Problem("MISSING", None, name, f"holds {_keys_text(keys) or 'no entry'}")
     if isinstance(cause, UnsafePathError):
         path = cause.filename
         where = "" if path in (None, reader.files.path(name)) else f" ({path})"
-        return f"UNSAFE data file {name}: {cause.strerror}{where}; not read"
+        return _Problem("UNSAFE", None, name, f"{cause.strerror}{where}; not read")
     if cause is None:  # a regular file whose size disagrees with the index
         needed = _needed_size(reader, name, items)
         try:
@@ -104,21 +127,26 @@ def _file_problem(
             size = needed
         if size < needed:
             lost = sorted({item.fqn for item in items if item.chunk.end > size})
-            return (
-                f"TRUNCATED data file {name}: {size} bytes, the index needs {needed}; lost "
-                f"data of {_keys_text(lost) or 'no entry'}"
+            return _Problem(
+                "TRUNCATED",
+                None,
+                name,
+                f"{size} bytes, the index needs {needed}; lost data of "
+                f"{_keys_text(lost) or 'no entry'}",
             )
         if size > needed:
-            return (
-                f"SIZE data file {name}: {size} bytes, {size - needed} more than the {needed} "
-                "the index accounts for"
+            return _Problem(
+                "SIZE",
+                None,
+                name,
+                f"{size} bytes, {size - needed} more than the {needed} the index accounts for",
             )
-    return f"UNREADABLE data file {name}: {err.bare_message}"
+    return _Problem("UNREADABLE", None, name, err.bare_message)
 
 
 def _header_problem(
     reader: CheckpointReader, name: str, items: Sequence[_Item], size: int
-) -> str | None:
+) -> _Problem | None:
     """Why the safetensors header of data file ``name`` (of ``size`` bytes) is invalid or
     disagrees with the index, or None."""
     handle = reader.files.handle(name)
@@ -130,24 +158,24 @@ def _header_problem(
         count = handle.read_into(0, memoryview(data))
         header = parse_header(data[:count], size)
     except ValueError as err:
-        return f"BAD HEADER data file {name}: {err}"
+        return _Problem("BAD HEADER", None, name, str(err))
     except OSError as err:
-        return f"UNREADABLE data file {name}: cannot read its header: {err}"
+        return _Problem("UNREADABLE", None, name, f"cannot read its header: {err}")
     expected = [header_entry(i.entry, i.chunk.begin) for i in items]
     reasons = compare_header(header, expected, referenced=parse_reference(name) is not None)
     if not reasons:
         return None
     more = len(reasons) - _MAX_REASONS
     suffix = f"; and {more} more" if more > 0 else ""
-    return f"BAD HEADER data file {name}: {'; '.join(reasons[:_MAX_REASONS])}{suffix}"
+    return _Problem("BAD HEADER", None, name, f"{'; '.join(reasons[:_MAX_REASONS])}{suffix}")
 
 
 def _verify_file(
-    reader: CheckpointReader, name: str, items: list[_Item], problems: list[str], bar: Any
+    reader: CheckpointReader, name: str, items: list[_Item], problems: list[_Problem], bar: Any
 ) -> int:
     """Check data file ``name``: its type and size, its header, and every block of its data
     section (a block is named after the first entry it holds; bytes no entry holds, the
-    padding between entries, under no key). Appends one line per problem; returns the bytes
+    padding between entries, under no key). Appends every problem found; returns the bytes
     checked."""
     try:
         reader.files.handle(name)
@@ -163,15 +191,13 @@ def _verify_file(
     try:
         audit(reader.files, [name], found, bar.update, {name: owners})
     except CheckpointDataError as err:
-        problems.append(f"UNREADABLE data file {name}: {err.bare_message}")
+        problems.append(_Problem("UNREADABLE", None, name, err.bare_message))
         return 0
-    problems.extend(
-        f"CHECKSUM {f'key {m.key!r} ' if m.key else ''}in {name}: {m.bare_message}" for m in found
-    )
+    problems.extend(_Problem("CHECKSUM", m.key or None, name, m.bare_message) for m in found)
     return size - reader.index.data_starts[name]
 
 
-def _verify(checkpoint: _Checkpoint) -> tuple[list[str], int, int]:
+def _verify(checkpoint: _Checkpoint) -> tuple[list[_Problem], int, int]:
     """Every problem found, the number of chunks and blobs, and the bytes checked."""
     problems = _json_problems(checkpoint)
     by_file = _items_by_file(checkpoint)
@@ -189,8 +215,21 @@ def run(args: argparse.Namespace) -> int:
     with _open_checkpoint(args.path, args.storage_options) as checkpoint:
         problems, count, bytes_read = _verify(checkpoint)
         entries = len(checkpoint.entries)
+    if args.json:
+        print_json(
+            {
+                "path": args.path,
+                "ok": not problems,
+                "problems": [problem.to_json() for problem in problems],
+                "num_problems": len(problems),
+                "num_entries": entries,
+                "num_chunks_and_blobs": count,
+                "bytes_checked": bytes_read,
+            }
+        )
+        return EXIT_FAILED if problems else EXIT_OK
     for problem in problems:
-        print(problem)
+        print(problem.line())
     if problems:
         found = _count(len(problems), "problem")
         print(f"{args.path}: {found} in {_count(entries, 'entry', 'entries')}")

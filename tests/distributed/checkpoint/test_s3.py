@@ -152,7 +152,7 @@ def test_the_command_line_reports_a_storage_failure_in_one_line(
     options = json.dumps({k: v for k, v in s3.options.items() if k not in ("key", "secret")})
     capsys.readouterr()
     for command in (["verify", url], ["consolidate", url, s3.url("hf")]):
-        assert main([*command, "--storage-options", options]) == 2
+        assert main([*command, "--storage-options", options]) == 4
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "no credentials found" in err, err
         assert "Traceback" not in err

@@ -710,7 +710,7 @@ def test_convert_dcp_reports_a_hostile_checkpoint_in_one_line(
     else:
         _edit_metadata(checkpoint, lambda m: setattr(_info(m, "w"), "length", 2**40))
     code, out, err = _run(capsys, "convert-dcp", checkpoint, tmp_path / "out")
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith("shardwise convert-dcp: error: '")
     assert err.count("\n") == 1 and err.endswith("')\n")  # one line, ending with the file
     assert not (tmp_path / "out").exists()
@@ -723,7 +723,7 @@ def test_convert_dcp_refuses_keys_that_collide_once_flattened(
     directory = _dcp_save({"step": 0, "step.a": 2}, tmp_path / "collide")
     _replace_payload(directory, "step", _torch_save({"a": 1}))
     code, out, err = _run(capsys, "convert-dcp", directory, tmp_path / "out")
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err == (
         f"shardwise convert-dcp: error: cannot convert {directory}: state_dict keys "
         "['step.a'] appear twice after flattening\n"

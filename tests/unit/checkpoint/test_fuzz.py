@@ -492,7 +492,7 @@ def run_case(directory: Path, rng: random.Random, intact: bool) -> Outcome:
     h.check_cli(inspect)
     h.check_cli(verify)
     if outcome.meta_error is not None:
-        assert inspect.code == 2 and verify.code == 2, (inspect, verify)
+        assert inspect.code == 3 and verify.code == 3, (inspect, verify)
     errors = (outcome.load_error, outcome.tensor_error)
     if any(isinstance(err, ckpt.ChecksumError) for err in errors):
         assert verify.code == 1, verify

@@ -5,7 +5,7 @@ name files outside the checkpoint, links and special files inside it, a save int
 laid out to make it write or delete elsewhere, every bit flip and truncation of an index, byte
 ranges and sizes that cannot be right, and damaged data files. For every one, every reader
 (``read_metadata``, ``load``, ``load_tensor``, ``shardwise inspect`` and ``verify``) either
-returns exactly the saved values or raises a CheckpointError subclass (the CLI: exit 2 for an
+returns exactly the saved values or raises a CheckpointError subclass (the CLI: exit 3 for an
 unreadable index, 1 for damaged data, one line on stderr, no traceback), leaves the target
 state dict unchanged (after a checksum mismatch found while reading: replaces no Python value,
 its tensors being undefined), and opens nothing outside the checkpoint directory.
@@ -81,7 +81,7 @@ def assert_index_refused(
     path: Path, kind: type[ckpt.CheckpointError] = ckpt.CheckpointFormatError, match: str = ""
 ) -> None:
     """Every reader refuses the index of ``path`` with ``kind``, before any data file is
-    opened; the CLI exits 2 with one line."""
+    opened; the CLI exits 3 with one line."""
     target = h.blank_like(STATE)
     before = h.snapshot(target)
     with h.confined_opens(path) as opened:
@@ -98,7 +98,7 @@ def assert_index_refused(
     assert not [name for name in opened if name.startswith(data)], "data opened"
     for result in results:
         h.check_cli(result)
-        assert result.code == 2, result
+        assert result.code == 3, result
 
 
 def assert_data_refused(

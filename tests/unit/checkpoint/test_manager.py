@@ -321,7 +321,7 @@ def test_ls_lists_the_series(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     empty.mkdir()
     assert _ls(capsys, str(empty))[:2] == (0, f"no checkpoints under {empty}\n")
     code, out, err = _ls(capsys, str(tmp_path / "missing"))
-    assert code == 2 and out == "" and err.startswith("shardwise ls: error: no series at")
+    assert code == 3 and out == "" and err.startswith("shardwise ls: error: no series at")
     assert len(err.splitlines()) == 1
     assert (root / "step-00000002" / STEP_RECORD_NAME).is_file()
 

@@ -60,7 +60,7 @@ def _refusal(path: str | Path, capsys: pytest.CaptureFixture[str]) -> str:
     assert errors == [errors[0]] * len(readers)
     code = cli.main(["inspect", text])
     captured = capsys.readouterr()
-    assert (code, captured.out) == (2, "")
+    assert (code, captured.out) == (3, "")
     assert captured.err == f"shardwise inspect: error: {errors[0]}\n"
     return errors[0].removesuffix(f" (file {index!r})")
 

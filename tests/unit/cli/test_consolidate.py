@@ -126,7 +126,7 @@ def test_keys_that_collide_as_dotted_names_are_refused(
 ) -> None:
     ckpt.save({"s": {0: torch.ones(2), "0": torch.zeros(2)}}, tmp_path / "ckpt")
     code, out, err = _run(capsys, "consolidate", tmp_path / "ckpt", tmp_path / "hf")
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith(
         "shardwise consolidate: error: two tensors of the checkpoint would both be written as "
         "'s.0' "
@@ -319,7 +319,7 @@ def test_a_failure_removes_what_was_written_to_an_object_store(
     _corrupt_last_tensor(tmp_path / "ckpt", "z")  # read after a.safetensors is written
     url = "memory://failed/out"
     code, out, err = _run(capsys, "consolidate", tmp_path / "ckpt", url, "--max-shard-size", "500")
-    assert (code, out) == (2, "")
+    assert (code, out) == (3, "")
     assert err.startswith("shardwise consolidate: error: checksum mismatch ")
     assert _memory_files("/failed") == {}
 
@@ -332,7 +332,7 @@ def test_a_failure_leaves_no_local_file_and_no_new_directory(
     _corrupt_last_tensor(tmp_path / "ckpt", "z")
     code, _, _ = _run(capsys, "consolidate", tmp_path / "ckpt", tmp_path / "new" / "out",
                       "--max-shard-size", "500")  # fmt: skip
-    assert code == 2
+    assert code == 3
     assert os.listdir(tmp_path / "new") == []  # "out" was made by the run, and removed
 
 

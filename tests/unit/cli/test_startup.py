@@ -64,7 +64,7 @@ def test_a_command_imports_torch_when_it_runs(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
     )
-    imported = "IMPORTED ['numpy', 'shardwise.checkpoint', 'torch'] EXIT 2"
+    imported = "IMPORTED ['numpy', 'shardwise.checkpoint', 'torch'] EXIT 3"
     assert result.stdout.splitlines()[-1] == imported
     assert result.stderr.startswith("shardwise inspect: error: no checkpoint at ")
 

@@ -1,6 +1,6 @@
 """Every command on object storage: ``--storage-options``, ``s3://`` checkpoints on a local
 S3-compatible server (moto), and storage failures (no credentials, an endpoint nobody listens
-on, a bad option) as one line on stderr with exit code 2, never a traceback."""
+on, a bad option) as one line on stderr with exit code 4, never a traceback."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
 COMMANDS = ["inspect", "verify", "diff", "consolidate", "consolidate-out", "convert-dcp"]
 
 
-# -- failures of the storage: one line, exit 2 -------------------------------------------------
+# -- failures of the storage: one line, exit 4 -------------------------------------------------
 
 
 def _run_isolated(
@@ -105,7 +105,7 @@ def test_an_unreachable_endpoint_is_one_line(command: str, local: Path) -> None:
     argv = [*_argv(command, "s3://bucket/x", local), "--storage-options", json.dumps(options)]
     result = _run_isolated(argv)
     name = command.split("-out")[0]
-    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert (result.returncode, result.stdout) == (4, ""), result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"shardwise {name}: error: ")
     assert "Could not connect to the endpoint URL" in result.stderr
@@ -117,7 +117,7 @@ def test_no_credentials_is_one_line(command: str, local: Path) -> None:
     options = {"endpoint_url": _dead_endpoint(), **_FAST}
     argv = [*_argv(command, "s3://bucket/x", local), "--storage-options", json.dumps(options)]
     result = _run_isolated(argv)
-    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert (result.returncode, result.stdout) == (4, ""), result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"shardwise {command.split('-out')[0]}: error: ")
     assert "Unable to locate credentials" in result.stderr
@@ -130,7 +130,7 @@ def test_an_option_the_storage_library_refuses_is_one_line(
     # s3fs hands unknown options on to aiobotocore, which raises a TypeError.
     options = json.dumps({"endpoint_url": _dead_endpoint(), "no_such_option": 1})
     code, out, err = _run(capsys, "inspect", "s3://bucket/x", "--storage-options", options)
-    assert (code, out) == (2, "")
+    assert (code, out) == (4, "")
     assert err.startswith("shardwise inspect: error: ")
     assert "no_such_option" in err and "TypeError" in err
     assert err.count("\n") == 1
@@ -140,14 +140,14 @@ def test_a_protocol_without_a_backend_is_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     code, out, err = _run(capsys, "inspect", "nosuchprotocol://bucket/x")
-    assert (code, out) == (2, "")
+    assert (code, out) == (4, "")
     assert err == (
         "shardwise inspect: error: cannot open nosuchprotocol://bucket/x: Protocol not known: "
         "nosuchprotocol\n"
     )
     ckpt.save({"w": torch.zeros(2)}, tmp_path / "ckpt")
     code, _, err = _run(capsys, "consolidate", tmp_path / "ckpt", "nosuchprotocol://out")
-    assert code == 2 and err.count("\n") == 1
+    assert code == 4 and err.count("\n") == 1
     assert not (tmp_path / "nosuchprotocol:").exists()
 
 
@@ -161,7 +161,7 @@ def test_errors_of_storage_libraries_are_one_line_and_bugs_keep_their_traceback(
 
     monkeypatch.setattr(inspect, "run", no_credentials)
     assert _run(capsys, "inspect", "s3://b/x") == (
-        2,
+        4,
         "",
         "shardwise inspect: error: Unable to locate credentials (NoCredentialsError)\n",
     )
@@ -238,4 +238,4 @@ def test_every_command_works_on_s3_with_storage_options(
     assert fs.exists(f"{s3.name}/a/shardwise.json")
     dead = json.dumps({"endpoint_url": _dead_endpoint(), "key": "a", "secret": "b", **_FAST})
     code, out, err = _run(capsys, "inspect", s3.url("a"), "--storage-options", dead)
-    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert (code, out) == (4, "") and err.count("\n") == 1
