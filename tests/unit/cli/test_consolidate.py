@@ -17,19 +17,17 @@ import pytest
 import s3fs  # type: ignore[import-untyped]
 import safetensors.torch
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint import tuning as tuning_module
+from shardwise.checkpoint.huggingface.files import OutTensor, split_files
 from shardwise.checkpoint.index import data_file as data_format
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
 from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from tests.unit.cli._helpers import _run
 
 
 def _model() -> torch.nn.Module:
@@ -394,3 +392,79 @@ def test_the_progress_bar_counts_all_bytes_in_binary_units(
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     assert f"consolidating into {tmp_path / 'hf'}:" in terminal.getvalue()
     assert "/3.0 MiB [" in terminal.getvalue()
+
+
+# -- consolidate -----------------------------------------------------------------------------
+
+
+def _safetensors_contents(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as file:
+        assert file.metadata() == {"format": "pt"}
+        return {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+
+
+def test_consolidate_single_file(
+    source: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "hf"
+    code, out, err = _run(capsys, "consolidate", source[0], out_dir)
+    assert code == 0
+    assert out == f"wrote 6 tensors (323 B) to 1 file in {out_dir}\n"
+    assert err.splitlines() == [
+        "warning: skipping 'cplx': safetensors cannot store dtype complex128",
+        "note: 5 non-tensor entries are not written (safetensors holds tensors only): 'blob', "
+        "'cfg.lr', 'cfg.name', 'raw', 'step'",
+    ]
+    assert sorted(os.listdir(out_dir)) == ["model.safetensors"]
+    contents = _safetensors_contents(out_dir / "model.safetensors")
+    expected = {key: value for key, value in source[1].items() if key != "cplx"}
+    assert sorted(contents) == sorted(expected)
+    for key, value in expected.items():
+        assert contents[key].dtype == value.dtype, key
+        assert torch.equal(contents[key], value), key
+    loaded = load_file(str(out_dir / "model.safetensors"))
+    assert all(torch.equal(loaded[key], value) for key, value in expected.items())
+
+
+def test_consolidate_split_like_hugging_face(
+    source: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "hf"
+    code, out, _ = _run(capsys, "consolidate", source[0], out_dir, "--max-shard-size", "100")
+    assert code == 0
+    assert out == f"wrote 6 tensors (323 B) to 3 files in {out_dir}\n"
+    names = [f"model-{i:05d}-of-00003.safetensors" for i in range(1, 4)]
+    assert sorted(os.listdir(out_dir)) == [*names, "model.safetensors.index.json"]
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    # In key order, 100 bytes per file, as Hugging Face splits: layer.weight (128 bytes) gets
+    # a file of its own at once, the file being filled (ids, layer.bias) stays open.
+    assert index == {
+        "metadata": {"total_size": 80 + 8 + 128 + 3 + 8 + 96},
+        "weight_map": {
+            "ids": names[1],
+            "layer.bias": names[1],
+            "layer.weight": names[0],
+            "mask": names[1],
+            "scale": names[1],
+            "sharded": names[2],
+        },
+    }
+    for name in names:
+        contents = _safetensors_contents(out_dir / name)
+        assert sorted(contents) == sorted(k for k, v in index["weight_map"].items() if v == name)
+        for key, value in contents.items():
+            assert torch.equal(value, source[1][key]), key
+
+    # Consolidating again into the same directory replaces the split files and the index.
+    assert _run(capsys, "consolidate", source[0], out_dir, "--max-shard-size", "1GB")[0] == 0
+    assert os.listdir(out_dir) == ["model.safetensors"]
+
+
+def test_split_rule_is_hugging_faces() -> None:
+    # The example of transformers' docs (limit 10: [6], [6+2], [6+2+2]) plus a tensor above the
+    # limit, which gets a file of its own while the file being filled stays open.
+    sizes = [6, 6, 2, 6, 2, 2, 12, 1]
+    tensors = [OutTensor(f"t{i}", f"t{i}", torch.uint8, (n,), n) for i, n in enumerate(sizes)]
+    shards = split_files(tensors, lambda t: t.nbytes, 10)
+    assert [[t.nbytes for t in shard] for shard in shards] == [[6], [6, 2], [12], [6, 2, 2], [1]]
+    assert split_files([], lambda t: t.nbytes, 10) == [[]]

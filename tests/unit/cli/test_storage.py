@@ -22,15 +22,10 @@ import torch
 import shardwise.checkpoint as ckpt
 from shardwise.cli import _app, main
 from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
+from tests.unit.cli._helpers import _run
 
 # fsspec options that make a dead endpoint fail at once: one attempt, a 1 s connect timeout.
 _FAST = {"config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _dead_endpoint() -> str:

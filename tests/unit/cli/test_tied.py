@@ -14,13 +14,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as ckpt
-from shardwise.cli import main
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from tests.unit.cli._helpers import _run
 
 
 def _state(tied: bool) -> dict[str, Any]:
