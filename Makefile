@@ -6,8 +6,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shardwise-installed
+DOCS_STAMP := $(VENV)/.shardwise-docs-installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,15 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml) into site/; --strict: a broken link, anchor or docstring
+# reference fails the build.
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Benchmarks print ratios against torch.distributed.checkpoint measured in the same run; they
 # are never part of the test suite. BENCH_ARGS=--quick gives a one-minute smoke run.
