@@ -257,7 +257,7 @@ def _die_before_commit(url: str, options: dict[str, Any], tag: int) -> None:
         print("committing", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    save_module._commit = die  # type: ignore[assignment]
+    save_module.commit_index = die  # type: ignore[assignment]
     ckpt.save(expected_state(tag), url, storage_options=options)
     raise AssertionError("the save returned: it should have been killed")
 

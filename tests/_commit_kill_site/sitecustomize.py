@@ -42,7 +42,7 @@ if _POINT:
         if commits and _POINT == "after-commit":
             _die()
 
-    _remove_leftovers = _save._remove_leftovers
+    _remove_leftovers = _save.remove_leftovers
 
     @functools.wraps(_remove_leftovers)
     def _remove_leftovers_then_maybe_die(*args: Any, **kwargs: Any) -> None:
@@ -51,4 +51,4 @@ if _POINT:
             _die()
 
     LocalStorage.rename = _rename_then_maybe_die  # type: ignore[method-assign]
-    _save._remove_leftovers = _remove_leftovers_then_maybe_die
+    _save.remove_leftovers = _remove_leftovers_then_maybe_die

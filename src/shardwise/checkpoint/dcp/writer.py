@@ -225,9 +225,9 @@ class StorageWriter(_DCPStorageWriter):
         try:
             decoded = decode_index(index)
             data_writer.check_visible(storage, decoded, self.path)
-            _save._commit(storage, index, self.sync_files, save_id)
+            _save.commit_index(storage, index, self.sync_files, save_id)
             try:
-                _save._remove_leftovers(storage, decoded)
+                _save.remove_leftovers(storage, decoded)
             except OSError as err:  # committed and complete; stale files only cost space
                 logger.warning(
                     "could not remove data files of earlier saves to %s: %s", self.path, err

@@ -1,12 +1,15 @@
 """``save`` and ``async_save``: describe (:mod:`.snapshot`), plan, write (:mod:`.writer`),
-build the index (:mod:`.build_index`), commit it (:func:`_commit`), remove what earlier saves
-left (:func:`_remove_leftovers`); nobody returns before the commit. The files:
-``docs/format.md``; the exchanges, step by step: ``docs/architecture.md``, *Save*.
+build the index (:mod:`.build_index`), commit it (:func:`commit_index`), remove what earlier
+saves left (:func:`remove_leftovers`); nobody returns before the commit. The exchanges between
+ranks are the methods of :class:`_SaveExchange`, which :func:`save_outcome` calls in order.
+The files: ``docs/format.md``; the exchanges, step by step: ``docs/architecture.md``, *Save*.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import logging
 import os
 import re
@@ -36,6 +39,7 @@ from shardwise.checkpoint.index import (
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.planning import tables as _save_tables
+from shardwise.checkpoint.planning.planner import WriteAssignment
 from shardwise.checkpoint.report import exchange_with_bar, job_bar, log_done
 from shardwise.checkpoint.saving import background as _background
 from shardwise.checkpoint.saving import build_index as _save_index
@@ -55,10 +59,10 @@ from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTim
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["async_save", "save"]
+__all__ = ["async_save", "commit_index", "remove_leftovers", "save"]
 
 logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
-# Temporary names of the index (see _commit) and of the lock (LocalStorage.replace_small).
+# Temporary names of the index (see commit_index) and of the lock (LocalStorage.replace_small).
 _TEMPORARY_INDEX = re.compile(rf"{re.escape(INDEX_NAME)}\.[0-9a-f]{{16}}\.tmp")
 _TEMPORARY_LOCK = re.compile(rf"{re.escape(LOCK_NAME)}\.[0-9]+\.[0-9]+\.tmp")
 
@@ -69,7 +73,7 @@ def _save_facts(world_size: int, save_id: str, path: str) -> SaveFacts:
     return SaveFacts(f"shardwise {_version}", torch.__version__, world_size, save_id, text)
 
 
-def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
+def commit_index(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> None:
     """Write the index: the commit point (every rank's data file is complete by now)."""
     name = storage.join(INDEX_NAME)
     if not storage.atomic_rename:
@@ -101,7 +105,7 @@ def _commit(storage: Storage, index: bytes, sync_files: bool, save_id: str) -> N
             ) from err
 
 
-def _remove_leftovers(storage: Storage, index: Index) -> None:
+def remove_leftovers(storage: Storage, index: Index) -> None:
     """Remove what earlier saves to this path left (``docs/format.md``, *Cleanup*): safe
     because this save holds the lock; runs after the commit is acknowledged, so no rank waits."""
     keep = {name.removeprefix(f"{DATA_DIR}/") for name in index.files}
@@ -159,6 +163,298 @@ def save_snapshot(
     return _save_outcome.returned_metadata(outcome, path, options.storage_options, save_id)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Built:
+    """What the coordinator committed: the index's bytes, as read back, and its Metadata."""
+
+    data: bytes
+    index: Index
+    metadata: Metadata
+
+
+class _SaveExchange:
+    """One save as its exchanges between the ranks of ``comm``, one method each, in the order
+    :func:`save_outcome` calls them; what a step learns (the storage, the plan, this rank's
+    assignment, the ranks' file facts) is kept here for the next. Every exchange is a
+    collective that raises the same error on every rank when any rank's part fails (the
+    ``*_or_raise`` collectives), so no rank is left waiting: validate first, communicate
+    second, write third.
+    """
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        path: str,
+        comm: collectives.Comm,
+        options: SaveOptions,
+        local_error: BaseException | None,
+        members: dict[int, int] | None,
+    ) -> None:
+        self.snapshot = snapshot
+        self.path = path
+        self.comm = comm
+        self.options = options
+        self._ranks = _members(comm) if members is None else members
+        self.coordinator_rank = options.coordinator_rank
+        self.coordinating = comm.rank == self.coordinator_rank
+        self.storage: Storage | None = None
+        #: The save lock, once this save holds it (only a lock this save holds is released).
+        self.lock: SaveLock | None = None
+        self.table: _save_tables.RankTable | None = None
+        #: What this rank cannot save (its own error, or its table's): raised in exchange 1b.
+        self.table_error: BaseException | None = local_error
+        self.coordinator_digest: str | None = None
+        self.save_id = ""
+        self.base: _incremental.Base | None = None
+        self.objects = snapshot.objects if self.coordinating else {}
+        self.blobs = [
+            (fqn, obj) for fqn, obj in self.objects.items() if obj.encoding not in TEXT_ENCODINGS
+        ]
+        #: The coordinator's: every rank's envelope (exchange 1b) and the plan (exchange 2).
+        self.envelopes: list[dict[str, Any]] | None = None
+        self.planned: _save_tables.CoordinatorPlan | None = None
+        self.assignment: dict[str, Any] = {}
+        self.bar: JobProgress | None = None
+        #: The coordinator's: every rank's file facts (exchange 3).
+        self.written: list[dict[str, Any]] | None = None
+        #: The coordinator's, once the index is in place (exchange 4).
+        self.committed = False
+        self.built: _Built | None = None
+
+    def _group_rank_of(self, rank: int) -> int:
+        return self._ranks.get(rank, -1)
+
+    def share_digest(self) -> None:
+        """Exchange 1a (broadcast, JSON): the digest of the coordinator's rank table, so that a
+        rank whose table has the same digest sends no table in its envelope.
+
+        Raises:
+            BaseException: This rank's own error when the broadcast timed out with one (what it
+                must fix comes first, as ``gather_or_raise`` does with it).
+        """
+        if self.coordinating and self.table_error is None:
+            try:
+                self.table = self._rank_table()
+            except Exception as err:
+                self.table_error = err
+        try:
+            self.coordinator_digest = self.comm.broadcast_json(
+                None if self.table is None else self.table.digest, self.coordinator_rank
+            )
+        except CheckpointTimeoutError as failure:
+            if self.table_error is None:
+                raise
+            # What this rank must fix comes first (as gather_or_raise does with it).
+            self.table_error.add_note(f"It was not shared with the other ranks: {failure}")
+            raise self.table_error from None
+
+    def _rank_table(self) -> _save_tables.RankTable:
+        return _save_tables.rank_table(self.snapshot.tensors, self.comm.rank, self._group_rank_of)
+
+    def gather_envelopes(self) -> None:
+        """Exchange 1b (gather on the coordinator, JSON): every rank's envelope, ``{"digest",
+        "local"}`` and, where they apply, its ``"table"`` (a digest unlike the coordinator's),
+        ``"aliases"`` and rank 0's ``"progress"``; the verdict (or the first rank's error) on
+        every rank. The coordinator takes the save lock while building its envelope, before
+        anything is written."""
+        _, self.envelopes = self.comm.gather_or_raise(self._envelope, dst=self.coordinator_rank)
+        assert self.storage is not None and self.table is not None
+
+    def _envelope(self) -> dict[str, Any]:
+        if self.table_error is not None:
+            raise self.table_error
+        options = self.options
+        storage = self.storage = open_shared_storage(
+            self.path, options.storage_options, self.comm.world_size
+        )
+        if options.base is not None:  # every rank reads it: each compares its own chunks
+            self.base = _incremental.open_base(self.path, options.base, options.storage_options)
+        if self.table is None:
+            self.table = self._rank_table()
+        table = self.table
+        sent: dict[str, Any] = {"digest": table.digest, "local": table.local}
+        if table.digest != self.coordinator_digest:
+            sent["table"] = table.to_json()
+        if self.snapshot.aliases:
+            sent["aliases"] = self.snapshot.aliases
+        if self.comm.rank == 0:
+            sent["progress"] = options.progress
+        if self.coordinating:
+            # One save at a time per path, taken before anything is written.
+            self.save_id = secrets.token_hex(8)
+            storage.makedirs(storage.root)
+            taken = SaveLock(storage, self.save_id)
+            taken.acquire()
+            self.lock = taken  # only a lock this save holds is released by it
+        return sent
+
+    def scatter_assignments(self) -> str:
+        """Exchange 2 (scatter from the coordinator, JSON): each rank's assignment from the
+        plan (its writes, and the ``"save_id"``, ``"progress"`` and ``"total"`` bytes common to
+        all), or the plan's error on every rank; returns the save's id."""
+        self.assignment = self.comm.scatter_or_raise(self._plan, src=self.coordinator_rank)
+        self.save_id = self.assignment["save_id"]
+        return self.save_id
+
+    def _plan(self) -> list[dict[str, Any]]:
+        assert self.envelopes is not None and self.table is not None
+        envelopes = self.envelopes
+        blob_bytes = sum(len(obj.payload) for _, obj in self.blobs)
+        try:
+            self.planned = planned = _save_tables.plan_from_tables(
+                self.table, envelopes, self.comm.world_size, {self.coordinator_rank: blob_bytes}
+            )
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            # Planning raises ValueError only: this is an envelope of another shardwise.
+            raise CheckpointError(
+                f"a rank sent a malformed save plan ({type(err).__name__}: {err}); "
+                "do all ranks run the same shardwise version?"
+            ) from err
+        common = {
+            "save_id": self.save_id,
+            "progress": envelopes[0].get("progress", False),
+            "total": planned.total,
+        }
+        return [{**assignment, **common} for assignment in planned.assignments]
+
+    def write_files(self) -> None:
+        """Exchange 3 (gather on the coordinator, JSON): each rank writes its data file, then
+        sends its file facts (:func:`~.writer.write_data_file`; in an incremental save also
+        its chunks' digests and references to the base), or its error to every rank."""
+        assert self.table is not None
+        mine, grid_cells = _save_tables.own_file_writes(
+            self.table, self.snapshot.tensors, self.assignment, self.comm.rank
+        )
+        # Rank 0 asked for a bar: it shows the whole job's bytes, which every rank counts.
+        if self.assignment["progress"]:
+            self.bar = job_bar(
+                self.comm,
+                self.assignment["total"],
+                f"saving {self.path}",
+                f"save/{self.save_id}",
+            )
+        write = functools.partial(self._write, mine, grid_cells)
+        _, self.written = exchange_with_bar(self.comm, write, self.bar, dst=self.coordinator_rank)
+
+    def _write(self, mine: list[WriteAssignment], grid_cells: int) -> dict[str, Any]:
+        storage, options, rank = self.storage, self.options, self.comm.rank
+        assert storage is not None
+        writes, cells = mine, grid_cells
+        digests: dict[str, str] = {}
+        references: dict[str, list[Any]] = {}
+        if options.records_digests:  # every chunk listed with its begin: no grid cells
+            writes, digests, references = _incremental.split_writes(
+                mine, self.snapshot.tensors, self.base
+            )
+            cells = 0
+            if self.bar is not None:  # the job's total counts them: they are done
+                self.bar.update(sum(item.nbytes for item in mine) - sum(w.nbytes for w in writes))
+        data_dir = storage.join(DATA_DIR)
+        try:
+            storage.makedirs(data_dir)
+        except UnsafePathError as err:
+            raise CheckpointDataError(
+                f"refusing to save: {err.filename} is not a real directory (a symbolic link "
+                "or a file?); a checkpoint's data/ must be a directory inside it",
+                file=data_dir,
+                rank=rank,
+            ) from err
+        try:
+            facts = data_writer.write_data_file(
+                storage,
+                rank,
+                self.save_id,
+                writes,
+                self.snapshot.tensors,
+                self.blobs,
+                options.sync_files,
+                self.bar,
+                grid_cells=cells,
+            )
+            if options.records_digests:
+                facts.update(digests=digests, references=references)
+            return facts
+        except CheckpointError:
+            raise
+        except OSError as err:  # a full disk, a lost mount: named, on every rank
+            raise CheckpointDataError(
+                f"writing this rank's data file failed: {err}; nothing was committed",
+                file=data_dir,
+                rank=rank,
+            ) from err
+
+    def commit(self) -> dict[str, Any]:
+        """Exchange 4 (broadcast from the coordinator, JSON): the coordinator builds the index
+        from every rank's file facts and commits it (:func:`commit_index`); every rank gets
+        the outcome (``outcome.outcome``: the index itself when small), or the error.
+
+        Raises:
+            CheckpointTimeoutError: Saying the checkpoint was committed, when a rank died after
+                sending its file facts and the coordinator had committed.
+        """
+        try:
+            outcome: dict[str, Any] = self.comm.broadcast_or_raise(
+                self._build_and_commit, src=self.coordinator_rank
+            )
+        except CheckpointTimeoutError as err:
+            if not self.committed:
+                raise
+            # A rank died after sending its file: the checkpoint is complete and loads.
+            raise CheckpointTimeoutError(
+                f"the checkpoint at {self.path} was committed (it is complete and loads), but "
+                f"{err.bare_message}",
+                file=self.path,
+            ) from err
+        return outcome
+
+    def _build_and_commit(self) -> dict[str, Any]:
+        storage, options = self.storage, self.options
+        assert storage is not None and self.planned is not None and self.written is not None
+        try:
+            facts = _save_facts(self.comm.world_size, self.save_id, self.path)
+            data, index = _save_index.build_index(
+                self.planned, self.objects, self.written, facts, _base_files(self.base, options)
+            )
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            # Building raises CheckpointError only: these are facts of another shardwise.
+            raise CheckpointError(
+                f"a rank sent malformed file facts ({type(err).__name__}: {err}); do all "
+                "ranks run the same shardwise version? Nothing was committed"
+            ) from err
+        if len(data) > MAX_INDEX_BYTES:
+            # A reader would refuse it: the checkpoint would be lost.
+            raise CheckpointError(
+                f"the index of this save would be {len(data)} bytes, more than the "
+                f"{MAX_INDEX_BYTES} a reader reads; JSON values are kept in the index, so "
+                "store large ones as tensors or bytes. Nothing was committed"
+            )
+        data_writer.check_visible(storage, index, self.path)
+        commit_index(storage, data, options.sync_files, self.save_id)
+        self.committed = True
+        self.built = _Built(data, index, index.to_metadata())
+        return _save_outcome.outcome(data, self.built.metadata)
+
+    def clean_up(self, started: float) -> None:
+        """The coordinator, after every rank has the outcome (no rank waits for this): remove
+        what earlier saves left (:func:`remove_leftovers`) and log the save."""
+        assert self.storage is not None and self.built is not None
+        data, index = self.built.data, self.built.index
+        try:
+            remove_leftovers(self.storage, index)
+        except OSError as err:
+            # The checkpoint is committed and complete; stale files only cost space.
+            logger.warning("could not remove data files of earlier saves to %s: %s", self.path, err)
+        nbytes = len(data) + sum(size or 0 for size in index.files.values())
+        count = len(index.files)
+        files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
+        log_done(logger, "saved", self.path, nbytes, time.monotonic() - started, files)
+
+    def release(self) -> None:
+        """Release the save lock, if this save holds it (after the commit and the cleanup)."""
+        if self.lock is not None:
+            self.lock.release()
+
+
 def save_outcome(
     snapshot: Snapshot,
     path: str,
@@ -179,208 +475,30 @@ def save_outcome(
             this rank writes anything, so before the coordinator can commit.
     """
     started = time.monotonic()
-    ranks = _members(comm) if members is None else members
-
-    def group_rank_of(rank: int) -> int:
-        return ranks.get(rank, -1)
-
-    coordinator_rank = options.coordinator_rank
-    coordinating = comm.rank == coordinator_rank
-    storage: Storage | None = None
-    lock: SaveLock | None = None
-    table: _save_tables.RankTable | None = None
-    table_error: BaseException | None = local_error
-    if coordinating and table_error is None:
-        try:
-            table = _save_tables.rank_table(snapshot.tensors, comm.rank, group_rank_of)
-        except Exception as err:
-            table_error = err
+    exchange = _SaveExchange(snapshot, path, comm, options, local_error, members)
     # Exchange 1a: the coordinator's digest (a rank whose table has it sends no table).
+    exchange.share_digest()
     try:
-        coordinator_digest = comm.broadcast_json(
-            None if table is None else table.digest, coordinator_rank
-        )
-    except CheckpointTimeoutError as failure:
-        if table_error is None:
-            raise
-        # What this rank must fix comes first (as gather_or_raise does with it).
-        table_error.add_note(f"It was not shared with the other ranks: {failure}")
-        raise table_error from None
-    save_id = ""
-    base: _incremental.Base | None = None
-    objects = snapshot.objects if coordinating else {}
-    blobs = [(fqn, obj) for fqn, obj in objects.items() if obj.encoding not in TEXT_ENCODINGS]
-
-    def envelope() -> dict[str, Any]:
-        nonlocal storage, lock, table, save_id, base
-        if table_error is not None:
-            raise table_error
-        storage = open_shared_storage(path, options.storage_options, comm.world_size)
-        if options.base is not None:  # every rank reads it: each compares its own chunks
-            base = _incremental.open_base(path, options.base, options.storage_options)
-        if table is None:
-            table = _save_tables.rank_table(snapshot.tensors, comm.rank, group_rank_of)
-        sent: dict[str, Any] = {"digest": table.digest, "local": table.local}
-        if table.digest != coordinator_digest:
-            sent["table"] = table.to_json()
-        if snapshot.aliases:
-            sent["aliases"] = snapshot.aliases
-        if comm.rank == 0:
-            sent["progress"] = options.progress
-        if coordinating:
-            # One save at a time per path, taken before anything is written.
-            save_id = secrets.token_hex(8)
-            storage.makedirs(storage.root)
-            taken = SaveLock(storage, save_id)
-            taken.acquire()
-            lock = taken  # only a lock this save holds is released by it
-        return sent
-
-    try:
-        # Exchange 1b: every rank's envelope on the coordinator, the verdict on every rank.
-        _, envelopes = comm.gather_or_raise(envelope, dst=coordinator_rank)
-        assert storage is not None and table is not None
-        planned: _save_tables.CoordinatorPlan | None = None
-
-        def plan() -> list[dict[str, Any]]:
-            nonlocal planned
-            assert envelopes is not None
-            blob_bytes = sum(len(obj.payload) for _, obj in blobs)
-            try:
-                planned = _save_tables.plan_from_tables(
-                    table, envelopes, comm.world_size, {coordinator_rank: blob_bytes}
-                )
-            except (KeyError, IndexError, TypeError, AttributeError) as err:
-                # Planning raises ValueError only: this is an envelope of another shardwise.
-                raise CheckpointError(
-                    f"a rank sent a malformed save plan ({type(err).__name__}: {err}); "
-                    "do all ranks run the same shardwise version?"
-                ) from err
-            common = {
-                "save_id": save_id,
-                "progress": envelopes[0].get("progress", False),
-                "total": planned.total,
-            }
-            return [{**assignment, **common} for assignment in planned.assignments]
-
+        # Exchange 1b: every rank's envelope on the coordinator, the verdict on every rank;
+        # the coordinator holds the lock from here, before anything is written.
+        exchange.gather_envelopes()
         # Exchange 2: each rank's assignment (or the plan's error, on every rank).
-        assignment = comm.scatter_or_raise(plan, src=coordinator_rank)
-        save_id = assignment["save_id"]
-        if on_save_id is not None:
+        save_id = exchange.scatter_assignments()
+        if on_save_id is not None:  # before this rank writes, so before anything commits
             on_save_id(save_id)
-        mine, grid_cells = _save_tables.own_file_writes(
-            table, snapshot.tensors, assignment, comm.rank
-        )
-
-        def write() -> dict[str, Any]:
-            writes, cells = mine, grid_cells
-            digests: dict[str, str] = {}
-            references: dict[str, list[Any]] = {}
-            if options.records_digests:  # every chunk listed with its begin: no grid cells
-                writes, digests, references = _incremental.split_writes(
-                    mine, snapshot.tensors, base
-                )
-                cells = 0
-                if bar is not None:  # the job's total counts them: they are done
-                    bar.update(sum(item.nbytes for item in mine) - sum(w.nbytes for w in writes))
-            data_dir = storage.join(DATA_DIR)
-            try:
-                storage.makedirs(data_dir)
-            except UnsafePathError as err:
-                raise CheckpointDataError(
-                    f"refusing to save: {err.filename} is not a real directory (a symbolic link "
-                    "or a file?); a checkpoint's data/ must be a directory inside it",
-                    file=data_dir,
-                    rank=comm.rank,
-                ) from err
-            try:
-                facts = data_writer.write_data_file(
-                    storage,
-                    comm.rank,
-                    save_id,
-                    writes,
-                    snapshot.tensors,
-                    blobs,
-                    options.sync_files,
-                    bar,
-                    grid_cells=cells,
-                )
-                if options.records_digests:
-                    facts.update(digests=digests, references=references)
-                return facts
-            except CheckpointError:
-                raise
-            except OSError as err:  # a full disk, a lost mount: named, on every rank
-                raise CheckpointDataError(
-                    f"writing this rank's data file failed: {err}; nothing was committed",
-                    file=data_dir,
-                    rank=comm.rank,
-                ) from err
-
-        # Rank 0 asked for a bar: it shows the whole job's bytes, which every rank counts.
-        bar: JobProgress | None = None
-        if assignment["progress"]:
-            bar = job_bar(comm, assignment["total"], f"saving {path}", f"save/{save_id}")
-        # Exchange 3: each rank's file facts on the coordinator.
-        _, written = exchange_with_bar(comm, write, bar, dst=coordinator_rank)
-        committed = False
-        built: tuple[bytes, Index, Metadata] | None = None
-
-        def commit() -> dict[str, Any]:
-            nonlocal committed, built
-            assert planned is not None and written is not None
-            try:
-                facts = _save_facts(comm.world_size, save_id, path)
-                data, index = _save_index.build_index(
-                    planned, objects, written, facts, _base_files(base, options)
-                )
-            except (KeyError, IndexError, TypeError, AttributeError) as err:
-                # Building raises CheckpointError only: these are facts of another shardwise.
-                raise CheckpointError(
-                    f"a rank sent malformed file facts ({type(err).__name__}: {err}); do all "
-                    "ranks run the same shardwise version? Nothing was committed"
-                ) from err
-            if len(data) > MAX_INDEX_BYTES:
-                # A reader would refuse it: the checkpoint would be lost.
-                raise CheckpointError(
-                    f"the index of this save would be {len(data)} bytes, more than the "
-                    f"{MAX_INDEX_BYTES} a reader reads; JSON values are kept in the index, so "
-                    "store large ones as tensors or bytes. Nothing was committed"
-                )
-            data_writer.check_visible(storage, index, path)
-            _commit(storage, data, options.sync_files, save_id)
-            committed = True
-            built = data, index, index.to_metadata()
-            return _save_outcome.outcome(data, built[2])
-
-        try:
-            # Exchange 4: the outcome (and a small index) on every rank.
-            outcome = comm.broadcast_or_raise(commit, src=coordinator_rank)
-        except CheckpointTimeoutError as err:
-            if not committed:
-                raise
-            # A rank died after sending its file: the checkpoint is complete and loads.
-            raise CheckpointTimeoutError(
-                f"the checkpoint at {path} was committed (it is complete and loads), but "
-                f"{err.bare_message}",
-                file=path,
-            ) from err
-        if built is None:
+        # Exchange 3: each rank's file facts on the coordinator, once its file is complete.
+        exchange.write_files()
+        # Exchange 4: the index is committed only after every rank's file is complete; the
+        # outcome (and a small index) on every rank.
+        outcome = exchange.commit()
+        if exchange.built is None:
             return outcome, save_id, None
-        data, index, metadata = built
-        try:
-            _remove_leftovers(storage, index)
-        except OSError as err:
-            # The checkpoint is committed and complete; stale files only cost space.
-            logger.warning("could not remove data files of earlier saves to %s: %s", path, err)
-        nbytes = len(data) + sum(size or 0 for size in index.files.values())
-        count = len(index.files)
-        files = f" in {count} data file{'' if count == 1 else 's'}" if count else ""
-        log_done(logger, "saved", path, nbytes, time.monotonic() - started, files)
-        return outcome, save_id, metadata
+        # After the commit is acknowledged: no rank waits for the cleanup; the lock, still
+        # held, makes removing earlier saves' files safe.
+        exchange.clean_up(started)
+        return outcome, save_id, exchange.built.metadata
     finally:
-        if lock is not None:
-            lock.release()
+        exchange.release()
 
 
 def save(
