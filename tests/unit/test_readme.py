@@ -1,18 +1,22 @@
-"""README.md's Python blocks run as tests, so that the README cannot drift from the code.
+"""The Python blocks of the README and of the guides in docs/ run as tests, so that neither
+can drift from the code.
 
-Every fenced block of the README is labelled (``python``, ``bash`` or ``text``) and starts at
-column 0; every ``python`` block sits under one of the headings in :data:`RUN`, and the test
-named there runs it:
+Every fenced block of README.md and of every page under docs/ is labelled (one of
+:data:`LANGUAGES`) and starts at column 0; every ``python`` block sits under a (page, heading)
+of :data:`RUN`, and the test named there runs it, or of :data:`FRAGMENTS`: outlines that are
+not complete programs, each with the reason. The runnable blocks:
 
-* *Checkpoints* in this process, with no process group, in a temporary working directory
-  (the README's paths are relative).
-* *Sharded tensors*, *Use it from your own code* (``train.py``) and *FSDP2 and DTensor* on the
-  gloo ranks of the harness (``tests/harness.py``), as under ``torchrun``: their
-  ``dist.init_process_group("gloo")`` finds the harness's group already up, and
-  ``dist.destroy_process_group()`` leaves it up for the next test.
+* *Checkpoints* (docs/checkpoints.md), the Hugging Face and torchtitan blocks and the README's
+  one-process blocks in this process, with no process group, in a temporary working directory
+  (the pages' paths are relative).
+* *Sharded tensors*, *A training script* (``train.py``, docs/manager.md), *FSDP2 and DTensor*,
+  the DCP blocks and the README's multi-rank blocks on the gloo ranks of the harness
+  (``tests/harness.py``), as under ``torchrun``: their ``dist.init_process_group("gloo")``
+  finds the harness's group already up, and ``dist.destroy_process_group()`` leaves it up for
+  the next test.
 
-A block runs as the README's own lines (tracebacks point into README.md), with every warning
-an error, and the test then checks that it did what the README says it does.
+A block runs as the page's own lines (tracebacks point into the page), with every warning an
+error, and the test then checks that it did what the page says it does.
 """
 
 from __future__ import annotations
@@ -40,21 +44,43 @@ import shardwise.checkpoint as ckpt
 from shardwise import cli
 from tests.harness import distributed, run_on_ranks
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-#: Fence labels; only ``python`` blocks run.
-LANGUAGES = frozenset({"python", "bash", "text"})
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+#: Every page whose blocks are checked: the README and the documentation site's pages.
+PAGES = (README, *sorted(DOCS.rglob("*.md")))
+#: Fence labels; only ``python`` blocks run (and the ``shardwise`` lines of some ``bash`` ones).
+LANGUAGES = frozenset({"python", "bash", "text", "json"})
 
-SHARDED_TENSORS = "Sharded tensors"
-CHECKPOINTS = "Checkpoints"
-OWN_CODE = "Use it from your own code"
-FSDP2 = "FSDP2 and DTensor"
-FROM_DCP = "From code that calls DCP"
-FROM_TORCHTITAN = "From torchtitan"
-TRAINING = "Training with sharded parameters"
-COMMAND_LINE = "Command line"
-EXPORT_HF = "Export to Hugging Face"
-HF_IN_OUT = "Hugging Face weights in and out of a sharded job"
-#: The heading of every section with Python blocks, and the test that runs them.
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """The blocks of one page under one heading."""
+
+    page: Path
+    heading: str
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(ROOT)}, {self.heading!r}"
+
+
+SHARDED_TENSORS = Section(DOCS / "sharded-tensors.md", "Sharded tensors")
+CHECKPOINTS = Section(DOCS / "checkpoints.md", "Checkpoints")
+OWN_CODE = Section(DOCS / "manager.md", "A training script: `train.py`")
+FSDP2 = Section(DOCS / "checkpoints.md", "FSDP2 and DTensor")
+FROM_DCP = Section(DOCS / "dcp.md", "An FSDP2 job")
+FROM_TORCHTITAN = Section(DOCS / "torchtitan.md", "Switching a job to shardwise")
+TRAINING = Section(DOCS / "sharded-tensors.md", "Training with sharded parameters")
+COMMAND_LINE = Section(DOCS / "cli.md", "Examples")
+EXPORT_HF = Section(DOCS / "huggingface.md", "Export to Hugging Face")
+HF_IN_OUT = Section(DOCS / "huggingface.md", "Round trip in one process")
+README_SHARDED = Section(README, "Sharded tensors")
+README_CHECKPOINTS = Section(README, "Checkpoints")
+README_MANAGER = Section(README, "A training run: `CheckpointManager`")
+README_HF = Section(README, "Hugging Face")
+README_TORCHTITAN = Section(README, "torchtitan")
+README_DCP = Section(README, "Code that calls DCP")
+#: Every section with Python blocks that run, and the test that runs them.
 RUN = {
     SHARDED_TENSORS: "test_sharded_tensor_tour_on_4_ranks",
     CHECKPOINTS: "test_checkpoint_tour_in_one_process",
@@ -65,38 +91,59 @@ RUN = {
     TRAINING: "test_training_tour_on_4_ranks",
     EXPORT_HF: "test_export_to_hugging_face_in_one_process",
     HF_IN_OUT: "test_hugging_face_in_and_out_in_one_process",
+    README_SHARDED: "test_readme_sharded_tensors_on_4_ranks",
+    README_CHECKPOINTS: "test_readme_checkpoints_in_one_process",
+    README_MANAGER: "test_readme_manager_saves_and_resumes_in_one_process",
+    README_HF: "test_readme_hugging_face_in_one_process",
+    README_TORCHTITAN: "test_readme_torchtitan_in_one_process",
+    README_DCP: "test_readme_dcp_on_2_ranks",
+}
+#: Sections whose Python blocks are outlines (names left open, ``...`` for the training), not
+#: programs, and why; each has a runnable counterpart in :data:`RUN`.
+FRAGMENTS = {
+    Section(DOCS / "manager.md", "A series of checkpoints: `CheckpointManager`"): (
+        "the options of a long run on S3; train.py under 'A training script' runs"
+    ),
+    Section(DOCS / "dcp.md", "DCP storage plugins: `shardwise.checkpoint.dcp`"): (
+        "the two calls with state_dict and path left open; 'An FSDP2 job' runs"
+    ),
+    Section(DOCS / "huggingface.md", "Hugging Face weights in and out of a sharded job"): (
+        "a multi-rank job loading a model from /models; 'Round trip in one process' runs"
+    ),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """One ``python`` block of the README."""
+    """One ``python`` block of a page."""
 
+    page: Path
     section: str
     """The heading the block stands under."""
     line: int
-    """The README line of the block's first line of code (1-based)."""
+    """The page's line of the block's first line of code (1-based)."""
     code: str
 
     def compile(self) -> CodeType:
-        # Blank lines in front, so that tracebacks name README.md and its own line numbers.
-        return compile("\n" * (self.line - 1) + self.code, str(README), "exec")
+        # Blank lines in front, so that tracebacks name the page and its own line numbers.
+        return compile("\n" * (self.line - 1) + self.code, str(self.page), "exec")
 
 
-def readme_blocks() -> list[Block]:
-    """The README's ``python`` blocks, in order; asserts that every fence is well formed."""
+def page_blocks(page: Path) -> list[Block]:
+    """The ``python`` blocks of ``page``, in order; asserts that every fence is well formed."""
     blocks: list[Block] = []
+    name = page.relative_to(ROOT)
     section = ""
     language: str | None = None  # of the open fence
     start, lines = 0, []
-    for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
         assert not (line.lstrip().startswith("```") and line[0] != "`"), (
-            f"README.md:{number}: indented fence (its block would not run)"
+            f"{name}:{number}: indented fence (its block would not run)"
         )
         if language is None and line.startswith("```"):
             language = line[3:].strip()
             assert language in LANGUAGES, (
-                f"README.md:{number}: label the fence with one of {sorted(LANGUAGES)}, "
+                f"{name}:{number}: label the fence with one of {sorted(LANGUAGES)}, "
                 f"not {language!r}"
             )
             start, lines = number + 1, []
@@ -104,19 +151,19 @@ def readme_blocks() -> list[Block]:
             if line.startswith("#"):
                 section = line.lstrip("#").strip()
         elif line.startswith("```"):
-            assert line == "```", f"README.md:{number}: a closing fence has no label"
+            assert line == "```", f"{name}:{number}: a closing fence has no label"
             if language == "python":
-                blocks.append(Block(section, start, "\n".join(lines) + "\n"))
+                blocks.append(Block(page, section, start, "\n".join(lines) + "\n"))
             language = None
         else:
             lines.append(line)
-    assert language is None, "README.md ends inside a fenced block"
+    assert language is None, f"{name} ends inside a fenced block"
     return blocks
 
 
-def section_blocks(section: str) -> list[Block]:
-    blocks = [block for block in readme_blocks() if block.section == section]
-    assert blocks, f"README.md has no Python block under the heading {section!r}"
+def section_blocks(section: Section) -> list[Block]:
+    blocks = [block for block in page_blocks(section.page) if block.section == section.heading]
+    assert blocks, f"no Python block under {section}"
     return blocks
 
 
@@ -124,7 +171,7 @@ def run_blocks(blocks: Iterable[Block]) -> dict[str, Any]:
     """Run ``blocks`` one after the other in one fresh namespace, as a script; return it."""
     namespace: dict[str, Any] = {"__name__": "__main__"}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a warning the README's code gets is a README bug
+        warnings.simplefilter("error")  # a warning the page's code gets is a page bug
         for block in blocks:
             exec(block.compile(), namespace)
     return namespace
@@ -132,15 +179,15 @@ def run_blocks(blocks: Iterable[Block]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def launched_by_harness() -> Iterator[None]:
-    """In a harness worker, the default group a README script creates is already up (the
+    """In a harness worker, the default group a page's script creates is already up (the
     harness did what torchrun and ``init_process_group`` do), and must outlive the script."""
     assert dist.is_initialized()
 
     def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
-        assert backend == "gloo" and not kwargs, "README scripts must run on CPU with gloo"
+        assert backend == "gloo" and not kwargs, "the pages' scripts must run on CPU with gloo"
 
     def destroy_process_group(group: Any = None) -> None:
-        assert group is None, "README scripts destroy only the default group"
+        assert group is None, "the pages' scripts destroy only the default group"
 
     with (
         mock.patch.object(dist, "init_process_group", init_process_group),
@@ -158,11 +205,13 @@ def run_script(blocks: Iterable[Block], cwd: str) -> dict[str, Any]:
 
 
 def test_every_block_is_labelled_and_every_python_block_runs() -> None:
-    sections = [block.section for block in readme_blocks()]
-    assert set(sections) == set(RUN), (
-        "every Python block of README.md must stand under a heading that a test of this "
-        f"module runs (see RUN); found Python blocks under {sorted(set(sections))}"
+    sections = {Section(block.page, block.section) for page in PAGES for block in page_blocks(page)}
+    assert sections == set(RUN) | set(FRAGMENTS), (
+        "every Python block of README.md and docs/ must stand under a heading that a test of "
+        "this module runs (see RUN) or that FRAGMENTS names; found Python blocks under "
+        f"{sorted(map(str, sections))}"
     )
+    assert not set(RUN) & set(FRAGMENTS)
     assert all(name in globals() for name in RUN.values())
 
 
@@ -226,7 +275,7 @@ def test_checkpoint_tour_in_one_process(tmp_path: Path, monkeypatch: pytest.Monk
     assert torch.equal(again["model"].weight, model.weight)
 
 
-# -- Use it from your own code: train.py -------------------------------------------------------
+# -- A training script: train.py (docs/manager.md) ------------------------------------------
 
 
 def _train_py(cwd: str) -> dict[str, Any]:
@@ -386,12 +435,12 @@ def test_training_tour_on_4_ranks(tmp_path: Path) -> None:
 # -- Command line and Export to Hugging Face ---------------------------------------------------
 
 
-def shardwise_commands(section: str) -> list[str]:
+def shardwise_commands(section: Section) -> list[str]:
     """The ``shardwise ...`` command lines of the ``bash`` blocks under ``section``
     (backslash continuations joined)."""
     commands: list[str] = []
     current, language, pending = "", None, ""
-    for line in README.read_text(encoding="utf-8").splitlines():
+    for line in section.page.read_text(encoding="utf-8").splitlines():
         if language is None and line.startswith("```"):
             language = line[3:].strip()
         elif language is None:
@@ -399,18 +448,18 @@ def shardwise_commands(section: str) -> list[str]:
                 current = line.lstrip("#").strip()
         elif line.startswith("```"):
             language = None
-        elif language == "bash" and current == section:
+        elif language == "bash" and current == section.heading:
             pending += line.rstrip("\\").strip() + " "
             if not line.endswith("\\"):
                 if pending.startswith("shardwise "):
                     commands.append(pending.strip())
                 pending = ""
-    assert commands, f"README.md has no shardwise command under the heading {section!r}"
+    assert commands, f"no shardwise command under {section}"
     return commands
 
 
 def _run_command(command: str) -> int:
-    """``command`` (a README line, comment included) run as the shell would run it."""
+    """``command`` (a line of a page, comment included) run as the shell would run it."""
     argv = shlex.split(command, comments=True)
     assert argv[0] == "shardwise", command
     return cli.main(argv[1:])
@@ -480,3 +529,87 @@ def test_hugging_face_in_and_out_in_one_process(
     model, fresh = namespace["model"], namespace["fresh"]
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
+
+
+# -- The README's own examples -----------------------------------------------------------------
+
+
+@distributed(world_size=4)
+def test_readme_sharded_tensors_on_4_ranks() -> None:
+    namespace = run_script(section_blocks(README_SHARDED), os.getcwd())
+    rows = [shard.tensor.size(0) for shard in namespace["st"].local_shards()]
+    assert rows == [[3], [3], [3], [1]][dist.get_rank()], "the comment's 3, 3, 3, 1 rows"
+    if dist.get_rank() == 0:
+        assert torch.equal(namespace["full"], torch.arange(40.0).reshape(10, 4))
+    else:
+        assert namespace["full"] is None
+
+
+def test_readme_checkpoints_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    monkeypatch.chdir(tmp_path)
+    namespace = run_blocks(section_blocks(README_CHECKPOINTS))
+    assert namespace["result"] == ckpt.LoadResult(missing_keys=[], unexpected_keys=[])
+    assert namespace["state"]["step"] == 1000
+    path = tmp_path / "checkpoints" / "step-1000"
+    weight = namespace["model"].weight.detach()
+    assert torch.equal(ckpt.load_tensor(path, "model.weight"), weight)
+
+
+def test_readme_manager_saves_and_resumes_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    first = run_blocks(section_blocks(README_MANAGER))
+    assert first["start"] == 0
+    # Saved every 5 steps, the last 2 kept.
+    root = tmp_path / "runs" / "demo"
+    assert sorted(path.name for path in root.iterdir()) == ["step-00000015", "step-00000020"]
+    # Run again: it resumes at step 20, with the trained weights, and trains no further.
+    again = run_blocks(section_blocks(README_MANAGER))
+    assert again["start"] == 20
+    for name, tensor in first["model"].named_parameters():
+        assert torch.equal(dict(again["model"].named_parameters())[name], tensor), name
+
+
+def test_readme_hugging_face_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace = run_blocks(section_blocks(README_HF))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "LoadResult(missing_keys=[], unexpected_keys=[])"
+    )
+    names = sorted(path.name for path in (tmp_path / "hf_model").iterdir())
+    assert names == ["config.json", "model.safetensors"]
+    model = namespace["model"]
+    fresh = type(model)(namespace["config"])
+    ckpt.load_safetensors(fresh.state_dict(), tmp_path / "hf_model")
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_readme_torchtitan_in_one_process() -> None:
+    pytest.importorskip("torchtitan")
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    from shardwise.integrations.torchtitan import ShardwiseCheckpointManager
+
+    checkpoint = run_blocks(section_blocks(README_TORCHTITAN))["checkpoint"]
+    assert isinstance(checkpoint, BaseCheckpointManager.Config)
+    assert checkpoint._owner is ShardwiseCheckpointManager
+    assert (checkpoint.enable, checkpoint.interval, checkpoint.keep_latest_k) == (True, 500, 3)
+
+
+def _readme_dcp(cwd: str) -> torch.Tensor:
+    namespace = run_script(section_blocks(README_DCP), cwd)
+    return namespace["model"].weight.detach().clone()
+
+
+def test_readme_dcp_on_2_ranks(tmp_path: Path) -> None:
+    weights = run_on_ranks(_readme_dcp, 2, args=(str(tmp_path),))
+    path = tmp_path / "checkpoints" / "dcp"
+    assert cli.main(["verify", str(path)]) == 0
+    saved = ckpt.load_tensor(path, "model.weight")
+    for rank, weight in enumerate(weights):
+        assert torch.equal(weight, saved), f"rank {rank}: not the saved weight"
