@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise._dcp_properties import to_dcp
+
 if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
 
@@ -33,17 +35,9 @@ def _non_empty(st: ShardedTensor) -> list[Any]:
 def write_items(fqn: str, st: ShardedTensor) -> list[Any]:
     """One DCP ``WriteItem`` (type SHARD) per local shard."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.metadata import TensorProperties as DCPProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    properties = st.metadata().tensor_properties
-    dcp_properties = DCPProperties(
-        dtype=properties.dtype,
-        layout=properties.layout,
-        requires_grad=properties.requires_grad,
-        memory_format=properties.memory_format,
-        pin_memory=properties.pin_memory,
-    )
+    dcp_properties = to_dcp(st.metadata().tensor_properties)
     items = []
     for shard in _non_empty(st):
         offsets = torch.Size(shard.metadata.shard_offsets)

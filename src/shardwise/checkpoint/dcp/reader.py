@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.metadata import Metadata as DCPMetadata
-from torch.distributed.checkpoint.metadata import TensorProperties as DCPTensorProperties
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
 from torch.futures import Future
 
+from shardwise._dcp_properties import to_dcp
 from shardwise.checkpoint.dcp.writer import _openable, _path_of
 from shardwise.checkpoint.entries.items import LocalBox, decode_object
 from shardwise.checkpoint.entries.state_dict import display_key
@@ -263,17 +263,10 @@ def _metadata(reader: CheckpointReader) -> tuple[dict[str, str | list[str]], DCP
         else:
             keys[dotted] = [*([known] if isinstance(known, str) else known), key]
     for key, record in index.tensors.items():
-        properties = record.properties
         entries.setdefault(
             display_key(key),
             TensorStorageMetadata(
-                properties=DCPTensorProperties(
-                    dtype=properties.dtype,
-                    layout=properties.layout,
-                    requires_grad=properties.requires_grad,
-                    memory_format=properties.memory_format,
-                    pin_memory=properties.pin_memory,
-                ),
+                properties=to_dcp(record.properties),
                 size=torch.Size(record.size),
                 chunks=[
                     ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
