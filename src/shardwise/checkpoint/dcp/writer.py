@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardwise import __version__ as _version
+from shardwise._dcp_properties import from_dcp
 from shardwise.checkpoint.entries.items import (
     LocalBox,
     ObjectValue,
@@ -62,7 +63,6 @@ from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import SaveLock
 from shardwise.checkpoint.storage import UnsafePathError, local_path, open_storage
 from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointFormatError
-from shardwise.metadata import TensorProperties
 
 __all__ = ["StorageWriter"]
 
@@ -309,20 +309,10 @@ def _tensor_write(
     value = tensors.get(key)
     if value is None:
         value = tensors[key] = TensorValue(
-            tuple(data.size), tensor.dtype, _properties(data.properties, tensor.dtype), []
+            tuple(data.size), tensor.dtype, from_dcp(data.properties, tensor.dtype), []
         )
     value.boxes.append(LocalBox(offsets, sizes, tensor))
     return WriteAssignment(key, offsets, sizes, tensor.numel() * tensor.element_size())
-
-
-def _properties(properties: Any, dtype: torch.dtype) -> TensorProperties:
-    return TensorProperties(
-        dtype=dtype,
-        layout=properties.layout,
-        requires_grad=properties.requires_grad,
-        memory_format=properties.memory_format,
-        pin_memory=properties.pin_memory,
-    )
 
 
 def _results(
@@ -416,7 +406,7 @@ def _index_bytes(
             )
         if key is None:
             raise CheckpointError(f"{fqn!r}: DCP planned no chunk of it; nothing was committed")
-        properties = _properties(entry.properties, entry.properties.dtype)
+        properties = from_dcp(entry.properties, entry.properties.dtype)
         tensors.append(LayoutRecord(key, properties, tuple(entry.size), chunks))
     facts = SaveFacts(f"shardwise {_version}", torch.__version__, len(results), save_id, path)
     data = encode_index(facts, files, tensors, objects)
