@@ -371,11 +371,11 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         self._finish_staging()
-        options: dict[str, Any] = {"verify": self.verify}
+        verify = self.verify
         if step != -1:
             model_only = step == 0
             state = self._states_to_load(model_only)
-            self._manager.restore(state, step=step, allow_dtype_cast=model_only, **options)
+            self._manager.restore(step, state, allow_dtype_cast=model_only, verify=verify)
             self._loaded(state)
             logger.info("restored %s", self.path(step))
             return True
@@ -384,10 +384,10 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             # torchtitan's fault-tolerance branch: a series to resume ignores initial_*.
             if steps[-1] == 0:  # a seed checkpoint: the model alone
                 state = self._states_to_load(True)
-                restored = self._manager.restore(state, step=0, allow_dtype_cast=True, **options)
+                restored = self._manager.restore(0, state, allow_dtype_cast=True, verify=verify)
             else:
                 state = self._states_to_load(False)
-                restored = self._manager.restore(state, **options)
+                restored = self._manager.restore(None, state, verify=verify)
             if restored is not None:
                 self._loaded(state)
                 logger.info("restored %s", self.path(restored))

@@ -15,8 +15,9 @@ import signal
 import time
 import warnings
 from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
@@ -72,10 +73,91 @@ logger = logging.getLogger("shardwise.checkpoint.manager")
 #: (corrupt bytes, a missing or short data file, a malformed index, its index gone). Anything
 #: else (a key missing from the state dict, a storage outage) is the caller's to fix: raised.
 _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError)
-# The flags of the agreement in save(), in the order of its tensor.
-_NOTICE, _FAILED, _DUE, _FORCE, _POLICY_FAILED, _BAD_STEP, _STEP, _NEGATED_STEP = range(8)
 # The step as the agreement carries it (an int64; a larger step is rare, and only compared).
 _MAX_AGREED_STEP = 2**63 - 1
+#: ``restore``'s arguments not given (None is a value: the latest step).
+_NOT_GIVEN: Any = object()
+
+
+@dataclass(slots=True)
+class _Agreement:
+    """What every rank learns at each :meth:`CheckpointManager.save` call: one all-reduce
+    (MAX) of these fields as integers, in this order, so a flag is the OR over the ranks."""
+
+    #: A preemption signal arrived on some rank.
+    notice: bool = False
+    #: Some rank saw its background save fail.
+    failed: bool = False
+    #: Group rank 0's save policy finds the step due (its rules decide for every rank).
+    due: bool = False
+    #: Some rank passed ``force=True``.
+    force: bool = False
+    #: The save policy raised on group rank 0.
+    policy_failed: bool = False
+    #: Some rank's ``step`` is not a step.
+    bad_step: bool = False
+    #: The largest step (capped at the largest int64).
+    step: int = 0
+    #: The largest negated step: the ranks were called with one step when it is ``-step``.
+    negated_step: int = 0
+
+    def to_ints(self) -> list[int]:
+        """The fields as the all-reduce carries them."""
+        return [int(getattr(self, field.name)) for field in fields(self)]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> _Agreement:
+        """The record of the all-reduced integers (:meth:`to_ints`)."""
+        notice, failed, due, force, policy_failed, bad_step, step, negated_step = values
+        return cls(
+            notice=bool(notice),
+            failed=bool(failed),
+            due=bool(due),
+            force=bool(force),
+            policy_failed=bool(policy_failed),
+            bad_step=bool(bad_step),
+            step=step,
+            negated_step=negated_step,
+        )
+
+    @property
+    def one_step(self) -> bool:
+        """Whether every rank was called with the same step."""
+        return self.step == -self.negated_step
+
+    @property
+    def saves(self) -> bool:
+        """Whether this call saves: due, forced, or preempted."""
+        return self.due or self.force or self.notice
+
+
+def _restore_arguments(
+    positional: tuple[Any, ...], step: Any, state_dict: Any
+) -> tuple[object, MutableMapping[str, Any]]:
+    """The step (None: the newest) and the state dict of a :meth:`CheckpointManager.restore`
+    call, given positionally or by keyword: ``restore(step, state_dict)``, or the form
+    before 1.0, a mapping first, ``restore(state_dict, step)``.
+
+    Raises:
+        TypeError: No state dict, more than two positional arguments, or the step or the
+            state dict given twice.
+    """
+    if len(positional) > 2:
+        raise TypeError(f"restore() takes at most 2 positional arguments ({len(positional)} given)")
+    first, second = (*positional, _NOT_GIVEN, _NOT_GIVEN)[:2]
+    if isinstance(first, Mapping):  # the form before 1.0
+        first, second = second, first
+    for name, given, keyword in (("step", first, step), ("state_dict", second, state_dict)):
+        if given is not _NOT_GIVEN and keyword is not _NOT_GIVEN:
+            raise TypeError(f"restore() got multiple values for argument {name!r}")
+    wanted = first if step is _NOT_GIVEN else step
+    target = second if state_dict is _NOT_GIVEN else state_dict
+    if target is _NOT_GIVEN:
+        raise TypeError(
+            "restore() missing the state dict to load into: restore(step, state_dict), "
+            "step None for the newest checkpoint"
+        )
+    return (None if wanted is _NOT_GIVEN else wanted), target
 
 
 class RestoreFallbackWarning(UserWarning):
@@ -109,7 +191,7 @@ class CheckpointManager:
     Example:
         >>> with CheckpointManager("ckpt", save_policy=SavePolicy(every_steps=100),
         ...                        retention=RetentionPolicy(keep_last=3)) as manager:
-        ...     start = manager.restore(state) or 0
+        ...     start = manager.restore(None, state) or 0
         ...     for step in range(start + 1, 1001):
         ...         train_one_step()
         ...         manager.save(step, state, metrics={"loss": loss})
@@ -220,36 +302,73 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def _agree(self, flags: list[int]) -> list[int]:
-        """Each flag's maximum over the ranks: one all-reduce of a few integers."""
-        if self._comm.group is None:
-            return flags
-        tensor = torch.tensor(flags, dtype=torch.int64)
-        with bounded(self._comm.group, "CheckpointManager.save"):
-            collectives.all_reduce(tensor, "max", self._comm.group)
-        return [int(value) for value in tensor.tolist()]
-
-    def _local_flags(self, step: int | None, force: bool) -> tuple[list[int], BaseException | None]:
-        """This rank's flags of the agreement (``step`` None: this rank's step is invalid)."""
-        flags = [0] * 8
-        flags[_NOTICE] = int(self._notice.pending)
+    def _local_agreement(
+        self, step: int | None, force: bool
+    ) -> tuple[_Agreement, Exception | None]:
+        """This rank's part of the agreement (``step`` None: this rank's step is invalid), and
+        the error of the save policy when it raised here."""
+        mine = _Agreement(notice=bool(self._notice.pending), force=force, bad_step=step is None)
         previous = self._in_flight
         if previous is not None and previous.done() and not previous.cancelled():
-            flags[_FAILED] = int(previous.exception() is not None)
-        flags[_FORCE] = int(force)
+            mine.failed = previous.exception() is not None
         # MAX of the step and of its negation: the ranks called with one step when they match.
-        flags[_BAD_STEP] = int(step is None)
-        flags[_STEP] = min(step or 0, _MAX_AGREED_STEP)
-        flags[_NEGATED_STEP] = -flags[_STEP]
-        policy_error: BaseException | None = None
+        mine.step = min(step or 0, _MAX_AGREED_STEP)
+        mine.negated_step = -mine.step
+        policy_error: Exception | None = None
         if self._comm.rank == 0 and not force and step is not None:  # its rules decide for all
             try:
                 elapsed = time.monotonic() - self._last_save
-                flags[_DUE] = int(self.save_policy.wants(step, seconds_since_save=elapsed))
+                mine.due = bool(self.save_policy.wants(step, seconds_since_save=elapsed))
             except Exception as err:  # the user's should_save: raised on every rank below
                 policy_error = err
-                flags[_POLICY_FAILED] = 1
-        return flags, policy_error
+                mine.policy_failed = True
+        return mine, policy_error
+
+    def _agree(self, mine: _Agreement) -> _Agreement:
+        """Each field's maximum over the ranks: one all-reduce of a few integers."""
+        if self._comm.group is None:
+            return mine
+        tensor = torch.tensor(mine.to_ints(), dtype=torch.int64)
+        with bounded(self._comm.group, "CheckpointManager.save"):
+            collectives.all_reduce(tensor, "max", self._comm.group)
+        return _Agreement.from_ints([int(value) for value in tensor.tolist()])
+
+    def _agreed_call(self, given: object, force: bool) -> tuple[int, _Agreement]:
+        """``save``'s step, and what the ranks agreed at this call (collective), once every
+        failure that any rank saw is raised on every rank: a background save that failed, a
+        step that is not one or differs between ranks, a save policy that raised."""
+        try:
+            step: int | None = as_step(given)
+        except ValueError as err:  # raised below, once every rank knows (no rank waits alone)
+            bad_step: ValueError | None = err
+            step = None
+        else:
+            bad_step = None
+        mine, policy_error = self._local_agreement(step, force)
+        agreed = self._agree(mine)
+        if agreed.failed:
+            self._raise_background_failure()
+        if agreed.bad_step:
+            if bad_step is not None:
+                raise bad_step
+            raise ValueError(
+                f"step must be an int >= 0: another rank called save with one that is not "
+                f"(this rank: {given!r})"
+            )
+        assert step is not None
+        if not agreed.one_step:
+            raise CheckpointError(
+                f"the ranks called save with different steps (from {-agreed.negated_step} to "
+                f"{agreed.step}; this rank: {step}): save is collective, every rank saves "
+                "the same step"
+            )
+        if agreed.policy_failed:
+            if policy_error is not None:
+                raise policy_error
+            raise CheckpointError(
+                f"the save policy raised on rank 0 at step {step} (should_save); see rank 0's error"
+            )
+        return step, agreed
 
     def save(
         self,
@@ -280,53 +399,41 @@ class CheckpointManager:
             ValueError: ``step`` is not an int >= 0 on some rank (on every rank).
         """
         self._check_open()
-        given = step
-        try:
-            step = as_step(step)
-        except ValueError as err:  # raised below, once every rank knows (no rank waits alone)
-            bad_step: ValueError | None = err
-        else:
-            bad_step = None
-        flags, policy_error = self._local_flags(None if bad_step else step, bool(force))
-        agreed = self._agree(flags)
-        if agreed[_FAILED]:
-            self._raise_background_failure()
-        if agreed[_BAD_STEP]:
-            if bad_step is not None:
-                raise bad_step
-            raise ValueError(
-                f"step must be an int >= 0: another rank called save with one that is not "
-                f"(this rank: {given!r})"
-            )
-        if agreed[_STEP] != -agreed[_NEGATED_STEP]:
-            raise CheckpointError(
-                f"the ranks called save with different steps (from {-agreed[_NEGATED_STEP]} to "
-                f"{agreed[_STEP]}; this rank: {step}): save is collective, every rank saves "
-                "the same step"
-            )
-        if agreed[_POLICY_FAILED]:
-            if policy_error is not None:
-                raise policy_error
-            raise CheckpointError(
-                f"the save policy raised on rank 0 at step {step} (should_save); see rank 0's error"
-            )
-        preempting = bool(agreed[_NOTICE])
-        if not (agreed[_DUE] or agreed[_FORCE] or preempting):
+        step, agreed = self._agreed_call(step, bool(force))
+        if not agreed.saves:
             self._tidy_if_done()
             return False
-        path = self.path(step)
+        preempting = agreed.notice
+        self._prepare_save(step, metrics)
+        if self._comm.rank == 0 and not self._warned_unranked:  # its metrics are recorded
+            self._warned_unranked = warn_if_unranked(self.retention, metrics, step, self.root)
+        self._start_save(step, state_dict, synchronous=preempting or not self._async)
+        if preempting:
+            if self._comm.rank == 0:
+                logger.warning(
+                    "saved %s after a preemption notice; stop training now", self.path(step)
+                )
+            self.preempted = True
+            self._notice.clear()
+        return True
+
+    def _prepare_save(self, step: int, metrics: Mapping[str, object] | None) -> None:
+        """Before a due save (collective): finish the save in flight (at most one; its failure
+        reaches every rank), then rank 0 applies the retention and writes the step record."""
 
         def prepare() -> None:
-            self._finish_in_flight()  # at most one save in flight; its failure reaches all
+            self._finish_in_flight()
             if self._comm.rank == 0:
                 self._tidy()
                 record = step_record(step, plain_metrics(metrics), self.retention)
                 write_step_record(self._storage, step, record, self.path(step))
 
         self._comm.agree_or_raise(prepare)
-        if self._comm.rank == 0 and not self._warned_unranked:  # its metrics are recorded
-            self._warned_unranked = warn_if_unranked(self.retention, metrics, step, self.root)
         self._last_save = time.monotonic()
+
+    def _save_options(self, step: int) -> dict[str, Any]:
+        """The keywords of ``save``/``async_save`` for ``step`` (the base of an incremental
+        save included: collective when the series is asked for it)."""
         options: dict[str, Any] = {
             "process_group": self._process_group,
             "storage_options": self._storage_options,
@@ -337,27 +444,28 @@ class CheckpointManager:
             base = self._base_step if self._base_step is not None else self._series_base()
             if base is not None and base != step:
                 options["base"] = self.path(base)
+        return options
+
+    def _start_save(self, step: int, state_dict: Mapping[str, Any], *, synchronous: bool) -> None:
+        """Start the save of ``step`` in the background, or (``synchronous``) run it to its
+        commit and apply the retention."""
+        path = self.path(step)
+        options = self._save_options(step)
         self._base_step = None  # until this save is known to have started (or committed)
         try:
-            if self._async and not preempting:
+            if synchronous:
+                _save(state_dict, path, **options)
+            else:
                 self._in_flight = _async_save(state_dict, path, **options)
                 self._in_flight_step = step
-            else:
-                _save(state_dict, path, **options)
         except OSError as err:
             raise save_failure(err, path)  # noqa: B904 (its cause is err, or it is err)
-        if not self._async or preempting:
+        if synchronous:
             self._untidy = True
             self._committed_step = step
             if self._comm.rank == 0:
                 self._tidy()
         self._base_step = step
-        if preempting:
-            if self._comm.rank == 0:
-                logger.warning("saved %s after a preemption notice; stop training now", path)
-            self.preempted = True
-            self._notice.clear()
-        return True
 
     def _series_base(self) -> int | None:
         """The newest good checkpoint of the series whose index decodes: the base of an
@@ -443,10 +551,45 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------
 
+    @overload
     def restore(
-        self, state_dict: MutableMapping[str, Any], step: int | None = None, **load_options: Any
+        self,
+        step: int | None = None,
+        state_dict: MutableMapping[str, Any] = ...,
+        *,
+        strict: bool = True,
+        verify: bool = True,
+        allow_pickle: bool = False,
+        allow_dtype_cast: bool = False,
+        progress: bool = False,
+    ) -> int | None: ...
+
+    @overload
+    def restore(  # the form before 1.0, accepted: restore(state_dict, step=None)
+        self,
+        state_dict: MutableMapping[str, Any],
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        verify: bool = True,
+        allow_pickle: bool = False,
+        allow_dtype_cast: bool = False,
+        progress: bool = False,
+    ) -> int | None: ...
+
+    def restore(
+        self,
+        *positional: Any,
+        step: Any = _NOT_GIVEN,
+        state_dict: Any = _NOT_GIVEN,
+        strict: bool = True,
+        verify: bool = True,
+        allow_pickle: bool = False,
+        allow_dtype_cast: bool = False,
+        progress: bool = False,
     ) -> int | None:
-        """Load the newest committed checkpoint (or ``step``'s) into ``state_dict``, in place.
+        """Load the newest committed checkpoint (or ``step``'s) into ``state_dict``, in place:
+        ``restore(step, state_dict)``, or ``restore(None, state_dict)`` for the newest.
 
         A checkpoint that turns out corrupt or incomplete (:class:`ChecksumError`,
         :class:`CheckpointDataError`, :class:`CheckpointFormatError`, its index gone) is
@@ -454,9 +597,17 @@ class CheckpointManager:
         rejected (``shardwise ls`` shows it; it is no longer the latest), and the one before it
         is loaded into the same state dict: every tensor is filled again from the start.
 
+        The form before 1.0, ``restore(state_dict)`` and ``restore(state_dict, step)`` (a
+        mapping first), is accepted as well and means the same.
+
         Args:
-            step: Restore exactly this step (no fallback).
-            load_options: Passed to :func:`load` (``strict``, ``verify``, ...).
+            step: Restore exactly this step (no fallback); None: the newest, with fallback.
+            state_dict: The state to fill, as for :func:`load`.
+            strict: As for :func:`load`.
+            verify: As for :func:`load`.
+            allow_pickle: As for :func:`load`.
+            allow_dtype_cast: As for :func:`load`.
+            progress: As for :func:`load`.
 
         Returns:
             The step restored, or None when the series has no committed checkpoint.
@@ -464,10 +615,30 @@ class CheckpointManager:
         Raises:
             CheckpointError: ``step``'s checkpoint cannot be loaded, every checkpoint failed,
                 or a load failed for a reason that is not the checkpoint's (a missing key).
+            TypeError: No state dict is given, or ``step`` or ``state_dict`` twice.
+            ValueError: ``step`` is not an int >= 0 on some rank (on every rank).
+
+        Example:
+            >>> start = manager.restore(None, state) or 0
         """
+        wanted, target = _restore_arguments(positional, step, state_dict)
+        return self._restore(
+            wanted,
+            target,
+            strict=strict,
+            verify=verify,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
+            progress=progress,
+        )
+
+    def _restore(
+        self, step: object, state_dict: MutableMapping[str, Any], **load_options: bool
+    ) -> int | None:
+        """:meth:`restore` of its arguments sorted out (``load_options``: :func:`load`'s)."""
         step = self._agreed_restore_step(step)
         self.wait()
-        options = {
+        options: dict[str, Any] = {
             "process_group": self._process_group,
             "storage_options": self._storage_options,
             **load_options,
@@ -511,7 +682,7 @@ class CheckpointManager:
                 f"{rejected} committed checkpoint(s) (`shardwise ls` says why); starting "
                 "from scratch",
                 RestoreFallbackWarning,
-                stacklevel=2,
+                stacklevel=3,  # at the caller of restore
             )
         return None
 
@@ -551,7 +722,7 @@ class CheckpointManager:
         warnings.warn(
             f"cannot restore {self.path(step)}: {reason}; restoring the checkpoint before it",
             RestoreFallbackWarning,
-            stacklevel=3,
+            stacklevel=4,  # at the caller of restore
         )
         if self._comm.rank != 0 or not record:
             return
