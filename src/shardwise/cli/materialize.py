@@ -31,11 +31,11 @@ def run(args: argparse.Namespace) -> int:
         total = sum(_stored(reader.index))
     bar = ByteBar(total, f"materializing {args.path}")
     try:
-        index = materialize(
-            args.path, args.out, storage_options=args.storage_options, progress=bar.update
-        )
+        materialize(args.path, args.out, storage_options=args.storage_options, progress=bar.update)
     finally:
         bar.close()
+    with CheckpointReader.open(args.out, args.storage_options) as reader:  # the copy, read back
+        index = reader.index
     nbytes = sum(_stored(index))
     num_tensors = len(index.tensors) - len(index.aliases)
     if args.json:

@@ -132,7 +132,8 @@ def test_a_series_resharded_from_4_to_2_ranks_loads_like_a_full_save(tmp_path: P
     # Materialized (the incremental one, and the full one of grids), they load alike.
     for source in (_step(root, 10), full_save):
         copy = tmp_path / f"copy-of-{source.name}"
-        assert ckpt.materialize(source, copy).format_version == 4
+        assert ckpt.materialize(source, copy) == ckpt.read_metadata(copy)
+        assert decode_index((copy / "shardwise.json").read_bytes()).format_version == 4
         for key in keys:
             assert torch.equal(ckpt.load_tensor(copy, key), ckpt.load_tensor(full_save, key))
 

@@ -28,6 +28,7 @@ from shardwise.checkpoint.index.data_file import FileEntry, bytes_key, chunk_key
 from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.read import Segment, read
 from shardwise.checkpoint.loading.reader import CheckpointReader
+from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.saving.writer import FileBlocks, open_fresh
 from shardwise.checkpoint.storage import Storage, open_storage
 from shardwise.errors import CheckpointError, CheckpointStorageError
@@ -116,7 +117,7 @@ def materialize(
     *,
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[int], object] | None = None,
-) -> Index:
+) -> Metadata:
     """Copy the checkpoint at ``path`` into a self-contained one at ``out`` (one process).
 
     An incremental checkpoint reads data files of earlier checkpoints of its series; its
@@ -127,7 +128,7 @@ def materialize(
         progress: Called with the bytes of each piece copied.
 
     Returns:
-        The copy's index.
+        The copy's :class:`Metadata` (as :func:`read_metadata` of ``out`` gives it).
 
     Raises:
         CheckpointError: ``out`` holds a checkpoint already, or the source is invalid or a byte
@@ -137,7 +138,7 @@ def materialize(
     """
     target = os.path.expanduser(os.fspath(out))
     try:
-        return _materialize(path, target, storage_options, progress)
+        return _materialize(path, target, storage_options, progress).to_metadata()
     except CheckpointError:
         raise
     except OSError as err:
