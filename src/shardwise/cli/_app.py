@@ -12,12 +12,12 @@ import contextlib
 import importlib
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardwise import __version__
+from shardwise._sizes import parse_size as parse_size  # re-exported by shardwise.cli
 from shardwise.cli._common import (
     EXIT_INPUT,
     EXIT_OK,
@@ -30,20 +30,6 @@ from shardwise.errors import CheckpointError, CheckpointStorageError
 
 # Hugging Face's default shard size for save_pretrained.
 _DEFAULT_MAX_SHARD_SIZE = "5GB"
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 # The module (in shardwise.cli) that runs each command, imported only when it runs.
 _HANDLERS = {
@@ -86,28 +72,6 @@ _EXIT_CODES_TEXT = (
     "Exit codes: 0 success, 1 verification or comparison failed, 2 bad usage, 3 invalid or "
     "corrupt input, 4 storage failure."
 )
-
-
-def parse_size(text: str) -> int:
-    """A byte count from ``"500MB"``, ``"2GB"``, ``"1GiB"``, ``"1.5GB"`` or ``"1048576"``.
-
-    Decimal units (KB, MB, GB, TB) are powers of 1000 as in Hugging Face; KiB, MiB, GiB, TiB
-    are powers of 1024. Case does not matter.
-
-    Raises:
-        ValueError: Not a positive size with a known unit.
-    """
-    match = _SIZE_PATTERN.fullmatch(text)
-    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit is None:
-        raise ValueError(
-            f"invalid size {text!r}: use a number of bytes or a number with a unit "
-            f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 500MB or 1GiB"
-        )
-    size = int(float(match.group(1)) * unit)
-    if size <= 0:
-        raise ValueError(f"invalid size {text!r}: it must be positive")
-    return size
 
 
 def _size_argument(text: str) -> int:
