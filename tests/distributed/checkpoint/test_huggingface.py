@@ -313,6 +313,27 @@ def test_save_from_every_layout_on_four_ranks(tmp_path: Path) -> None:
     _save_every_layout(tmp_path / "out")
 
 
+@distributed(world_size=2, timeout=120)
+def test_a_bad_max_shard_size_is_refused_alike_on_every_rank_before_any_collective(
+    tmp_path: Path,
+) -> None:
+    state, fulls = _sharded_state(2)
+    for size, error in (("5XB", ValueError), ("0GB", ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="max_shard_size") as caught:
+            ckpt.save_safetensors(state, tmp_path / "out", max_shard_size=size)  # type: ignore[arg-type]
+        messages: list[object] = [None, None]
+        dist.all_gather_object(messages, f"{type(caught.value).__name__}: {caught.value}")
+        assert messages[0] == messages[1], messages
+    assert not (tmp_path / "out").exists()
+    # No rank was left waiting in a collective: the same save, with the size as transformers
+    # takes it ("1KB": 1000 bytes, two of the 360-byte tensors per file), runs on both.
+    written = ckpt.save_safetensors(state, tmp_path / "out", prefix="model.", max_shard_size="1KB")
+    assert written[-1] == "model.safetensors.index.json" and len(written) == 3 + 1
+    if dist.get_rank() == 0:
+        got = {k: v for f in written[:-1] for k, v in load_file(str(tmp_path / "out" / f)).items()}
+        assert sorted(got) == sorted(fulls)
+
+
 def _save_fsdp2_llama(path: str, tie: bool) -> dict[str, torch.Tensor] | None:
     from torch.distributed.fsdp import fully_shard
 

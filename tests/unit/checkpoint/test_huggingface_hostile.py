@@ -76,8 +76,9 @@ def test_consolidate_refuses_a_tensor_named_like_the_header_metadata() -> None:
 
 @pytest.mark.parametrize(
     ("size", "error"),
-    [(0, ValueError), (-1, ValueError), ("5GB", TypeError), (1.5, TypeError), (True, TypeError)],
-)
+    [(0, ValueError), (-1, ValueError), ("5XB", ValueError), ("0GB", ValueError),
+     ("-1GB", ValueError), (1.5, TypeError), (True, TypeError), (b"5GB", TypeError)],
+)  # fmt: skip
 def test_a_max_shard_size_that_is_not_a_positive_byte_count_is_refused(
     tmp_path: Path, size: object, error: type[Exception]
 ) -> None:
@@ -89,6 +90,18 @@ def test_a_max_shard_size_that_is_not_a_positive_byte_count_is_refused(
         {"a": torch.ones(2), "b": torch.ones(1)}, tmp_path / "one", max_shard_size=1
     )
     assert written[:2] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("size", "files"), [("5GB", 1), ("8B", 2), ("1KB", 1), ("1 KiB", 1), ("0.008kb", 2), (8, 2)]
+)
+def test_a_max_shard_size_may_be_a_size_with_a_unit_as_transformers_takes_it(
+    tmp_path: Path, size: int | str, files: int
+) -> None:
+    # As save_pretrained(max_shard_size="5GB"): decimal units are powers of 1000.
+    state = {"a": torch.ones(2), "b": torch.ones(2)}  # 8 bytes each
+    written = ckpt.save_safetensors(state, tmp_path / "out", max_shard_size=size)
+    assert len([name for name in written if name.endswith(".safetensors")]) == files
 
 
 def test_an_empty_prefix_selects_every_key_as_it_is(tmp_path: Path) -> None:

@@ -15,23 +15,22 @@ shared); an object store has none.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import numbers
 import os
 import secrets
-import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
 from shardwise import collectives
 from shardwise._boxes import Box, byte_view
 from shardwise._codec import dtype_from_name, dtype_name
+from shardwise._progress import JobProgress
+from shardwise._sizes import parse_size
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.entries.items import (
     LocalBox,
@@ -41,22 +40,16 @@ from shardwise.checkpoint.entries.items import (
     storage_key,
 )
 from shardwise.checkpoint.entries.state_dict import display_key, flatten
+from shardwise.checkpoint.huggingface.directory import DirectoryWriter, WeightFile, weight_files
 from shardwise.checkpoint.huggingface.files import (
     DEFAULT_MAX_SHARD_BYTES,
-    INDEX_NAME,
-    LEFTOVER_NAME,
-    METADATA,
-    OUTPUT_NAME,
     OutTensor,
-    check_header_size,
     check_unique_names,
-    file_names,
-    index_json,
     split_files,
     written_dtype,
 )
 from shardwise.checkpoint.huggingface.keys import KeyMap, Names
-from shardwise.checkpoint.index.data_file import FileEntry, layout_file, safetensors_dtype
+from shardwise.checkpoint.index.data_file import safetensors_dtype
 from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.index.tiling import check_tiling
 from shardwise.checkpoint.planning import planner
@@ -72,30 +65,56 @@ from shardwise.errors import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["FilePlan", "SavePlan", "plan_files", "save_safetensors"]
+__all__ = ["Description", "TableRow", "WeightFilesPlan", "plan_files", "save_safetensors"]
 
 logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class FilePlan:
-    """One weight file: its name, header (length prefix included), size, and where each of
-    its tensors starts (by the key whose data it is)."""
+class TableRow(NamedTuple):
+    """One tensor of one rank's table, as it travels (a JSON array of these fields, in order).
 
+    Attributes:
+        key: The state dict's key (dotted).
+        name: Its name in the files (prefix stripped, key map applied).
+        dtype: Its dtype (``shardwise.metadata.dtype_name``).
+        size: Its size; ``None`` when only the union of the ranks' boxes tells (a
+            standalone ``LocalShardsWrapper``).
+        boxes: This rank's non-empty boxes, ``[offsets, sizes]`` each.
+        tied: The earlier key whose memory this key's is on this rank, if any.
+    """
+
+    key: str
     name: str
-    header: bytes
-    size: int
-    starts: dict[str, int]
+    dtype: str
+    size: list[int] | None
+    boxes: list[list[list[int]]]
+    tied: str | None
+
+
+class Description(NamedTuple):
+    """What each rank sends in the first exchange (a JSON array ``[token, progress, rows]``):
+    rank 0's token and progress flag are the save's."""
+
+    token: str
+    progress: bool
+    rows: list[TableRow]
+
+    @classmethod
+    def from_wire(cls, value: Sequence[Any]) -> Description:
+        """A description as received (JSON arrays), its rows typed."""
+        token, progress, rows = value
+        return cls(token, progress, [TableRow._make(row) for row in rows])
 
 
 @dataclass(frozen=True, slots=True)
-class SavePlan:
-    """What a save writes: the files, the tensors (by source key), who writes each distinct
-    box of each tensor (key -> ``(box, rank)``), and the tied keys left out (key -> target)."""
+class WeightFilesPlan:
+    """What a ``save_safetensors`` writes: the weight files, the tensors (by source key), who
+    writes each distinct box of each tensor (key -> ``(box, rank)``), and the tied keys left
+    out (key -> target)."""
 
-    files: list[FilePlan]
+    files: list[WeightFile]
     tensors: dict[str, OutTensor]
     writers: dict[str, list[tuple[Box, int]]]
     tied: dict[str, str]
@@ -130,9 +149,9 @@ def _describe(
     return values, named
 
 
-def _table(values: Mapping[str, TensorValue], named: Mapping[str, str]) -> list[list[Any]]:
-    """This rank's description as JSON: per key its name, dtype, size (``None``: only the
-    union of the ranks' boxes tells), non-empty boxes, and the earlier key whose memory it is."""
+def _table(values: Mapping[str, TensorValue], named: Mapping[str, str]) -> list[TableRow]:
+    """This rank's table: a row per key, in key order (the earlier key of a tied one is the
+    first key of the same memory)."""
     first: dict[Any, str] = {}
     rows = []
     for fqn, value in values.items():
@@ -141,7 +160,7 @@ def _table(values: Mapping[str, TensorValue], named: Mapping[str, str]) -> list[
         boxes = [[list(b.offsets), list(b.sizes)] for b in value.boxes if b.tensor.numel()]
         size = None if value.size is None else list(value.size)
         tied = alias if alias != fqn else None
-        rows.append([fqn, named[fqn], dtype_name(value.dtype), size, boxes, tied])
+        rows.append(TableRow(fqn, named[fqn], dtype_name(value.dtype), size, boxes, tied))
     return rows
 
 
@@ -150,77 +169,78 @@ def _refuse(message: str, key: str) -> CheckpointMismatchError:
 
 
 def plan_files(
-    tables: Sequence[list[list[Any]]], cast: torch.dtype | None, max_bytes: int
-) -> SavePlan:
+    tables: Sequence[Sequence[TableRow | Sequence[Any]]], cast: torch.dtype | None, max_bytes: int
+) -> WeightFilesPlan:
     """The plan of a save from every rank's table (pure: every rank computes the same one).
+
+    Args:
+        tables: Each rank's rows, in rank order (:class:`TableRow`, or the JSON arrays they
+            travel as).
+        cast: The dtype floating-point tensors are written in, if any.
+        max_bytes: The most bytes of tensors per file.
 
     Raises:
         CheckpointMismatchError: The ranks disagree on a key's name, dtype or size, its boxes
             do not tile it, safetensors has no code for its dtype, two keys share a name, or
             a file's header would be over what safetensors reads.
     """
-    keys = [row[0] for row in tables[0]]
-    facts: dict[str, list[Any]] = {row[0]: row for row in tables[0]}
+    typed = [[TableRow._make(row) for row in table] for table in tables]
+    keys = [row.key for row in typed[0]]
+    first = {row.key: row for row in typed[0]}
+    sizes = {row.key: row.size for row in typed[0]}  # completed by the ranks that know it
     holders: dict[str, dict[Box, list[int]]] = {key: {} for key in keys}
     aliases: list[dict[str, str]] = []
-    for rank, table in enumerate(tables):
-        if [row[0] for row in table] != keys:
-            other = sorted(set(keys).symmetric_difference(row[0] for row in table))
+    for rank, table in enumerate(typed):
+        if [row.key for row in table] != keys:
+            other = sorted(set(keys).symmetric_difference(row.key for row in table))
             raise _refuse(
                 f"rank {rank} does not hold the keys rank 0 holds; every rank must pass a state "
                 "dict with the same keys",
                 other[0] if other else keys[0],
             )
-        for key, name, dtype, size, boxes, _ in table:
-            known = facts[key]
-            if (name, dtype) != (known[1], known[2]) or (
-                size is not None and known[3] is not None and size != known[3]
+        for row in table:
+            known, size = first[row.key], sizes[row.key]
+            if (row.name, row.dtype) != (known.name, known.dtype) or (
+                row.size is not None and size is not None and row.size != size
             ):
                 raise _refuse(
-                    f"rank {rank} has name {name!r}, dtype {dtype} and size {size}, rank 0 "
-                    f"{known[1]!r}, {known[2]} and {known[3]}",
-                    key,
+                    f"rank {rank} has name {row.name!r}, dtype {row.dtype} and size "
+                    f"{row.size}, rank 0 {known.name!r}, {known.dtype} and {size}",
+                    row.key,
                 )
-            if known[3] is None:
-                known[3] = size
-            for offsets, sizes in boxes:
-                holders[key].setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
-        aliases.append({row[0]: row[5] for row in table if row[5] is not None})
+            if size is None:
+                sizes[row.key] = row.size
+            for offsets, box_sizes in row.boxes:
+                holders[row.key].setdefault((tuple(offsets), tuple(box_sizes)), []).append(rank)
+        aliases.append({row.key: row.tied for row in table if row.tied is not None})
+    shapes: dict[str, tuple[int, ...]] = {}
     merged = {}
     for key in keys:
-        size = facts[key][3]
+        size = sizes[key]
         if size is None:  # a standalone LocalShardsWrapper: the union of every rank's boxes
             boxes = list(holders[key])
             ndim = len(boxes[0][0]) if boxes else 0
             size = [max((o[d] + s[d] for o, s in boxes), default=0) for d in range(ndim)]
-            facts[key][3] = size
-        merged[key] = planner.TensorPlan(facts[key][2], tuple(size), {}, holders[key])
+        shapes[key] = tuple(size)
+        merged[key] = planner.TensorPlan(first[key].dtype, shapes[key], {}, holders[key])
     tied = planner.agree_aliases(aliases, merged)
     tensors: dict[str, OutTensor] = {}
     for key in keys:
         if key in tied:
             continue
-        _, name, dtype_text, size, _, _ = facts[key]
-        dtype = written_dtype(dtype_from_name(dtype_text), cast)
+        dtype = written_dtype(dtype_from_name(first[key].dtype), cast)
         if safetensors_dtype(dtype) is None:
             raise _refuse(f"safetensors cannot store dtype {dtype_name(dtype)}", key)
-        shape = tuple(size)
+        shape = shapes[key]
         try:
             check_tiling(shape, list(holders[key]) or [((0,) * len(shape), shape)])
         except ValueError as err:
             raise _refuse(f"the ranks' shards do not make up the tensor: {err}", key) from err
+        name = first[key].name
         tensors[key] = OutTensor(name, key, dtype, shape, math.prod(shape) * dtype.itemsize)
     check_unique_names(list(tensors.values()), "the state dict")
-    groups = split_files(list(tensors.values()), _nbytes, max_bytes)
-    files = []
-    for file_name, group in zip(file_names(len(groups)), groups, strict=True):
-        entries = [FileEntry(t.name, t.dtype, t.shape, t.nbytes) for t in group]
-        layout = layout_file(entries, METADATA)
-        if group:
-            check_header_size(layout.header, file_name, group[0].source)
-        starts = {t.source: begin for t, (begin, _) in zip(group, layout.ranges, strict=True)}
-        files.append(FilePlan(file_name, layout.header, layout.size, starts))
-    return SavePlan(files, tensors, _writers(tensors, holders), {k: tied[k] for k in tied})
+    files = weight_files(split_files(list(tensors.values()), _nbytes, max_bytes))
+    return WeightFilesPlan(files, tensors, _writers(tensors, holders), dict(tied))
 
 
 def _nbytes(tensor: OutTensor) -> int:
@@ -288,7 +308,7 @@ def save_safetensors(
     prefix: str | None = None,
     key_map: KeyMap | None = None,
     dtype: torch.dtype | None = None,
-    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
     sync_files: bool = True,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
@@ -315,8 +335,9 @@ def save_safetensors(
             ``CheckpointKeyError``, nothing written).
         key_map: The name in the files of a key (prefix stripped); ``None`` leaves it out.
         dtype: The floating-point dtype to write floating-point tensors in.
-        max_shard_size: The most bytes of tensors per file (a larger tensor gets its own),
-            a positive int.
+        max_shard_size: The most bytes of tensors per file (a larger tensor gets its own):
+            a positive int, or a size as ``save_pretrained`` takes it, ``"5GB"`` (decimal
+            units KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB powers of 1024).
         sync_files: fsync the files and the directory before returning.
         storage_options: fsspec options for URLs (refused: see above).
         progress: Show a progress bar on rank 0 (stderr) of the bytes every rank writes.
@@ -325,13 +346,13 @@ def save_safetensors(
         The names of the files written, in ``path``.
 
     Raises:
-        TypeError: ``dtype`` is not a ``torch.dtype``, ``max_shard_size`` not an int,
-            ``prefix`` not a str, or ``key_map`` not callable.
-        ValueError: ``max_shard_size`` is not positive.
+        TypeError: ``dtype`` is not a ``torch.dtype``, ``max_shard_size`` neither an int nor
+            a str (a float, a bool), ``prefix`` not a str, or ``key_map`` not callable.
+        ValueError: ``max_shard_size`` is not positive, or a str that is no size.
         CheckpointError: (a subclass) an object-store URL, ranks that disagree on a tensor,
             shards that do not make up their tensor, a dtype safetensors cannot store, two
             keys of one name; ``CheckpointStorageError`` for a write that fails. Every rank
-            raises the same error.
+            raises the same error (the arguments are checked before any collective).
 
     Example:
         >>> shardwise.checkpoint.save_safetensors(model.state_dict(), "/out/model")
@@ -346,153 +367,154 @@ def save_safetensors(
             "stores cannot do: save to a local or shared file system, then upload",
             file=path_text,
         )
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
-    if dtype is not None and not dtype.is_floating_point:
-        raise CheckpointMismatchError(
-            f"dtype={dtype} is not a floating-point dtype; only floating-point tensors are cast"
-        )
-    if dtype is not None and safetensors_dtype(dtype) is None:
-        raise CheckpointMismatchError(
-            f"dtype={dtype} has no safetensors code: it cannot be written"
-        )
-    max_shard_size = _byte_count(max_shard_size)
+    _check_dtype(dtype)
+    max_bytes = parse_size(max_shard_size, "max_shard_size")
     names = Names.of(prefix, key_map)
-    values: dict[str, TensorValue] = {}
-    token = secrets.token_hex(8)
-
-    def describe() -> list[list[Any]]:
-        nonlocal values
-        values, named = _describe(state_dict, names)
-        return _table(values, named)
-
-    _, tables = comm.exchange_or_raise(describe, lambda rows: [token, progress, rows])
-    if names.prefix and not any(entry[2] for entry in tables):
-        raise CheckpointKeyError(  # as consolidate: a typo would replace a model with nothing
-            f"no tensor of the state dict is under the prefix {names.prefix!r} (or key_map "
-            f"leaves them all out): nothing to write, and the weight files at {path_text} are "
-            "left as they are",
-            file=path_text,
-        )
-    shared_token = tables[0][0]
-    plan = plan_files([entry[2] for entry in tables], dtype, max_shard_size)
-    temporary = {f.name: storage.join(f".{f.name}.{shared_token}.tmp") for f in plan.files}
-
-    def create() -> None:
-        if comm.rank != 0:
-            return
-        storage.makedirs(storage.root)
-        _refuse_directories(storage)
-        for file in plan.files:
-            writer = storage.open_parts(temporary[file.name], file.size)
-            try:
-                writer.write_at(0, [file.header])
-            finally:
-                writer.close(sync=sync_files)
-
-    mine = [
-        (key, box)
-        for key, chosen in plan.writers.items()
-        for box, rank in chosen
-        if rank == comm.rank
-    ]
-    file_of = {key: file for file in plan.files for key in file.starts}
-    bar = None
-    try:
-        comm.agree_or_raise(_in_words(create, "create the files in", path_text))
-        if tables[0][1]:  # every byte of every tensor is written once, by one rank
-            bar = job_bar(comm, plan.total, f"saving {path_text}", f"save/{shared_token}")
-
-        def write() -> None:
-            writers: dict[str, PartWriter] = {}
-            try:
-                for key, box in mine:
-                    file = file_of[key]
-                    if file.name not in writers:
-                        writers[file.name] = storage.open_parts(temporary[file.name])
-                    local = _local_box(values[key], box)
-                    count = _write_box(
-                        writers[file.name], local, plan.tensors[key], file.starts[key]
-                    )
-                    if bar is not None:
-                        bar.update(count)
-            finally:
-                for writer in writers.values():
-                    writer.close(sync=sync_files)
-
-        exchange_with_bar(comm, _in_words(write, "write", path_text), bar)
-
-        def commit() -> list[str]:
-            written = [file.name for file in plan.files]
-            if len(plan.files) > 1:
-                written.append(INDEX_NAME)
-            # Out of the way first: the old index, and the weight files of an earlier save
-            # that this one does not replace. Removed last, a save stopped between its renames
-            # would leave the old index (or model.safetensors) beside new files: a model of
-            # old and new tensors, loaded without a word. Removed first, a stopped save leaves
-            # several weight files and no index, which no loader takes for a model.
-            for name in storage.listdir(storage.root):
-                if OUTPUT_NAME.fullmatch(name) and (name == INDEX_NAME or name not in written):
-                    storage.remove(storage.join(name))
-            for file in plan.files:
-                storage.rename(temporary[file.name], storage.join(file.name))
-            if len(plan.files) > 1:
-                weight_map = {
-                    plan.tensors[key].name: file.name for file in plan.files for key in file.starts
-                }
-                storage.replace_small(storage.join(INDEX_NAME), index_json(weight_map, plan.total))
-            for name in storage.listdir(storage.root):  # what killed saves left
-                if LEFTOVER_NAME.fullmatch(name):
-                    with contextlib.suppress(OSError):  # best effort: the save is done
-                        storage.remove(storage.join(name))
-            if sync_files:
-                storage.sync_dir(storage.root)
-            return written
-
-        written: list[str] = comm.broadcast_or_raise(_in_words(commit, "commit", path_text), src=0)
-    except BaseException:
-        if comm.rank == 0:
-            for temp in temporary.values():
-                with contextlib.suppress(OSError):
-                    storage.remove(temp)
-        raise
+    save = _SafetensorsSave(comm, storage, path_text, dtype, max_bytes, sync_files)
+    written = save.run(state_dict, names, progress)
     if comm.rank == 0:
-        log_done(logger, "saved", path_text, plan.total, time.monotonic() - started)
+        log_done(logger, "saved", path_text, save.plan.total, time.monotonic() - started)
     return written
 
 
-def _refuse_directories(storage: LocalStorage) -> None:
-    """Refuse a directory under a name the commit replaces or removes, before any file is
-    written (else the commit would fail with some files of the save in place).
-
-    Raises:
-        CheckpointStorageError: Naming it.
-    """
-    for name in storage.listdir(storage.root):
-        path = storage.join(name)
-        if OUTPUT_NAME.fullmatch(name) and stat.S_ISDIR(os.lstat(path).st_mode):
-            raise CheckpointStorageError(
-                f"{path} is a directory, where the save puts or removes a weight file: "
-                "remove it, or save elsewhere",
-                file=path,
-            )
-
-
-def _byte_count(value: object) -> int:
-    """``max_shard_size`` checked: a positive int of bytes (refused on every rank alike,
-    before any collective, as every rank passes the same arguments).
-
-    Raises:
-        TypeError: Not an int (a string such as ``"5GB"``, a float, a bool).
-        ValueError: Zero or negative.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"max_shard_size must be an int number of bytes (e.g. 5_000_000_000), got {value!r}"
+def _check_dtype(dtype: object) -> None:
+    """Refuse a ``dtype`` that is not a floating-point ``torch.dtype`` safetensors stores."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    if not dtype.is_floating_point:
+        raise CheckpointMismatchError(
+            f"dtype={dtype} is not a floating-point dtype; only floating-point tensors are cast"
         )
-    if value <= 0:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {value}")
-    return int(value)
+    if safetensors_dtype(dtype) is None:
+        raise CheckpointMismatchError(
+            f"dtype={dtype} has no safetensors code: it cannot be written"
+        )
+
+
+class _SafetensorsSave:
+    """One ``save_safetensors`` on one rank, its arguments checked: a method per step, each
+    one collective of the group (:meth:`run` calls them in order).
+
+    1. :meth:`describe` (an all-gather of JSON): every rank's :class:`Description`, the plan.
+    2. :meth:`create` (an agreement): rank 0 makes the directory and the files.
+    3. :meth:`write` (an agreement, counted by the bar): every rank writes its boxes.
+    4. :meth:`commit` (a broadcast from rank 0): rank 0 puts the files in place; every rank
+       gets their names.
+
+    A failure of any step is raised on every rank; rank 0 then removes what was written.
+    """
+
+    def __init__(
+        self,
+        comm: collectives.Comm,
+        storage: LocalStorage,
+        path: str,
+        dtype: torch.dtype | None,
+        max_bytes: int,
+        sync: bool,
+    ) -> None:
+        self.comm = comm
+        self.storage = storage
+        self.path = path
+        self.dtype = dtype
+        self.max_bytes = max_bytes
+        self.sync = sync
+        self.values: dict[str, TensorValue] = {}  # this rank's tensors, by key
+        self.plan = WeightFilesPlan([], {}, {}, {})
+        self.token = ""
+        self.progress = False
+        self.directory = DirectoryWriter(storage, "", "the save", "save elsewhere")
+
+    def run(self, state_dict: Mapping[str, Any], names: Names, progress: bool) -> list[str]:
+        """The whole save; the names of the files written."""
+        self.describe(state_dict, names, progress)
+        bar = None
+        try:
+            self.comm.agree_or_raise(_in_words(self.create, "create the files in", self.path))
+            if self.progress:  # every byte of every tensor is written once, by one rank
+                bar = job_bar(
+                    self.comm, self.plan.total, f"saving {self.path}", f"save/{self.token}"
+                )
+            exchange_with_bar(
+                self.comm, _in_words(lambda: self.write(bar), "write", self.path), bar
+            )
+            written: list[str] = self.comm.broadcast_or_raise(
+                _in_words(self.commit, "commit", self.path), src=0
+            )
+        except BaseException:
+            if self.comm.rank == 0:
+                self.directory.discard()
+            raise
+        return written
+
+    def describe(self, state_dict: Mapping[str, Any], names: Names, progress: bool) -> None:
+        """Exchange the ranks' :class:`Description` (a random token, the progress flag and
+        this rank's :class:`TableRow` s) and plan the save from all of them.
+
+        Rank 0's token names the temporary files, its progress flag decides the bar.
+
+        Raises:
+            CheckpointKeyError: A ``prefix`` no tensor is under (on every rank).
+            CheckpointMismatchError: What :func:`plan_files` refuses (on every rank).
+        """
+        token = secrets.token_hex(8)
+
+        def rows() -> list[TableRow]:
+            self.values, named = _describe(state_dict, names)
+            return _table(self.values, named)
+
+        _, wire = self.comm.exchange_or_raise(rows, lambda own: Description(token, progress, own))
+        descriptions = [Description.from_wire(entry) for entry in wire]
+        if names.prefix and not any(d.rows for d in descriptions):
+            raise CheckpointKeyError(  # as consolidate: a typo would replace a model with nothing
+                f"no tensor of the state dict is under the prefix {names.prefix!r} (or key_map "
+                f"leaves them all out): nothing to write, and the weight files at {self.path} "
+                "are left as they are",
+                file=self.path,
+            )
+        self.token, self.progress = descriptions[0].token, descriptions[0].progress
+        self.plan = plan_files([d.rows for d in descriptions], self.dtype, self.max_bytes)
+        self.directory = DirectoryWriter(self.storage, self.token, "the save", "save elsewhere")
+
+    def create(self) -> None:
+        """Rank 0: make the directory and create every weight file under its temporary name,
+        at its final size, with its header (nothing travels but success or the error)."""
+        if self.comm.rank != 0:
+            return
+        self.directory.prepare()
+        for file in self.plan.files:
+            self.directory.create(file, self.sync)
+
+    def write(self, bar: JobProgress | None) -> None:
+        """Every rank: write the boxes the plan gives it, each at its offsets in its file
+        (nothing travels but success or the error; ``bar`` counts the bytes)."""
+        file_of = {key: file for file in self.plan.files for key in file.starts}
+        writers: dict[str, PartWriter] = {}
+        try:
+            for key, chosen in self.plan.writers.items():
+                for box, rank in chosen:
+                    if rank != self.comm.rank:
+                        continue
+                    file = file_of[key]
+                    if file.name not in writers:
+                        path = self.directory.temporary(file.name)
+                        writers[file.name] = self.storage.open_parts(path)
+                    local = _local_box(self.values[key], box)
+                    tensor = self.plan.tensors[key]
+                    count = _write_box(writers[file.name], local, tensor, file.starts[key])
+                    if bar is not None:
+                        bar.update(count)
+        finally:
+            for writer in writers.values():
+                writer.close(sync=self.sync)
+
+    def commit(self) -> list[str]:
+        """Rank 0 (the only one that runs it): write the index, put the files in place
+        (:meth:`DirectoryWriter.commit`); the names of the files, which it broadcasts."""
+        self.directory.write_index(self.plan.files, self.sync)
+        return self.directory.commit(self.sync)
 
 
 def _in_words(step: Callable[[], T], doing: str, path: str) -> Callable[[], T]:
