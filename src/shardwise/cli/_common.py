@@ -9,6 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from shardwise._json import strict_json
+
 #: Success.
 EXIT_OK = 0
 #: ``verify`` found a problem, or ``diff`` a difference.
@@ -60,11 +62,9 @@ def parse_storage_options(text: str) -> dict[str, Any]:
         ValueError: ``text`` is not JSON, or not a JSON object.
     """
     try:
-        value = json.loads(text)
-    except ValueError as err:  # JSONDecodeError, or a number too long to convert
-        raise ValueError(f"invalid JSON {text!r}: {err}") from err
-    except RecursionError:
-        raise ValueError(f"invalid JSON {text[:40]!r}...: nested too deeply") from None
+        value = strict_json(text, "--storage-options")
+    except ValueError as err:
+        raise ValueError(f"invalid JSON {text[:80]!r}: {err}") from None
     if not isinstance(value, dict):
         raise ValueError(
             f"{text!r} is a JSON {type(value).__name__}, not an object: give fsspec's "

@@ -191,6 +191,15 @@ def test_storage_library_detection() -> None:
         ("[" * 100_000 + "]" * 100_000, "invalid JSON '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["),
         ("[1, 2]", "'[1, 2]' is a JSON list, not an object"),
         ("null", "'null' is a JSON NoneType, not an object"),
+        # read as strictly as every other JSON document (shardwise._json.strict_json)
+        (
+            '{"anon": true, "anon": false}',
+            """invalid JSON '{"anon": true, "anon": false}': --storage-options repeats the key""",
+        ),
+        (
+            '{"timeout": NaN}',
+            """invalid JSON '{"timeout": NaN}': --storage-options contains NaN, which is not""",
+        ),
     ],
 )
 def test_storage_options_must_be_a_json_object(
