@@ -2,7 +2,7 @@
 
 The defaults are measured choices (the reason stands beside each field). Set
 ``SHARDWISE_<FIELD NAME IN CAPITALS>`` before importing ``shardwise.checkpoint`` to override one
-(the README, "Tuning"). Read once, at import: every rank of a job reads the same environment,
+(docs/tuning.md). Read once, at import: every rank of a job reads the same environment,
 so ranks agree on every value without exchanging them.
 """
 

@@ -1,5 +1,5 @@
 """``kill -9`` at random points of a save over an existing checkpoint: no hangs, no lost
-checkpoints (README, *What a crash or a race can and cannot do*; ``docs/format.md``).
+checkpoints (docs/checkpoints.md, *What a crash or a race can and cannot do*; ``docs/format.md``).
 
 Each trial: the path holds checkpoint A; real processes (``tests/_kill_worker.py``: one
 process with no group, or two gloo ranks joined through ``env://``) save checkpoint B over it

@@ -1,4 +1,4 @@
-"""The save protocol of ``docs/design/scale.md`` §2 in real process groups: ranks send the
+"""The save protocol of ``docs/design/archive/scale.md`` §2 in real process groups: ranks send the
 coordinator a digest (or their table), the coordinator plans and sends each rank only what it
 writes, and no rank but the coordinator receives anything O(other ranks' entries)."""
 
