@@ -1,6 +1,6 @@
 """Distributed checkpoints: pickle-free, verified, atomic and reshardable save and load."""
 
-from shardwise.checkpoint.huggingface import load_safetensors, save_safetensors
+from shardwise.checkpoint.huggingface import consolidate, load_safetensors, save_safetensors
 from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
 from shardwise.checkpoint.manager import (
     CheckpointManager,
@@ -62,6 +62,7 @@ __all__ = [
     "StorageMeta",
     "TensorStorageMetadata",
     "async_save",
+    "consolidate",
     "load",
     "load_safetensors",
     "load_tensor",

@@ -1,7 +1,7 @@
 """``shardwise consolidate``: the tensors of a checkpoint in full, as the safetensors files of a
 Hugging Face model directory (what ``from_pretrained`` loads).
 
-The work is :mod:`shardwise.checkpoint.huggingface.consolidate`'s (what is written, and how);
+The work is :mod:`shardwise.checkpoint.huggingface.consolidation`'s (what is written, and how);
 this command takes its steps one by one so that a refused ``--prefix`` or ``--config`` is a
 usage error (exit code 2) worded as the option, and prints the notes, the summary or
 ``--json`` once all is written.
@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 
 from shardwise._progress import ByteBar, human_bytes
-from shardwise.checkpoint.huggingface.consolidate import (
+from shardwise.checkpoint.huggingface.consolidation import (
     Consolidation,
     read_config,
     selected_keys,

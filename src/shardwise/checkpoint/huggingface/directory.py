@@ -1,6 +1,6 @@
 """Writing a Hugging Face model directory: the one writer behind
 :func:`~shardwise.checkpoint.save_safetensors` and
-:func:`~shardwise.checkpoint.huggingface.consolidate.consolidate` (``shardwise consolidate``).
+:func:`~shardwise.checkpoint.consolidate` (``shardwise consolidate``).
 
 What a directory holds (``docs/huggingface.md``): the weight files, ``model.safetensors``
 alone or ``model-00001-of-0000N.safetensors`` and so on with ``model.safetensors.index.json``
