@@ -6,14 +6,11 @@ block checksums."""
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from shardwise.checkpoint.entries.items import LocalBox
 from shardwise.checkpoint.index import (
     CHECKSUM_ALGORITHM,
     ObjectRecord,
@@ -23,7 +20,6 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.index.records import SavedChunk
 from shardwise.checkpoint.loading.reader import CheckpointReader
-from shardwise.checkpoint.planning.planner import Box
 from shardwise.checkpoint.storage import local_path
 from shardwise.errors import CheckpointStorageError
 
@@ -73,22 +69,6 @@ class _Checkpoint:
         missing, linked or wrongly sized file fails before any data is read."""
         self.reader.check_files(self.stored(fqns))
 
-    def pieces(self, fqn: str, limit: int) -> Iterator[torch.Tensor]:
-        """Tensor ``fqn`` as consecutive pieces, in C order, of at most ``limit`` bytes each:
-        the whole tensor streamed in memory of a piece, however large it is.
-
-        Every block a piece needs is read once for it, checked, and used (a block that two
-        pieces share is read for each).
-        """
-        reader = self.reader
-        record = reader.tensor_record(fqn)
-        for box in contiguous_boxes(record.size, record.dtype.itemsize, limit):
-            jobs = reader.plan(fqn, box, 0)
-            reader.check_files((job.key, job.chunk) for job in jobs)
-            piece = torch.empty(box[1], dtype=record.dtype)
-            reader.fill(jobs, [LocalBox(box[0], box[1], piece)])
-            yield piece
-
     def tensor(self, fqn: str) -> torch.Tensor:
         """The whole tensor ``fqn`` as one CPU tensor, every block verified (allocated only
         after its data files were checked)."""
@@ -124,28 +104,6 @@ class _Checkpoint:
             "block_size": self.index.block_size,
             "save_id": save.save_id,
         }
-
-
-def contiguous_boxes(size: Sequence[int], itemsize: int, limit: int) -> Iterator[Box]:
-    """Boxes that tile a tensor of ``size`` in C order, each a contiguous run of its elements
-    of at most ``limit`` bytes (at least one element): whole blocks of rows of the first dim
-    whose rows fit, with single indices in the dims before it.
-
-    >>> list(contiguous_boxes((4, 3), 4, 24))
-    [((0, 0), (2, 3)), ((2, 0), (2, 3))]
-    """
-    if not size:
-        yield (), ()
-        return
-    dims = len(size)
-    row_bytes = [math.prod(size[dim + 1 :]) * itemsize for dim in range(dims)]
-    split = next(dim for dim in range(dims) if row_bytes[dim] <= limit)
-    step = max(1, limit // row_bytes[split])
-    rest = tuple(size[split + 1 :])
-    for index in itertools.product(*(range(n) for n in size[:split])):
-        for start in range(0, size[split], step):
-            count = min(step, size[split] - start)
-            yield (*index, start, *(0,) * len(rest)), (*(1,) * split, count, *rest)
 
 
 def check_url(path: str) -> None:
