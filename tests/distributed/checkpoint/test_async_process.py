@@ -23,7 +23,7 @@ from shardwise.errors import CheckpointError
 from tests.harness import distributed
 
 
-def _writer() -> background.Writer:
+def _writer() -> background.WriterProcess:
     (writer,) = background._writers.values()
     return writer
 
@@ -35,7 +35,7 @@ def _short_group() -> dist.ProcessGroup:
     return group
 
 
-def _wait_dead(writer: background.Writer, seconds: float = 10.0) -> None:
+def _wait_dead(writer: background.WriterProcess, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not writer.dead and time.monotonic() < deadline:
         time.sleep(0.01)

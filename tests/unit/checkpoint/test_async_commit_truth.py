@@ -39,7 +39,7 @@ def _loaded(path: Path | str) -> dict[str, Any]:
     return target
 
 
-def _writer() -> background.Writer:
+def _writer() -> background.WriterProcess:
     (writer,) = background._writers.values()
     return writer
 

@@ -32,7 +32,7 @@ def _fresh_writers():
     background.shutdown_writers()
 
 
-def _writer() -> background.Writer:
+def _writer() -> background.WriterProcess:
     (writer,) = background._writers.values()
     return writer
 

@@ -40,19 +40,34 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 import shardwise
 from shardwise import collectives
+from shardwise._codec import strict_json
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import SaveOptions
 from shardwise.checkpoint.saving.outcome import committed_metadata, returned_metadata
 from shardwise.checkpoint.saving.snapshot import Snapshot
 from shardwise.checkpoint.saving.staging import SharedBuffer, Staged, StagingArea
+from shardwise.checkpoint.saving.writer_messages import (
+    Aborted,
+    Buffer,
+    Done,
+    Failed,
+    Failure,
+    Log,
+    Reply,
+    Save,
+    SaveId,
+    Stop,
+    read_reply,
+    row,
+)
 from shardwise.checkpoint.storage import LocalStorage, open_storage
 from shardwise.errors import CheckpointError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Writer", "shutdown_writers", "writer_for"]
+__all__ = ["WriterProcess", "claim_abort", "in_flight", "shutdown_writers", "writer_for"]
 
 logger = logging.getLogger("shardwise.checkpoint.save")
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo groups
@@ -101,7 +116,7 @@ def _rendezvous(group: ProcessGroup | None, rank: int, number: int) -> _Rendezvo
     group_store = dist.distributed_c10d._get_process_group_store(group)
     key = f"shardwise/async-writers/{number}"
     if rank != 0:
-        found = json.loads(group_store.get(key))
+        found = strict_json(group_store.get(key), "the async writers' rendezvous record")
         return _Rendezvous(found["token"], found["host"], found["port"])
     served = None
     address = _tcp_address(group_store)
@@ -121,7 +136,7 @@ def claim_abort(store: Any, key: str, reason: dict[str, Any]) -> dict[str, Any]:
         store.set(key, json.dumps(reason))
         return reason
     store.wait([key], datetime.timedelta(seconds=30))
-    found: dict[str, Any] = json.loads(store.get(key))
+    found: dict[str, Any] = strict_json(store.get(key), "the abort reason")
     return found
 
 
@@ -167,7 +182,7 @@ def _located(path: str, directory: str, storage_options: dict[str, Any] | None) 
     return path
 
 
-class Writer:
+class WriterProcess:
     """This rank's writer process for one save group, and the save it has in flight."""
 
     def __init__(
@@ -275,16 +290,16 @@ class Writer:
         self._last_tensors = staged.tensors if local_error is None else None
         self._last_aliases = staged.aliases
         # The writer resolves a relative path where this process would: in its directory now.
-        message = ("save", sent, path, options, local_error, self.members, os.getcwd())
+        request = Save(sent, path, options, local_error, self.members, os.getcwd())
         try:
-            payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(row(request), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:  # e.g. storage_options holding a live object
             error = CheckpointError(
                 f"cannot hand the save to the writer process: {type(err).__name__}: {err}"
             )
             empty = Staged([], {}, {})
             self._last_tensors = None
-            payload = pickle.dumps(("save", empty, path, options, error, self.members, os.getcwd()))
+            payload = pickle.dumps(row(request._replace(staged=empty, local_error=error)))
         with self._lock:
             self.future, self.path, self.save_id = future, path, None
             self.storage_options = options.storage_options
@@ -301,7 +316,7 @@ class Writer:
             for event in events:  # the copies from GPUs are done
                 event.synchronize()
             if grown is not None:
-                self.conn.send(("buffer", grown.size))
+                self.conn.send(row(Buffer(grown.size)))
                 send_handle(self.conn, grown.fd, self.process.pid)
             self.conn.send_bytes(payload)
 
@@ -313,7 +328,7 @@ class Writer:
         try:
             if not self._store.check([self._abort_key]):
                 return
-            reason = json.loads(self._store.get(self._abort_key))
+            reason = strict_json(self._store.get(self._abort_key), "the abort reason")
         except Exception:
             return
         self._aborted(reason)
@@ -323,34 +338,12 @@ class Writer:
     def _receive(self) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                reply = read_reply(self.conn.recv())
             except (EOFError, OSError):
                 break
-            except Exception as err:  # a reply that does not unpickle here
-                message = ("error", CheckpointError(f"unreadable reply: {err}"), True)
-            kind = message[0]
-            if kind == "log":
-                logging.getLogger(message[1]).log(message[2], "%s", message[3])
-            elif kind == "save_id":
-                with self._lock:
-                    self.save_id = message[1]
-            elif kind == "done":
-                with self._lock:
-                    self._last_done = message[2]
-                self._settle(self._metadata(message[1], message[2]), None)
-            elif kind == "error":
-                if message[2]:  # the writers' group broke: this writer exits now
-                    self._broken(message[1])
-                else:
-                    self._settle(None, message[1])
-            elif kind == "aborted":
-                try:
-                    reason = json.loads(message[1])
-                except ValueError:
-                    reason = message[1]
-                self._aborted(reason)
-            elif kind == "failed":
-                self._died(f"could not start: {message[1]}")
+            except Exception as err:  # a reply that does not unpickle here, or is not a reply
+                reply = Failure(CheckpointError(f"unreadable reply: {err}"), True)
+            self._handle(reply)
         returncode = None
         try:
             returncode = self.process.wait(timeout=_STOP_SECONDS)
@@ -364,6 +357,32 @@ class Writer:
             expected = self.dead  # stopped, aborted, or broken: already reported
         if not expected:
             self._died(_how(returncode), publish=True)
+
+    def _handle(self, reply: Reply | None) -> None:
+        """Act on one reply of the writer (``None``: a kind this process ignores)."""
+        if isinstance(reply, Log):
+            logging.getLogger(reply.logger).log(reply.level, "%s", reply.message)
+        elif isinstance(reply, SaveId):
+            with self._lock:
+                self.save_id = reply.save_id
+        elif isinstance(reply, Done):
+            with self._lock:
+                self._last_done = reply.save_id
+            self._settle(self._metadata(reply.outcome, reply.save_id), None)
+        elif isinstance(reply, Failure):
+            if reply.broken:  # the writers' group broke: this writer exits now
+                self._broken(reply.error)
+            else:
+                self._settle(None, reply.error)
+        elif isinstance(reply, Aborted):
+            reason: Any
+            try:
+                reason = strict_json(reply.reason, "the abort reason")
+            except ValueError:
+                reason = reply.reason
+            self._aborted(reason)
+        elif isinstance(reply, Failed):
+            self._died(f"could not start: {reply.why}")
 
     def _metadata(self, outcome: dict[str, Any], save_id: str) -> Metadata | None:
         """The save's Metadata, decoded on first use (from the index sent with the outcome
@@ -561,7 +580,7 @@ class Writer:
             self.dead = True
             self.pending = None
         with contextlib.suppress(OSError, ValueError):
-            self.conn.send(("stop",))
+            self.conn.send(row(Stop()))
         try:
             self.process.wait(timeout=_STOP_SECONDS)
         except subprocess.TimeoutExpired:
@@ -575,11 +594,11 @@ class Writer:
 
 #: This process's writers, by save group (global ranks and timeout), and how many were made
 #: for each (the number every rank counts alike, naming the rendezvous key).
-_writers: dict[tuple[Any, ...], Writer] = {}
+_writers: dict[tuple[Any, ...], WriterProcess] = {}
 _made: dict[tuple[Any, ...], int] = {}
 
 
-def writer_for(group: ProcessGroup | None) -> Writer:
+def writer_for(group: ProcessGroup | None) -> WriterProcess:
     """This rank's live writer for ``group`` (started on first use, collectively over the
     group's store); raises, once, the failure of writers that died while idle."""
     if group is None:
@@ -606,7 +625,7 @@ def writer_for(group: ProcessGroup | None) -> Writer:
         number = _made[key] = _made.get(key, 0) + 1
         try:
             rendezvous = _rendezvous(group, rank, number)
-            writer = _writers[key] = Writer(rank, world_size, members, timeout, rendezvous)
+            writer = _writers[key] = WriterProcess(rank, world_size, members, timeout, rendezvous)
         # No process, no store, or a rendezvous record that is not what rank 0 writes.
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(

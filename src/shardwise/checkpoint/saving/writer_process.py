@@ -2,10 +2,11 @@
 :mod:`.background` as ``python -m shardwise.checkpoint.saving.writer_process SETUP``.
 
 It maps the staging buffer the training process fills, and runs the save itself
-(:func:`~shardwise.checkpoint.saving.save.save_snapshot`) over a gloo group of its own, made
+(:func:`~shardwise.checkpoint.saving.save.save_outcome`) over a gloo group of its own, made
 with the writer processes of the other ranks through the job's key-value store: the training
-process only hands over descriptors, and no GIL of its own is taken. The protocol, the abort
-key and the exits: ``docs/architecture.md``, *Async save*.
+process only hands over descriptors, and no GIL of its own is taken. Its life is the methods
+of :class:`_WriterServer`, in order; the messages are :mod:`.writer_messages`. The protocol,
+the abort key and the exits: ``docs/architecture.md``, *Async save*.
 """
 
 from __future__ import annotations
@@ -19,15 +20,45 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from shardwise import collectives
+from shardwise._codec import strict_json
+from shardwise.checkpoint.saving.background import claim_abort
+from shardwise.checkpoint.saving.save import save_outcome
+from shardwise.checkpoint.saving.snapshot import Snapshot
+from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
+from shardwise.checkpoint.saving.writer_messages import (
+    Aborted,
+    Buffer,
+    Done,
+    Failed,
+    Failure,
+    Log,
+    Ready,
+    Reply,
+    Save,
+    SaveId,
+    Stop,
+    read_request,
+    row,
+)
+from shardwise.errors import CheckpointError, CheckpointTimeoutError
 
 #: Exit codes: the training process died; the writers' group was aborted.
 EXIT_ORPHANED = 4
 EXIT_ABORTED = 3
+#: Exit code: a save failed and broke the writers' group (or another writer's failure did).
+EXIT_BROKEN = 2
+#: Exit code: the writer could not join the writers' group.
+EXIT_NOT_JOINED = 1
 _PARENT_POLL_SECONDS = 0.2
 _PEER_DEATH_SECONDS = 2.0
 
@@ -39,19 +70,17 @@ class _Link:
         self.conn = conn
         self._lock = threading.Lock()
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, reply: Reply) -> None:
         with self._lock:
             try:
-                self.conn.send(message)
+                self.conn.send(row(reply))
             except Exception as err:  # e.g. an exception that does not pickle: sent as text
-                if message[0] != "error":
+                if not isinstance(reply, Failure):
                     raise
-                self.conn.send(("error", _plain(message[1], err), *message[2:]))
+                self.conn.send(row(reply._replace(error=_plain(reply.error, err))))
 
 
 def _plain(error: BaseException, why: BaseException) -> BaseException:
-    from shardwise.errors import CheckpointError
-
     return CheckpointError(f"{type(error).__name__}: {error} (not picklable: {why})")
 
 
@@ -64,10 +93,10 @@ class _Forward(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(Exception):  # the training process is gone: nowhere to log
-            self._link.send(("log", record.name, record.levelno, record.getMessage()))
+            self._link.send(Log(record.name, record.levelno, record.getMessage()))
 
 
-def _watch_parent(parent: int, abort: Any) -> None:
+def _watch_parent(parent: int, abort: Callable[[str, str], Any]) -> None:
     while os.getppid() == parent:
         time.sleep(_PARENT_POLL_SECONDS)
     abort("death", "its training process exited")
@@ -85,10 +114,10 @@ def _watch_abort(store: Any, key: str, link: _Link, rank: int) -> None:
                 continue
             return  # the store is gone (the job ended): nothing to watch
     with contextlib.suppress(ValueError, AttributeError):  # not a reason it wrote
-        if json.loads(reason).get("rank") == rank:
+        if strict_json(reason, "the abort reason").get("rank") == rank:
             return  # this writer's own abort: its main thread reports it, then exits
     try:
-        link.send(("aborted", reason))
+        link.send(Aborted(reason))
     finally:
         os._exit(EXIT_ABORTED)
 
@@ -96,41 +125,77 @@ def _watch_abort(store: Any, key: str, link: _Link, rank: int) -> None:
 def _breaks_group(error: BaseException) -> bool:
     """Whether the writers' group is unusable after ``error``: every failure of a save is
     shared with every rank in step, except a collective that failed or timed out."""
-    from shardwise.errors import CheckpointError, CheckpointTimeoutError
-
     if isinstance(error, CheckpointTimeoutError):
         return True
     return not isinstance(error, CheckpointError | TypeError | ValueError)
 
 
-def main(setup: dict[str, Any]) -> int:
-    import torch.distributed as dist
-    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+class _WriterServer:
+    """This writer process's life, a method per step: :meth:`set_up` (and join the writers'
+    group), :meth:`serve` each request of the training process until it stops, then
+    :meth:`shut_down`; :meth:`abort` and :meth:`announce` are called along the way.
 
-    from shardwise import collectives
-    from shardwise.checkpoint.saving.background import claim_abort
-    from shardwise.checkpoint.saving.save import save_outcome
-    from shardwise.checkpoint.saving.snapshot import Snapshot
-    from shardwise.checkpoint.saving.staging import SharedBuffer, open_views
-    from shardwise.errors import CheckpointError
+    Args:
+        setup: What the training process passed (``background.WriterProcess``): the socket's
+            file descriptor, ``rank``, ``world_size``, the rendezvous ``token``, ``host`` and
+            ``port``, the groups' ``timeout``, the ``parent`` pid, ``log_level``, ``nice``.
+    """
 
-    os.nice(setup["nice"])  # on busy cores the training step comes first (tuning.py)
-    torch.set_num_threads(1)  # intra-op threads would only compete with the training loop
-    # The collector would walk every tensor of a save, many times (see paused_gc): it runs
-    # once after each save instead, when the save's objects are garbage.
-    gc.disable()
-    link = _Link(Connection(setup["fd"]))
-    rank, world = setup["rank"], setup["world_size"]
-    shardwise_logger = logging.getLogger("shardwise")
-    shardwise_logger.setLevel(setup["log_level"])
-    shardwise_logger.addHandler(_Forward(link))
-    shardwise_logger.propagate = False
-    timeout = datetime.timedelta(seconds=setup["timeout"])
-    store = None
-    abort_key = f"shardwise/async/{setup.get('token')}/abort"
+    def __init__(self, setup: dict[str, Any]) -> None:
+        self.setup = setup
+        self.link = _Link(Connection(setup["fd"]))
+        self.rank: int = setup["rank"]
+        self.world: int = setup["world_size"]
+        self.timeout = datetime.timedelta(seconds=setup["timeout"])
+        #: This generation's client of the job's store (``None``: a group of one, or none yet).
+        self.store: Any = None
+        self.abort_key = f"shardwise/async/{setup.get('token')}/abort"
+        self.buffer: SharedBuffer | None = None
+        #: The last save's tensors, as views of the buffer.
+        self.tensors: dict[str, Any] | None = None
 
-    def abort(kind: str, why: str) -> dict[str, Any] | None:
+    def set_up(self) -> int | None:
+        """Lower this process's priority, forward its logs, watch its training process, and
+        join the writers' group (``world_size`` > 1), watching its abort key; then say
+        "ready". Returns the exit code when the group could not be joined."""
+        setup = self.setup
+        os.nice(setup["nice"])  # on busy cores the training step comes first (tuning.py)
+        torch.set_num_threads(1)  # intra-op threads would only compete with the training loop
+        # The collector would walk every tensor of a save, many times (see paused_gc): it runs
+        # once after each save instead, when the save's objects are garbage.
+        gc.disable()
+        shardwise_logger = logging.getLogger("shardwise")
+        shardwise_logger.setLevel(setup["log_level"])
+        shardwise_logger.addHandler(_Forward(self.link))
+        shardwise_logger.propagate = False
+        threading.Thread(
+            target=_watch_parent, args=(setup["parent"], self.abort), daemon=True
+        ).start()
+        if self.world > 1:
+            try:
+                self._join(setup["host"], setup["port"], setup["token"])
+            except Exception as err:
+                self.abort("break", f"its writer could not join the writers' group: {err}")
+                self.link.send(Failed(f"{type(err).__name__}: {err}"))
+                return EXIT_NOT_JOINED
+        gc.freeze()  # what the imports made lives for ever: the collections after saves skip it
+        self.link.send(Ready(os.getpid()))
+        return None
+
+    def _join(self, host: str, port: int, token: str) -> None:
+        self.store = TCPStore(host, port, None, False, self.timeout)
+        watcher = TCPStore(host, port, None, False, self.timeout)
+        threading.Thread(
+            target=_watch_abort, args=(watcher, self.abort_key, self.link, self.rank), daemon=True
+        ).start()
+        group_store = PrefixStore(f"shardwise/async/{token}/group", self.store)
+        dist.init_process_group(
+            "gloo", store=group_store, rank=self.rank, world_size=self.world, timeout=self.timeout
+        )
+
+    def abort(self, kind: str, why: str) -> dict[str, Any] | None:
         """Abort this generation's writers (the first reason holds), returned when another."""
+        store = self.store
         if store is None:
             return None
         with contextlib.suppress(Exception):
@@ -138,90 +203,106 @@ def main(setup: dict[str, Any]) -> int:
                 # A peer that died fails this save too: its rank names the cause, if it is
                 # published soon (its training process does so as soon as it sees it die).
                 with contextlib.suppress(Exception):
-                    store.wait([abort_key], datetime.timedelta(seconds=_PEER_DEATH_SECONDS))
-            held = claim_abort(store, abort_key, {"kind": kind, "rank": rank, "reason": why})
-            return held if held.get("rank") != rank else None
+                    store.wait([self.abort_key], datetime.timedelta(seconds=_PEER_DEATH_SECONDS))
+            reason = {"kind": kind, "rank": self.rank, "reason": why}
+            held = claim_abort(store, self.abort_key, reason)
+            return held if held.get("rank") != self.rank else None
         return None
 
-    threading.Thread(target=_watch_parent, args=(setup["parent"], abort), daemon=True).start()
-    if world > 1:
-        try:
-            store = TCPStore(setup["host"], setup["port"], None, False, timeout)
-            watcher = TCPStore(setup["host"], setup["port"], None, False, timeout)
-            threading.Thread(
-                target=_watch_abort, args=(watcher, abort_key, link, rank), daemon=True
-            ).start()
-            group_store = PrefixStore(f"shardwise/async/{setup['token']}/group", store)
-            dist.init_process_group(
-                "gloo", store=group_store, rank=rank, world_size=world, timeout=timeout
-            )
-        except Exception as err:
-            abort("break", f"its writer could not join the writers' group: {err}")
-            link.send(("failed", f"{type(err).__name__}: {err}"))
-            return 1
-
-    def announce(save_id: str) -> None:
+    def announce(self, save_id: str) -> None:
         """Tell the training process the save's id before anything can commit: should this
         process die later, it reads the index at the path to learn whether the save did (the
         socket delivers this before the end of the stream, even after a kill)."""
         with contextlib.suppress(OSError, ValueError):  # gone: its watcher ends this process
-            link.send(("save_id", save_id))
+            self.link.send(SaveId(save_id))
 
-    gc.freeze()  # what the imports made lives for ever: the collections after saves skip it
-    link.send(("ready", os.getpid()))
-    buffer: SharedBuffer | None = None
-    tensors: dict[str, Any] | None = None  # the last save's, as views of the buffer
-    while True:
-        try:
-            message = link.conn.recv()
-        except (EOFError, OSError):  # the training process closed the link or died
-            break
-        kind = message[0]
-        if kind == "stop":
-            break
-        if kind == "buffer":
-            tensors = None  # views of the old buffer
-            if buffer is not None:
-                buffer.close()
-            buffer = SharedBuffer(recv_handle(link.conn), message[1])
-            continue
-        _, staged, path, options, local_error, members, directory = message
-        data = buffer.bytes if buffer is not None else torch.empty(0, dtype=torch.uint8)
+    def serve(self) -> int | None:
+        """Serve the training process's requests until it says stop, closes the link or dies
+        (``None``), or a save breaks the writers' group (its exit code)."""
+        while True:
+            try:
+                message = self.link.conn.recv()
+            except (EOFError, OSError):  # the training process closed the link or died
+                return None
+            request = read_request(message)
+            if isinstance(request, Stop):
+                return None
+            if isinstance(request, Buffer):
+                self._map_buffer(request)
+            elif isinstance(request, Save):
+                exit_code = self._save(request)
+                if exit_code is not None:
+                    return exit_code
+
+    def _map_buffer(self, request: Buffer) -> None:
+        """Map the new staging buffer, whose descriptor follows on the socket."""
+        self.tensors = None  # views of the old buffer
+        if self.buffer is not None:
+            self.buffer.close()
+        self.buffer = SharedBuffer(recv_handle(self.link.conn), request.size)
+
+    def _save(self, request: Save) -> int | None:
+        """Run one save as this rank of the save group and reply "done" or "error"; returns
+        the exit code when the save broke the writers' group."""
+        staged, path = request.staged, request.path
+        data = self.buffer.bytes if self.buffer is not None else torch.empty(0, dtype=torch.uint8)
         comm = collectives.Comm(None, operation="async_save")
         snapshot: Snapshot | None = None
         try:
-            os.chdir(directory)
+            os.chdir(request.directory)
             if staged.tensors is not None:  # else the same tensors as last time, restaged
-                tensors = None
-                tensors = open_views(staged, data)
-            if tensors is None:
+                self.tensors = None
+                self.tensors = open_views(staged, data)
+            if self.tensors is None:
                 raise CheckpointError("the writer lost the layout of the staged tensors")
-            snapshot = Snapshot(tensors, staged.objects, staged.aliases)
+            snapshot = Snapshot(self.tensors, staged.objects, staged.aliases)
             outcome, save_id, _ = save_outcome(
-                snapshot, path, comm, options, local_error, members, announce
+                snapshot,
+                path,
+                comm,
+                request.options,
+                request.local_error,
+                request.members,
+                self.announce,
             )
         except BaseException as err:
             broken = _breaks_group(err)
             if broken:
-                cause = abort("break", f"its save to {path} failed: {err}")
+                cause = self.abort("break", f"its save to {path} failed: {err}")
                 if cause is not None:  # another writer failed first: that is the cause
-                    link.send(("aborted", json.dumps(cause)))
-                    return 2
-            link.send(("error", err, broken))
+                    self.link.send(Aborted(json.dumps(cause)))
+                    return EXIT_BROKEN
+            self.link.send(Failure(err, broken))
             if broken:
-                return 2
+                return EXIT_BROKEN
             gc.collect()
-            continue
+            return None
         finally:
-            snapshot = staged = None  # the views go; the buffer stays
-        link.send(("done", outcome, save_id))
+            snapshot = None  # the views go; the buffer stays
+        self.link.send(Done(outcome, save_id))
         gc.collect()  # after the reply: the caller does not wait for it
-    if buffer is not None:
-        buffer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        return None
+
+    def shut_down(self) -> None:
+        """Unmap the buffer and leave the writers' group."""
+        if self.buffer is not None:
+            self.buffer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(setup: dict[str, Any]) -> int:
+    """The writer process: set up, serve, shut down; returns the exit code."""
+    process = _WriterServer(setup)
+    exit_code = process.set_up()
+    if exit_code is not None:
+        return exit_code
+    exit_code = process.serve()
+    if exit_code is not None:  # the group is broken: nothing to leave cleanly
+        return exit_code
+    process.shut_down()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    sys.exit(main(strict_json(sys.argv[1], "the writer's setup")))
