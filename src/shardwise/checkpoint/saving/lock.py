@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from shardwise._codec import strict_json
 from shardwise.checkpoint import tuning
 from shardwise.checkpoint.storage import Storage
 from shardwise.errors import CheckpointLockedError, CheckpointStorageError
@@ -56,8 +57,8 @@ class SaveLock:
         except OSError:
             return {}
         try:
-            holder = json.loads(data)
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
+            holder = strict_json(data, "the save lock")
+        except ValueError:  # not strict JSON (strict_json refuses deep nesting too)
             return {}
         return holder if isinstance(holder, dict) else {}
 
