@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardwise._boxes import origin
 from shardwise.checkpoint.entries.items import ObjectValue
@@ -30,6 +30,25 @@ from shardwise.errors import CheckpointError
 from shardwise.metadata import TensorProperties
 
 __all__ = ["build_index"]
+
+
+class _DataFile(NamedTuple):
+    """The ``"file"`` of a rank's file facts: ``[name, size]`` in their JSON."""
+
+    name: str
+    size: int
+
+
+def _data_file(part: Mapping[str, Any]) -> _DataFile:
+    return _DataFile(*part["file"])
+
+
+def _named_facts(part: Mapping[str, Any]) -> tuple[str, FileFacts] | None:
+    """A rank's data file by name (``None``: the rank wrote none)."""
+    if "file" not in part:
+        return None
+    file = _data_file(part)
+    return file.name, FileFacts(file.size, part["data_start"], part["checksums"])
 
 
 def build_index(
@@ -55,17 +74,12 @@ def build_index(
     """
     plan = planned.plan
     incremental = base is not None
-    files: list[tuple[str, FileFacts] | None] = [
-        (part["file"][0], FileFacts(part["file"][1], part["data_start"], part["checksums"]))
-        if "file" in part
-        else None
-        for part in written
-    ]
+    files = [_named_facts(part) for part in written]
     where: dict[str, tuple[str, int]] = {}
     digests: dict[str, str] = {}
     for part in written:
         for key, begin in part.get("begins", {}).items():
-            where[key] = (part["file"][0], begin)
+            where[key] = (_data_file(part).name, begin)
         for key, (file, begin) in part.get("references", {}).items():
             where[key] = (file, begin)
         digests.update(part.get("digests", {}))
@@ -168,7 +182,7 @@ def _check_read_back(
     for part in written:
         if "file" in part:
             begins = part["begins"].values()
-            end = min(begins) if begins else part["file"][1]
+            end = min(begins) if begins else _data_file(part).size
             same = same and part["data_start"] + part["grid_bytes"] == end
     if not same:
         raise CheckpointError("the index of this save does not read back as built")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -37,7 +37,16 @@ from shardwise.checkpoint.planning.planner import WriteAssignment
 from shardwise.checkpoint.storage import Storage, local_path, open_storage
 from shardwise.errors import CheckpointError
 
-__all__ = ["Base", "digest_of", "open_base", "split_writes"]
+__all__ = ["Base", "BaseChunk", "digest_of", "open_base", "split_writes"]
+
+
+class BaseChunk(NamedTuple):
+    """A chunk of the base: its content digest, and where it is (``file`` as the new index
+    names it)."""
+
+    digest: str
+    file: str
+    begin: int
 
 
 @dataclass(slots=True)
@@ -49,8 +58,8 @@ class Base:
     index: Index
     _positions: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
 
-    def find(self, item: WriteAssignment) -> tuple[str, str, int] | None:
-        """``(digest, file, begin)`` of the base's chunk of ``item``'s key and box (``file``
+    def find(self, item: WriteAssignment) -> BaseChunk | None:
+        """The digest, file and begin of the base's chunk of ``item``'s key and box (``file``
         as the new index names it: ``../<checkpoint>/data/...``), or None."""
         digests = self.index.digests.get(item.fqn)
         if digests is None:
@@ -67,7 +76,7 @@ class Base:
         if chunk.sizes != item.sizes or chunk.nbytes != item.nbytes:
             return None
         digest = digests[DIGEST_HEX * position : DIGEST_HEX * (position + 1)]
-        return digest, self.file_name(chunk.file), chunk.begin
+        return BaseChunk(digest, self.file_name(chunk.file), chunk.begin)
 
     def file_name(self, name: str) -> str:
         """A data file of the base's index as the new index names it (relative to it)."""
@@ -153,8 +162,8 @@ def split_writes(
         key = chunk_key(item.fqn, item.offsets)
         digest = digests[key] = digest_of(box.tensor)
         found = None if base is None else base.find(item)
-        if found is not None and found[0] == digest:
-            references[key] = [found[1], found[2]]
+        if found is not None and found.digest == digest:
+            references[key] = [found.file, found.begin]
         else:
             to_write.append(item)
     return to_write, digests, references
