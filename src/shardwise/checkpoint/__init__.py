@@ -2,6 +2,7 @@
 
 from shardwise.checkpoint.huggingface import consolidate, load_safetensors, save_safetensors
 from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
+from shardwise.checkpoint.loading.verify import VerifyProblem, VerifyReport, verify
 from shardwise.checkpoint.manager import (
     CheckpointManager,
     RestoreFallbackWarning,
@@ -61,6 +62,8 @@ __all__ = [
     "SavePolicy",
     "StorageMeta",
     "TensorStorageMetadata",
+    "VerifyProblem",
+    "VerifyReport",
     "async_save",
     "consolidate",
     "load",
@@ -70,4 +73,5 @@ __all__ = [
     "read_metadata",
     "save",
     "save_safetensors",
+    "verify",
 ]
