@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         MetadataFormatError,
         PickleNotAllowedError,
         RemoteError,
+        RestoreFallbackWarning,
     )
     from shardwise.local_shards import LocalShardsWrapper
     from shardwise.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -105,6 +106,7 @@ _SOURCES: dict[str, str] = {
     "PlacementSpec": "shardwise.sharding_spec",
     "RemoteDevice": "shardwise.placement",
     "RemoteError": "shardwise.errors",
+    "RestoreFallbackWarning": "shardwise.errors",
     "Shard": "shardwise.sharded_tensor",
     "ShardMetadata": "shardwise.metadata",
     "ShardedOptimizer": "shardwise.sharded_optim",
@@ -161,6 +163,7 @@ __all__ = [
     "PlacementSpec",
     "RemoteDevice",
     "RemoteError",
+    "RestoreFallbackWarning",
     "Shard",
     "ShardMetadata",
     "ShardedOptimizer",
@@ -220,14 +223,41 @@ _SUBMODULES = frozenset(
 )
 
 
+#: Public names that keep the module defining them. A pickle names a class by its module
+#: (``torch.save`` of a sharded tensor, local shards wrapper or sharding spec), and
+#: ``torch.load(..., weights_only=True)`` allows a class by that name: were it renamed on first
+#: use, a file written before the first use would not load after it, nor one written after it
+#: in a process that never used the name. The errors keep ``shardwise.errors``, public too.
+_NAMED_WHERE_DEFINED = frozenset(
+    {
+        "ChunkShardingSpec",
+        "EnumerableShardingSpec",
+        "LocalShardsWrapper",
+        "RemoteDevice",
+        "Shard",
+        "ShardMetadata",
+        "ShardedTensor",
+        "ShardedTensorBase",
+        "ShardedTensorMetadata",
+        "TensorProperties",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
-    """Import the public ``name`` from its module on first use (PEP 562), then keep it."""
+    """Import the public ``name`` from its module on first use (PEP 562), then keep it.
+
+    Its ``__module__`` becomes ``shardwise`` (reprs and ``help()`` show the public name), but
+    for the names of :data:`_NAMED_WHERE_DEFINED` and the errors.
+    """
     source = _SOURCES.get(name)
     if source is None:
         if name in _SUBMODULES:
             return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(source), name)
+    if source != f"{__name__}.errors" and name not in _NAMED_WHERE_DEFINED:
+        value.__module__ = __name__
     globals()[name] = value
     return value
 

@@ -30,6 +30,11 @@ Hierarchy::
     └── RemoteError                  another rank of the group failed with an error that has
                                      no counterpart here; the message names the rank and it
 
+    UserWarning
+    └── RestoreFallbackWarning       CheckpointManager.restore skipped a checkpoint it could
+                                     not load (corrupt, incomplete), or found every committed
+                                     one rejected by earlier restores
+
 User mistakes otherwise raise the built-in ``ValueError``/``TypeError``/``RuntimeError``
 with the upstream ``torch.distributed._shard`` messages, which are part of the API contract.
 
@@ -60,6 +65,7 @@ __all__ = [
     "MetadataFormatError",
     "PickleNotAllowedError",
     "RemoteError",
+    "RestoreFallbackWarning",
 ]
 
 
@@ -193,6 +199,11 @@ class DCPImportError(CheckpointError):
 class RemoteError(RuntimeError):
     """Another rank of the group failed with an error of a type that cannot be raised here as
     it is; the message names the rank, the type and its message."""
+
+
+class RestoreFallbackWarning(UserWarning):
+    """A restore skipped a checkpoint it could not load and tried the one before it (or found
+    none left to try: every committed checkpoint was rejected by earlier restores)."""
 
 
 #: Every CheckpointError class by name (to rebuild one another rank raised).

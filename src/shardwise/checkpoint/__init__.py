@@ -5,7 +5,6 @@ from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, rea
 from shardwise.checkpoint.loading.verify import VerifyProblem, VerifyReport, verify
 from shardwise.checkpoint.manager import (
     CheckpointManager,
-    RestoreFallbackWarning,
     RetentionPolicy,
     SavePolicy,
     materialize,
@@ -34,6 +33,7 @@ from shardwise.errors import (
     DCPImportError,
     PickleNotAllowedError,
     RemoteError,
+    RestoreFallbackWarning,
 )
 
 __all__ = [
@@ -75,3 +75,13 @@ __all__ = [
     "save_safetensors",
     "verify",
 ]
+
+# Reprs, help() and pickles by reference name the public module, not the private one that
+# defines a name (`shardwise.checkpoint.CheckpointManager`). Importing any module of this
+# package runs this first, so every process sees the same names. The errors keep theirs,
+# `shardwise.errors`, public too.
+for _name in __all__:
+    _value = globals()[_name]
+    if _value.__module__.startswith(f"{__name__}."):
+        _value.__module__ = __name__
+del _name, _value

@@ -7,10 +7,11 @@ directories, their records, one listing), :mod:`.deletion` (crash-safe deletion)
 :mod:`.materialize` (a self-contained copy of an incremental checkpoint).
 """
 
-from shardwise.checkpoint.manager.manager import CheckpointManager, RestoreFallbackWarning
+from shardwise.checkpoint.manager.manager import CheckpointManager
 from shardwise.checkpoint.manager.materialize import materialize
 from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
 from shardwise.checkpoint.manager.series import CheckpointInfo, list_series
+from shardwise.errors import RestoreFallbackWarning  # the warning restore gives, named here too
 
 __all__ = [
     "CheckpointInfo",

@@ -60,12 +60,13 @@ from shardwise.errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
     ChecksumError,
+    RestoreFallbackWarning,
 )
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["CheckpointManager", "RestoreFallbackWarning"]
+__all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("shardwise.checkpoint.manager")
 
@@ -75,8 +76,16 @@ logger = logging.getLogger("shardwise.checkpoint.manager")
 _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError)
 # The step as the agreement carries it (an int64; a larger step is rare, and only compared).
 _MAX_AGREED_STEP = 2**63 - 1
-#: ``restore``'s arguments not given (None is a value: the latest step).
-_NOT_GIVEN: Any = object()
+
+
+class _NotGiven:
+    """The default of ``restore``'s arguments: not given (None is a value, the latest step)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_NOT_GIVEN: Any = _NotGiven()
 
 
 @dataclass(slots=True)
@@ -158,10 +167,6 @@ def _restore_arguments(
             "step None for the newest checkpoint"
         )
     return (None if wanted is _NOT_GIVEN else wanted), target
-
-
-class RestoreFallbackWarning(UserWarning):
-    """A restore skipped a checkpoint it could not load and tried the one before it."""
 
 
 class CheckpointManager:
