@@ -348,7 +348,8 @@ def save_safetensors(
     Raises:
         TypeError: ``dtype`` is not a ``torch.dtype``, ``max_shard_size`` neither an int nor
             a str (a float, a bool), ``prefix`` not a str, or ``key_map`` not callable.
-        ValueError: ``max_shard_size`` is not positive, or a str that is no size.
+        ValueError: ``max_shard_size`` is not positive, or a str that is no size; ``dtype``
+            is not floating point, or safetensors has no code for it.
         CheckpointError: (a subclass) an object-store URL, ranks that disagree on a tensor,
             shards that do not make up their tensor, a dtype safetensors cannot store, two
             keys of one name; ``CheckpointStorageError`` for a write that fails. Every rank
@@ -383,14 +384,13 @@ def _check_dtype(dtype: object) -> None:
         return
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    # A bad argument, not a mismatch with any checkpoint: a plain ValueError.
     if not dtype.is_floating_point:
-        raise CheckpointMismatchError(
+        raise ValueError(
             f"dtype={dtype} is not a floating-point dtype; only floating-point tensors are cast"
         )
     if safetensors_dtype(dtype) is None:
-        raise CheckpointMismatchError(
-            f"dtype={dtype} has no safetensors code: it cannot be written"
-        )
+        raise ValueError(f"dtype={dtype} has no safetensors code: it cannot be written")
 
 
 class _SafetensorsSave:
