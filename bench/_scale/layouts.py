@@ -4,7 +4,8 @@ index (``index.encode_index``, ``index.decode_index``), one rank's load planning
 layouts (``planner.plan_reads`` with a grid's ``LayoutChunks`` as its lookup), and the lazily
 built ``Index.to_metadata``.
 
-The pure code ``save``/``load`` call, without their exchanges (see ``docs/design/archive/scale.md``).
+The pure code ``save``/``load`` call, without their exchanges (see
+``docs/design/archive/scale.md``).
 The data files are not written; their block checksums are made-up hex of the right length,
 as the decoder checks lengths and digits, not values.
 """

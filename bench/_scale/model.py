@@ -142,7 +142,8 @@ def plan_entries(tensors: Sequence[Tensor], ranks: int, rank: int) -> list[dict[
     """Rank ``rank``'s tensor entries of the all-gather save exchange that ``save`` used until
     it planned from tables on the coordinator (session 4): equal, when it was removed, to what
     the former ``save._plan_entries`` gave for the rank's snapshot (checked at every run then).
-    The "today's path" steps simulate that protocol as the baseline of docs/design/archive/scale.md."""
+    The "today's path" steps simulate that protocol as the baseline of
+    docs/design/archive/scale.md."""
     entries = []
     for tensor in tensors:
         offsets, sizes = box_of(tensor, ranks, rank)
