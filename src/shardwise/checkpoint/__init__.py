@@ -2,6 +2,7 @@
 
 from shardwise.checkpoint.huggingface import consolidate, load_safetensors, save_safetensors
 from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
+from shardwise.checkpoint.local_tier import LocalTier, LocalTierWarning
 from shardwise.checkpoint.manager import (
     CheckpointManager,
     RestoreFallbackWarning,
@@ -52,6 +53,8 @@ __all__ = [
     "ChunkStorageMetadata",
     "DCPImportError",
     "LoadResult",
+    "LocalTier",
+    "LocalTierWarning",
     "Metadata",
     "MetadataIndex",
     "PickleNotAllowedError",
