@@ -105,6 +105,7 @@ class TierNode:
         self.directory = TierDirectory(tier.resolved_directory, tier.resolved_job_id)
         self._refusal: str | None = None  # why this node's directory is not usable
         self._claimed = False
+        self._gloo: ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -124,15 +125,18 @@ class TierNode:
         return self._refusal
 
     def _group(self) -> ProcessGroup:
-        """The group parts travel over: the manager's (tensors on the CPU: gloo)."""
-        group = self.comm.group
-        assert group is not None
-        if collectives.comm_device(group).type != "cpu":
-            raise CheckpointError(
-                "the local tier sends parts over a gloo group: give the CheckpointManager a "
-                "gloo process_group (e.g. dist.new_group(backend='gloo'))"
-            )
-        return group
+        """The group parts travel over: the manager's when it is gloo, else a gloo group over
+        the same ranks, made at the first transfer (collective over the default group)."""
+        if self._gloo is None:
+            group = self.comm.group
+            assert group is not None, "a world of one sends no part"
+            if collectives.comm_device(group).type == "cpu":
+                self._gloo = group
+            else:  # pragma: no cover - needs a GPU
+                gloo = collectives.new_gloo_group_like(group)
+                assert gloo is not None
+                self._gloo = gloo
+        return self._gloo
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -202,6 +206,21 @@ class TierNode:
         self._send_replicas(step, path, save_id)
         return True
 
+    def _has_room(self, sender: int, size: int) -> bool:
+        """Whether a part of ``size`` bytes from ``sender`` fits this node's directory."""
+        try:
+            space = self.directory.check_space(size, min_free_bytes=self.tier.min_free_bytes)
+        except OSError:
+            return False
+        if not space.fits:
+            logger.warning(
+                "local tier: rank %d refuses a part of rank %d: %s",
+                self.rank,
+                sender,
+                space.describe(self.directory.path),
+            )
+        return space.fits
+
     def _commit(self, record: PartRecord) -> None:
         try:
             self.directory.commit_part(record)
@@ -227,15 +246,7 @@ class TierNode:
             message = None
         owners = self.placement.held_by(me)
         sends = [(holder, message) for holder in self.placement.holders[me]]
-
-        def accept(owner: int, size: int) -> bool:
-            try:
-                fits = self.directory.check_space(size, min_free_bytes=self.tier.min_free_bytes)
-            except OSError:
-                return False
-            return fits.fits
-
-        received = exchange_messages(self._group(), sends, list(owners), accept)
+        received = exchange_messages(self._group(), sends, list(owners), self._has_room)
         world = self.topology.world_size
         for owner, data in zip(owners, received, strict=True):
             if data is None:
@@ -256,10 +267,11 @@ class TierNode:
 
     # -- restoring -------------------------------------------------------------------------
 
-    def holdings(self) -> Holdings:
+    def holdings(self, newer_than: int | None = None) -> Holdings:
         """The parts of this node's directory that are this rank's to report (saved rank
-        modulo the local world size: each part read once per node), verified (no collective;
-        a part that fails its checks, or a directory that cannot be read, counts as none)."""
+        modulo the local world size: each part read once per node), of steps after
+        ``newer_than``, verified (no collective; a part that fails its checks, or a directory
+        that cannot be read, counts as none)."""
         me = self.rank
         if self._usable() is not None:
             return Holdings(rank=me, held=())
@@ -271,6 +283,8 @@ class TierNode:
         local = self.topology.local_world_size
         found: dict[tuple[int, str], tuple[set[int], set[int]]] = {}
         for step, records in listed.items():
+            if newer_than is not None and step <= newer_than:
+                continue  # never restored: the durable tier has as new a step
             for saved, record in records.items():
                 if saved % local != me % local:
                     continue
@@ -320,7 +334,7 @@ class TierNode:
             CheckpointError: The load failed for a reason that is not the tier's (a key
                 missing from the checkpoint, with ``strict``).
         """
-        records = self.comm.all_gather_json(self.holdings().to_json())
+        records = self.comm.all_gather_json(self.holdings(durable_step).to_json())
         try:
             verdict = choose_step(parse_gathered(records), durable_step)
         except CheckpointFormatError as err:
@@ -382,17 +396,13 @@ class TierNode:
                 message = None
             sends.append((transfer.receiver, message))
         incoming = [t for t in plan.receives_at(self.rank) if not self._on_my_node(t.sender)]
+        if self.comm.group is None:
+            return {}
+        group = self._group()  # on every rank: it may be made here
         if not sends and not incoming:
             return {}
-        limit = self.tier.min_free_bytes
-
-        def accept(sender: int, size: int) -> bool:
-            try:
-                return self.directory.check_space(size, min_free_bytes=limit).fits
-            except OSError:
-                return False
-
-        messages = exchange_messages(self._group(), sends, [t.sender for t in incoming], accept)
+        senders = [t.sender for t in incoming]
+        messages = exchange_messages(group, sends, senders, self._has_room)
         return {t.part: data for t, data in zip(incoming, messages, strict=True)}
 
     def _assemble(self, verdict: Verdict, received: Mapping[int, bytes | None]) -> str:
