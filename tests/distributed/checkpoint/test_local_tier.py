@@ -2,9 +2,9 @@
 (each node its own tier directory under the test's directory): the local saves hold every
 part on both nodes; a restore takes the newest local step from the node's own copies or the
 peers' replicas, and equals that step saved to durable storage; a corrupt copy counts as
-absent; both nodes' copies gone falls back to the durable tier; a restart on 3 ranks (3
-nodes, one of them new) restores from the tier written by 4; a full directory skips the
-local save on every rank."""
+absent; one node's copies gone and the other's corrupt, or both nodes' copies gone, falls
+back to the durable tier; a restart on 3 ranks (3 nodes, two of them new) restores from the
+tier written by 4; a full directory skips the local save on every rank."""
 
 from __future__ import annotations
 
@@ -126,6 +126,13 @@ def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
     # Node 1 lost (its directory gone): part 2 of step 6 is only on node 0, corrupt; step 4
     # is complete on node 0 but not newer than the durable step 4.
     _barrier_then(lambda: shutil.rmtree(base / "node1"))
+    step, source, state = _restore(base)
+    assert (step, source) == (4, "durable")
+    for got, want in zip(_values(state), _values(_state(4)), strict=True):
+        assert torch.equal(got, want)
+
+    # Both nodes' directories gone: the durable tier, as without a local tier.
+    _barrier_then(lambda: [shutil.rmtree(base / f"node{node}") for node in (0, 1)])
     step, source, state = _restore(base)
     assert (step, source) == (4, "durable")
     for got, want in zip(_values(state), _values(_state(4)), strict=True):
