@@ -31,6 +31,8 @@ Hierarchy::
                                      no counterpart here; the message names the rank and it
 
     UserWarning
+    ├── LocalTierWarning             the local tier skipped a save (no room), fell back to the
+    │                                durable tier, or holds fewer replicas than asked
     └── RestoreFallbackWarning       CheckpointManager.restore skipped a checkpoint it could
                                      not load (corrupt, incomplete), or found every committed
                                      one rejected by earlier restores
@@ -65,6 +67,7 @@ __all__ = [
     "MetadataFormatError",
     "PickleNotAllowedError",
     "RemoteError",
+    "LocalTierWarning",
     "RestoreFallbackWarning",
 ]
 
@@ -199,6 +202,11 @@ class DCPImportError(CheckpointError):
 class RemoteError(RuntimeError):
     """Another rank of the group failed with an error of a type that cannot be raised here as
     it is; the message names the rank, the type and its message."""
+
+
+class LocalTierWarning(UserWarning):
+    """The local tier skipped a save, fell back to the durable tier, or holds fewer replicas
+    than asked (the training step itself never fails for it)."""
 
 
 class RestoreFallbackWarning(UserWarning):

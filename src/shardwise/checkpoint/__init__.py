@@ -3,6 +3,7 @@
 from shardwise.checkpoint.huggingface import consolidate, load_safetensors, save_safetensors
 from shardwise.checkpoint.loading.load import LoadResult, load, load_tensor, read_metadata
 from shardwise.checkpoint.loading.verify import VerifyProblem, VerifyReport, verify
+from shardwise.checkpoint.local_tier import LocalTier
 from shardwise.checkpoint.manager import (
     CheckpointManager,
     RetentionPolicy,
@@ -31,6 +32,7 @@ from shardwise.errors import (
     CheckpointVersionError,
     ChecksumError,
     DCPImportError,
+    LocalTierWarning,
     PickleNotAllowedError,
     RemoteError,
     RestoreFallbackWarning,
@@ -53,6 +55,8 @@ __all__ = [
     "ChunkStorageMetadata",
     "DCPImportError",
     "LoadResult",
+    "LocalTier",
+    "LocalTierWarning",
     "Metadata",
     "MetadataIndex",
     "PickleNotAllowedError",

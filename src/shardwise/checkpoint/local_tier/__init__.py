@@ -4,7 +4,9 @@ held by ranks on other nodes, so that a restart restores without reading shared 
 
 One module per concept: ``tier`` (the ``LocalTier`` settings), ``placement`` (which ranks hold
 which replica), ``agreement`` (the step a restart restores and who sends which part: pure),
-``directory`` (the tier's directory on one node). Not yet used by ``CheckpointManager``.
+``directory`` (the tier's directory on one node), ``parts`` (a part's files as bytes:
+read, written, packed, verified), ``transport`` (messages between ranks, sizes first) and
+``node`` (the local saves and restores of one rank, which ``CheckpointManager`` calls).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from shardwise.checkpoint.local_tier.placement import (
     place_replicas,
 )
 from shardwise.checkpoint.local_tier.tier import LocalTier, job_id_from_environment
+from shardwise.errors import LocalTierWarning
 
 __all__ = [
     "HeldStep",
     "Holdings",
     "LocalTier",
+    "LocalTierWarning",
     "PartRecord",
     "Placement",
     "Space",

@@ -8,6 +8,8 @@ Layout::
     <directory>/step_<N>/rank_<R>/        the part of saved rank R of local step N: a shardwise
                                           checkpoint part (written by the save code), and
     <directory>/step_<N>/rank_<R>/part.json  its part record, written last: "committed"
+    <directory>/restore_<R>/              rank R's checkpoint assembled from parts during a
+                                          restore (removed after it, and before the next)
 
 Safety: the directory itself must be a real directory (not a link) owned by this user; one
 whose marker names another job, or that holds anything without a marker, is ignored: never
@@ -44,6 +46,7 @@ __all__ = [
     "parse_rank_name",
     "parse_step_name",
     "rank_name",
+    "restore_name",
     "step_name",
 ]
 
@@ -80,6 +83,11 @@ def parse_step_name(name: str) -> int | None:
     if match is None or int(match[1]) > MAX_STEP:
         return None
     return int(match[1])
+
+
+def restore_name(rank: int) -> str:
+    """The directory name of live rank ``rank``'s restore directory."""
+    return "restore_" + rank_name(rank).removeprefix("rank_")
 
 
 def rank_name(rank: int) -> str:
@@ -348,6 +356,42 @@ class TierDirectory:
             finally:
                 os.close(step_fd)
         return self.part_path(step, rank)
+
+    def make_restore(self, rank: int) -> str:
+        """Make live rank ``rank``'s (empty) restore directory, where a restore assembles the
+        checkpoint it loads from parts; its path. One left by an earlier restore is removed
+        first (only a real directory of that name; nothing inside it is followed).
+
+        Raises:
+            CheckpointStorageError: The directory is not this job's, or a link or a file is
+                where the restore directory goes.
+        """
+        name = restore_name(rank)
+        with self._open() as fd:
+            self._remove_restore_in(fd, name)
+            os.mkdir(name, 0o700, dir_fd=fd)
+        return os.path.join(self.path, name)
+
+    def remove_restore(self, rank: int) -> None:
+        """Remove live rank ``rank``'s restore directory, if there is one.
+
+        Raises:
+            CheckpointStorageError: The directory is not this job's, or a link or a file is
+                where the restore directory goes.
+        """
+        with self._open() as fd:
+            self._remove_restore_in(fd, restore_name(rank))
+
+    def _remove_restore_in(self, fd: int, name: str) -> None:
+        try:
+            status = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(status.st_mode):
+            raise CheckpointStorageError(
+                f"{name} in the local tier's directory is a link or not a directory", file=name
+            )
+        shutil.rmtree(name, dir_fd=fd, onerror=_ignore_vanished)
 
     def commit_part(self, record: PartRecord) -> None:
         """Write the part's record, last: from then on the part is listed as held.

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from shardwise.checkpoint.index.names import PORTABLE_RULE, is_portable_name
 from shardwise.checkpoint.storage import local_path
 
-__all__ = ["DEFAULT_PARENT", "JOB_ID_VARIABLE", "LocalTier", "job_id_from_environment"]
+__all__ = [
+    "DEFAULT_PARENT",
+    "JOB_ID_VARIABLE",
+    "LocalTier",
+    "job_id_from_environment",
+]
+
 
 #: The environment variable torchrun sets to the run's rendezvous id (``--rdzv-id``).
 JOB_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -84,6 +90,11 @@ class LocalTier:
     loader workers allocate from, and filling it fails them, not the save. A margin by
     judgment, not a measurement."""
 
+    local_world_size: int | None = None
+    """Ranks per node. None: ``LOCAL_WORLD_SIZE`` (torchrun's), or one node when it is unset.
+    Given, it wins (for launchers that set no ``LOCAL_WORLD_SIZE``, and for tests that
+    simulate nodes on one machine)."""
+
     resolved_job_id: str = dataclasses.field(init=False)
     """The job id in use: ``job_id``, else the environment's."""
 
@@ -95,6 +106,8 @@ class LocalTier:
         _check_int("replicas", self.replicas, 0)
         _check_int("keep", self.keep, 1, 2)
         _check_int("min_free_bytes", self.min_free_bytes, 0)
+        if self.local_world_size is not None:
+            _check_int("local_world_size", self.local_world_size, 1)
         job = self.job_id
         if job is None:
             job = job_id_from_environment(os.environ)

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -28,6 +28,8 @@ from shardwise.checkpoint.index import (
     decode_index,
 )
 from shardwise.checkpoint.loading.load import load
+from shardwise.checkpoint.local_tier.node import TierNode
+from shardwise.checkpoint.local_tier.tier import LocalTier
 from shardwise.checkpoint.manager.arguments import (
     as_step,
     check_policies,
@@ -192,6 +194,10 @@ class CheckpointManager:
         incremental: Each save builds on the checkpoint before it (the last one this manager
             saved or restored, else the newest of the series): a chunk whose bytes did not
             change is referenced, not written (``docs/manager.md``, *Incremental saves*).
+        local_tier: A second, fast tier (:class:`LocalTier`): every ``every_steps`` steps,
+            each rank's part in node-local memory and on ranks of other nodes; a restore
+            takes its newest step when it is newer than the series' (``docs/manager.md``,
+            *Local tier*).
 
     Example:
         >>> with CheckpointManager("ckpt", save_policy=SavePolicy(every_steps=100),
@@ -214,8 +220,11 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         sync_files: bool = True,
         incremental: bool = False,
+        local_tier: LocalTier | None = None,
     ) -> None:
         check_policies(save_policy, retention)
+        if local_tier is not None and not isinstance(local_tier, LocalTier):
+            raise TypeError(f"local_tier must be a LocalTier, not {type(local_tier).__name__}")
         self.root = os.path.expanduser(os.fspath(root))
         self.save_policy = save_policy or SavePolicy()
         self.retention = retention or RetentionPolicy()
@@ -241,6 +250,11 @@ class CheckpointManager:
         #: True once a preemption notice made :meth:`save` save: stop training and exit.
         self.preempted = False
         self._notice = PreemptionNotice(preemption_signals)
+        self.local_tier = local_tier
+        self._tier = None if local_tier is None else TierNode(local_tier, self._comm, process_group)
+        #: Where the last :meth:`restore` took the state from: ``"local"`` (the local tier),
+        #: ``"durable"`` (the series root), or None (nothing restored: a fresh start).
+        self.restored_from: Literal["local", "durable"] | None = None
 
     # -- paths and listings --------------------------------------------------------------
 
@@ -405,6 +419,8 @@ class CheckpointManager:
         """
         self._check_open()
         step, agreed = self._agreed_call(step, bool(force))
+        if self._tier is not None and self._tier.due(step):  # its own rule, beside the policy
+            self._tier.save(step, state_dict)
         if not agreed.saves:
             self._tidy_if_done()
             return False
@@ -648,13 +664,21 @@ class CheckpointManager:
             "storage_options": self._storage_options,
             **load_options,
         }
+        self.restored_from = None
         if step is not None:
             load(state_dict, self._checkpoint_path(step), **options)
             self._base_step = step
+            self.restored_from = "durable"
             return step
         failed: list[str] = []
         self._check_open()
         good, rejected = self._comm.broadcast_or_raise(self._restorable, src=0)
+        if self._tier is not None:
+            local = self._tier.restore(state_dict, good[-1] if good else None, load_options)
+            if local is not None:
+                self._base_step = None  # not a checkpoint of the series: the next asks it
+                self.restored_from = "local"
+                return local
         candidate: int
         for candidate in reversed(good):
             path = self.path(candidate)
@@ -676,6 +700,7 @@ class CheckpointManager:
                     "filled; restore with strict=True, or from a checkpoint that has them"
                 )
             self._base_step = candidate
+            self.restored_from = "durable"
             return candidate
         if failed:
             raise CheckpointError(

@@ -59,7 +59,7 @@ from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTim
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["async_save", "commit_index", "remove_leftovers", "save"]
+__all__ = ["async_save", "commit_index", "remove_leftovers", "save", "save_parts"]
 
 logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
 # Temporary names of the index (see commit_index) and of the lock (LocalStorage.replace_small).
@@ -189,8 +189,12 @@ class _SaveExchange:
         options: SaveOptions,
         local_error: BaseException | None,
         members: dict[int, int] | None,
+        parts: bool = False,
     ) -> None:
         self.snapshot = snapshot
+        #: Each rank's ``path`` is a directory of its own (:func:`save_parts`): no rank sees
+        #: another's data file, and every rank writes the index into its own.
+        self.parts = parts
         self.path = path
         self.comm = comm
         self.options = options
@@ -405,7 +409,15 @@ class _SaveExchange:
                 f"{err.bare_message}",
                 file=self.path,
             ) from err
+        if self.parts:  # every rank's own copy of the index, the verdict on every rank
+            self.comm.agree_or_raise(functools.partial(self._commit_part, outcome["index"]))
         return outcome
+
+    def _commit_part(self, index: str) -> None:
+        if self.coordinating:
+            return  # committed in _build_and_commit
+        assert self.storage is not None
+        commit_index(self.storage, index.encode(), self.options.sync_files, self.save_id)
 
     def _build_and_commit(self) -> dict[str, Any]:
         storage, options = self.storage, self.options
@@ -428,11 +440,15 @@ class _SaveExchange:
                 f"{MAX_INDEX_BYTES} a reader reads; JSON values are kept in the index, so "
                 "store large ones as tensors or bytes. Nothing was committed"
             )
-        data_writer.check_visible(storage, index, self.path)
+        if not self.parts:  # a part's directory holds its own data file only
+            data_writer.check_visible(storage, index, self.path)
         commit_index(storage, data, options.sync_files, self.save_id)
         self.committed = True
         self.built = _Built(data, index, index.to_metadata())
-        return _save_outcome.outcome(data, self.built.metadata)
+        outcome = _save_outcome.outcome(data, self.built.metadata)
+        if self.parts:  # every rank writes it, whatever its size
+            outcome["index"] = data.decode()
+        return outcome
 
     def clean_up(self, started: float) -> None:
         """The coordinator, after every rank has the outcome (no rank waits for this): remove
@@ -463,6 +479,7 @@ def save_outcome(
     local_error: BaseException | None = None,
     members: dict[int, int] | None = None,
     on_save_id: Callable[[str], None] | None = None,
+    parts: bool = False,
 ) -> tuple[dict[str, Any], str, Metadata | None]:
     """:func:`save_snapshot`, returning what the commit told every rank (``outcome.outcome``),
     the save's id, and the coordinator's metadata (``None`` on other ranks): what a writer
@@ -473,9 +490,10 @@ def save_outcome(
             ``comm``'s group; a writer process's own group numbers its ranks differently).
         on_save_id: Called with the save's id once this rank knows it (exchange 2), before
             this rank writes anything, so before the coordinator can commit.
+        parts: Each rank's ``path`` is its own directory (:func:`save_parts`).
     """
     started = time.monotonic()
-    exchange = _SaveExchange(snapshot, path, comm, options, local_error, members)
+    exchange = _SaveExchange(snapshot, path, comm, options, local_error, members, parts)
     # Exchange 1a: the coordinator's digest (a rank whose table has it sends no table).
     exchange.share_digest()
     try:
@@ -553,6 +571,31 @@ def save(
     with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
         snapshot, error = describe_or_error(state_dict, allow_pickle)
         return save_snapshot(snapshot, os.path.expanduser(os.fspath(path)), comm, options, error)
+
+
+def save_parts(
+    snapshot: Snapshot,
+    path: str,
+    comm: collectives.Comm,
+    *,
+    local_error: BaseException | None = None,
+    sync_files: bool = True,
+) -> str:
+    """Save ``snapshot`` (:func:`~.snapshot.describe_or_error`'s) as parts (collective over
+    ``comm``): ``path`` is a directory of this rank's own (node-local), where it writes its
+    data file and the index of the whole save, the same on every rank. Any complete set of
+    the ranks' data files, beside one copy of the index, is the checkpoint :func:`save` would
+    have written (the local tier's parts: ``docs/local-tier.md``). Each ``path`` should be
+    new: the save's lock and its cleanup of earlier saves are the coordinator's, in its own
+    directory only. A ``local_error`` is raised on every rank.
+
+    Returns:
+        The save's id (the same on every rank).
+    """
+    options = SaveOptions(process_group=comm.group, sync_files=sync_files)
+    with paused_gc():
+        _, save_id, _ = save_outcome(snapshot, path, comm, options, local_error, parts=True)
+    return save_id
 
 
 def _check_coordinator(coordinator_rank: int, comm: collectives.Comm) -> None:

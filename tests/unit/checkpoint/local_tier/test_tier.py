@@ -110,5 +110,15 @@ def test_frozen_slotted_kw_only() -> None:
     assert tier == LocalTier(every_steps=1, job_id="j")
 
 
-def test_not_exported_yet() -> None:
-    assert "LocalTier" not in shardwise.checkpoint.__all__
+def test_exported_from_checkpoint() -> None:
+    assert shardwise.checkpoint.LocalTier is LocalTier
+    assert {"LocalTier", "LocalTierWarning"} <= set(shardwise.checkpoint.__all__)
+
+
+def test_local_world_size_is_checked() -> None:
+    assert LocalTier(every_steps=1, job_id="j").local_world_size is None
+    assert LocalTier(every_steps=1, job_id="j", local_world_size=8).local_world_size == 8
+    with pytest.raises(ValueError, match="local_world_size"):
+        LocalTier(every_steps=1, job_id="j", local_world_size=0)
+    with pytest.raises(TypeError, match="local_world_size"):
+        LocalTier(every_steps=1, job_id="j", local_world_size="2")  # type: ignore[arg-type]

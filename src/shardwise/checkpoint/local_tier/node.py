@@ -1,0 +1,434 @@
+"""The local tier at work on one rank: its local saves and its restores, collective over the
+manager's process group (``docs/local-tier.md``, *Save path*, *Restore protocol*).
+
+:class:`TierNode` is what ``CheckpointManager`` holds when given a :class:`LocalTier`. Both
+of its operations never fail the training step for the tier's sake: a local save that cannot
+be made is skipped (every rank agrees, and warns), and a restore that cannot be made from the
+tier returns None on every rank, so that the manager restores from the durable tier. Only
+the user's own mistakes (a state dict that cannot be saved or loaded) are raised.
+
+First version: the local save runs in the training process, synchronously (the async writer
+process is the next step); parts travel as whole messages in memory; every rank of a restore
+needs every part of the step (each assembles the whole checkpoint, by hard links to its
+node's copies and from the parts it receives), which is what makes a restore on another
+world size work (the load's planner reshards).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from shardwise import collectives
+from shardwise.checkpoint.index import INDEX_NAME
+from shardwise.checkpoint.loading.load import load
+from shardwise.checkpoint.local_tier import parts as part_files
+from shardwise.checkpoint.local_tier.agreement import (
+    HeldStep,
+    Holdings,
+    TransferPlan,
+    Verdict,
+    choose_step,
+    parse_gathered,
+    plan_transfers,
+)
+from shardwise.checkpoint.local_tier.directory import PartRecord, TierDirectory
+from shardwise.checkpoint.local_tier.placement import (
+    Topology,
+    local_world_size_from_environment,
+    place_replicas,
+)
+from shardwise.checkpoint.local_tier.tier import LocalTier
+from shardwise.checkpoint.local_tier.transport import exchange_messages
+from shardwise.checkpoint.saving.save import save_parts
+from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
+from shardwise.errors import (
+    CheckpointDataError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    LocalTierWarning,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["TierNode"]
+
+logger = logging.getLogger("shardwise.checkpoint.local_tier")
+
+#: What makes a restore from the tier fall back to the durable tier: the assembled checkpoint
+#: is bad (as for the manager's own fallback), or the tier's storage failed.
+_FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError, OSError)
+
+
+def _snapshot_bytes(snapshot: Snapshot) -> int:
+    """What a rank's part of ``snapshot`` takes, at most (a replicated tensor counted on every
+    rank, though one writes it), before the headers and the index."""
+    tensors = sum(
+        box.tensor.numel() * box.tensor.element_size()
+        for value in snapshot.tensors.values()
+        for box in value.boxes
+    )
+    return tensors + sum(len(value.payload) for value in snapshot.objects.values())
+
+
+def _index_margin(snapshot: Snapshot) -> int:
+    # Headers and the index: a few hundred bytes per entry, by judgment.
+    return (1 << 20) + 512 * (len(snapshot.tensors) + len(snapshot.objects))
+
+
+class TierNode:
+    """The local tier of ``tier`` on this rank of ``comm`` (the manager's group)."""
+
+    def __init__(
+        self, tier: LocalTier, comm: collectives.Comm, process_group: ProcessGroup | None
+    ) -> None:
+        self.tier = tier
+        self.comm = comm
+        self._process_group = process_group
+        local = tier.local_world_size
+        if local is None:
+            local = local_world_size_from_environment(os.environ, comm.world_size)
+        self.topology = Topology(world_size=comm.world_size, local_world_size=local)
+        self.placement = place_replicas(self.topology, tier.replicas)
+        if self.placement.degraded:
+            warnings.warn(
+                f"the local tier holds {self.placement.replicas} replica(s) of each part, not "
+                f"the {tier.replicas} asked for: the job has {self.topology.num_nodes} node(s), "
+                "and a part's replicas are on other nodes than its own",
+                LocalTierWarning,
+                stacklevel=3,  # at the caller of CheckpointManager
+            )
+        self.directory = TierDirectory(tier.resolved_directory, tier.resolved_job_id)
+        self._refusal: str | None = None  # why this node's directory is not usable
+        self._claimed = False
+        self._gloo: ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def _usable(self) -> str | None:
+        """None if this node's directory is usable, else why not (asked once)."""
+        if not self._claimed:
+            self._claimed = True
+            self._refusal = self.directory.claim()
+            if self._refusal is not None:
+                warnings.warn(
+                    f"the local tier is off on rank {self.rank}: {self._refusal}",
+                    LocalTierWarning,
+                    stacklevel=4,
+                )
+        return self._refusal
+
+    def _group(self) -> ProcessGroup:
+        """The group parts travel over: the manager's when it is gloo, else a gloo group over
+        the same ranks, made at the first transfer (collective over the default group)."""
+        if self._gloo is None:
+            group = self.comm.group
+            assert group is not None, "a world of one sends no part"
+            if collectives.comm_device(group).type == "cpu":
+                self._gloo = group
+            else:  # pragma: no cover - needs a GPU
+                gloo = collectives.new_gloo_group_like(group)
+                assert gloo is not None
+                self._gloo = gloo
+        return self._gloo
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a local save's (the same on every rank: a rule of the step)."""
+        return step % self.tier.every_steps == 0
+
+    def save(self, step: int, state_dict: Mapping[str, Any]) -> bool:
+        """Write this rank's part of ``step`` into its node's directory and send it to its
+        holders (collective); whether the local save was made. A local save that cannot be
+        made is skipped on every rank with a :class:`LocalTierWarning`.
+
+        Raises:
+            TypeError, ValueError: ``state_dict`` cannot be saved (on every rank).
+        """
+        me, topology = self.rank, self.topology
+        reason = self._usable()
+        if reason is None and me % topology.local_world_size == 0:
+            try:  # the node's: its first local rank prunes, before any rank of it writes
+                self.directory.prune(self.tier.keep, writing=step)
+            except (CheckpointError, OSError) as err:
+                reason = f"pruning {self.directory.path} failed ({err})"
+        snapshot, error = describe_or_error(state_dict, False)
+        sizes = self.comm.all_gather_json(_snapshot_bytes(snapshot) + _index_margin(snapshot))
+        if reason is None:
+            node = topology.node_of(me)
+            needed = sum(
+                sizes[rank] + sum(sizes[owner] for owner in self.placement.held_by(rank))
+                for rank in topology.ranks_of(node)
+            )
+            try:
+                space = self.directory.check_space(needed, min_free_bytes=self.tier.min_free_bytes)
+            except OSError as err:
+                reason = f"the free space of {self.directory.path} is unknown ({err})"
+            else:
+                if not space.fits:
+                    reason = space.describe(self.directory.path)
+        reasons = self.comm.all_gather_json(reason)
+        refused = [(rank, why) for rank, why in enumerate(reasons) if why is not None]
+        if refused:
+            rank, why = refused[0]
+            more = f" (and {len(refused) - 1} more ranks)" if len(refused) > 1 else ""
+            warnings.warn(
+                f"skipped the local save of step {step}: on rank {rank}{more}, {why}",
+                LocalTierWarning,
+                stacklevel=3,
+            )
+            return False
+        path = ""
+        try:
+            path = self.directory.make_part(step, me)
+        except (CheckpointError, OSError) as err:  # raised on every rank by save_parts
+            error = error or CheckpointDataError(
+                f"the local tier's directory {self.directory.path} cannot take the part of "
+                f"rank {me} ({err})",
+                rank=me,
+            )
+        try:
+            save_id = save_parts(snapshot, path, self.comm, local_error=error, sync_files=False)
+        except (CheckpointError, OSError) as err:
+            warnings.warn(
+                f"the local save of step {step} failed: {err}", LocalTierWarning, stacklevel=3
+            )
+            return False
+        world = topology.world_size
+        self._commit(PartRecord(step=step, rank=me, world_size=world, save_id=save_id))
+        self._send_replicas(step, path, save_id)
+        return True
+
+    def _has_room(self, sender: int, size: int) -> bool:
+        """Whether a part of ``size`` bytes from ``sender`` fits this node's directory."""
+        try:
+            space = self.directory.check_space(size, min_free_bytes=self.tier.min_free_bytes)
+        except OSError:
+            return False
+        if not space.fits:
+            logger.warning(
+                "local tier: rank %d refuses a part of rank %d: %s",
+                self.rank,
+                sender,
+                space.describe(self.directory.path),
+            )
+        return space.fits
+
+    def _commit(self, record: PartRecord) -> None:
+        try:
+            self.directory.commit_part(record)
+        except (CheckpointError, OSError) as err:
+            warnings.warn(
+                f"rank {self.rank} could not commit its local copy of part {record.rank} of "
+                f"step {record.step}: {err}",
+                LocalTierWarning,
+                stacklevel=4,
+            )
+
+    def _send_replicas(self, step: int, path: str, save_id: str) -> None:
+        """Send this rank's part to its holders; write the parts it holds (collective over the
+        ranks of the placement)."""
+        if not self.placement.replicas:
+            return
+        me = self.rank
+        message: bytes | None
+        try:
+            message = part_files.pack_part(part_files.read_part(path, me, save_id))
+        except OSError as err:
+            logger.warning("local tier: rank %d cannot read its part of step %d: %s", me, step, err)
+            message = None
+        owners = self.placement.held_by(me)
+        sends = [(holder, message) for holder in self.placement.holders[me]]
+        received = exchange_messages(self._group(), sends, list(owners), self._has_room)
+        world = self.topology.world_size
+        for owner, data in zip(owners, received, strict=True):
+            if data is None:
+                logger.warning("local tier: no replica of part %d of step %d came", owner, step)
+                continue
+            try:
+                files = part_files.unpack_part(data)
+                target = self.directory.make_part(step, owner)
+                part_files.write_part(target, files)
+            except (CheckpointError, OSError, ValueError) as err:
+                warnings.warn(
+                    f"rank {me} could not keep the replica of part {owner} of step {step}: {err}",
+                    LocalTierWarning,
+                    stacklevel=4,
+                )
+                continue
+            self._commit(PartRecord(step=step, rank=owner, world_size=world, save_id=save_id))
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def holdings(self, newer_than: int | None = None) -> Holdings:
+        """The parts of this node's directory that are this rank's to report (saved rank
+        modulo the local world size: each part read once per node), of steps after
+        ``newer_than``, verified (no collective; a part that fails its checks, or a directory
+        that cannot be read, counts as none)."""
+        me = self.rank
+        if self._usable() is not None:
+            return Holdings(rank=me, held=())
+        try:
+            listed = self.directory.list_parts()
+        except (CheckpointError, OSError) as err:
+            logger.warning("local tier: rank %d cannot list its node's parts: %s", me, err)
+            return Holdings(rank=me, held=())
+        local = self.topology.local_world_size
+        found: dict[tuple[int, str], tuple[set[int], set[int]]] = {}
+        for step, records in listed.items():
+            if newer_than is not None and step <= newer_than:
+                continue  # never restored: the durable tier has as new a step
+            for saved, record in records.items():
+                if saved % local != me % local:
+                    continue
+                problem = self._check_held(step, record)
+                if problem is not None:
+                    logger.warning(
+                        "local tier: part %d of step %d in %s left out: %s",
+                        saved,
+                        step,
+                        self.directory.path,
+                        problem,
+                    )
+                    continue
+                sizes, held = found.setdefault((step, record.save_id), (set(), set()))
+                sizes.add(record.world_size)
+                held.add(saved)
+        entries = tuple(
+            HeldStep(
+                step=step, save_id=save_id, world_size=next(iter(sizes)), parts=frozenset(held)
+            )
+            for (step, save_id), (sizes, held) in sorted(found.items())
+            if len(sizes) == 1
+        )
+        return Holdings(rank=me, held=entries)
+
+    def _check_held(self, step: int, record: PartRecord) -> str | None:
+        try:
+            files = part_files.read_part(
+                self.directory.part_path(step, record.rank), record.rank, record.save_id
+            )
+        except OSError as err:
+            return f"it does not read ({err})"
+        return part_files.verify_part(files, record.rank, record.save_id, record.world_size)
+
+    def restore(
+        self,
+        state_dict: MutableMapping[str, Any],
+        durable_step: int | None,
+        load_options: Mapping[str, Any],
+    ) -> int | None:
+        """Load the newest step the tier holds, if newer than ``durable_step``, into
+        ``state_dict`` (collective); the step, or None on every rank when the durable tier
+        is to be restored (nothing newer held, or a failure anywhere: then a
+        :class:`LocalTierWarning` says why, on every rank).
+
+        Raises:
+            CheckpointError: The load failed for a reason that is not the tier's (a key
+                missing from the checkpoint, with ``strict``).
+        """
+        records = self.comm.all_gather_json(self.holdings(durable_step).to_json())
+        try:
+            verdict = choose_step(parse_gathered(records), durable_step)
+        except CheckpointFormatError as err:
+            self._fall_back(f"a rank's holdings are malformed: {err}")
+            return None
+        for note in verdict.notes:
+            logger.info("local tier: %s", note)
+        if verdict.source != "local":
+            return None
+        assert verdict.world_size is not None and verdict.step is not None
+        needs = [frozenset(range(verdict.world_size))] * self.topology.world_size
+        plan = plan_transfers(verdict, needs, self.topology)
+        me = self.rank
+        received = self._transfer(verdict, plan)
+        try:
+            try:
+                path, _ = self.comm.agree_or_raise(lambda: self._assemble(verdict, received))
+            except (CheckpointError, OSError, ValueError) as err:
+                self._fall_back(f"assembling local step {verdict.step} failed: {err}")
+                return None
+            try:
+                load(state_dict, path, process_group=self._process_group, **load_options)
+            except _FALLBACK_ERRORS as err:
+                self._fall_back(f"loading local step {verdict.step} failed: {err}")
+                return None
+        finally:
+            try:
+                self.directory.remove_restore(me)
+            except (CheckpointError, OSError) as err:
+                logger.warning("local tier: could not remove rank %d's restore files: %s", me, err)
+        logger.info("restored step %d from the local tier (save %s)", verdict.step, verdict.save_id)
+        return verdict.step
+
+    def _fall_back(self, why: str) -> None:
+        warnings.warn(
+            f"not restoring from the local tier: {why}; restoring from the durable tier",
+            LocalTierWarning,
+            stacklevel=4,
+        )
+
+    def _on_my_node(self, rank: int) -> bool:
+        return self.topology.node_of(rank) == self.topology.node_of(self.rank)
+
+    def _transfer(self, verdict: Verdict, plan: TransferPlan) -> dict[int, bytes | None]:
+        """Send the parts the plan has this rank send to other nodes, and receive those it
+        gets from other nodes (a same-node part is read from the node's directory)."""
+        assert verdict.step is not None and verdict.save_id is not None
+        step, save_id = verdict.step, verdict.save_id
+        sends = []
+        for transfer in plan.sends_from(self.rank):
+            if self._on_my_node(transfer.receiver):
+                continue
+            message: bytes | None
+            try:
+                path = self.directory.part_path(step, transfer.part)
+                message = part_files.pack_part(part_files.read_part(path, transfer.part, save_id))
+            except OSError as err:
+                logger.warning("local tier: cannot read part %d to send: %s", transfer.part, err)
+                message = None
+            sends.append((transfer.receiver, message))
+        incoming = [t for t in plan.receives_at(self.rank) if not self._on_my_node(t.sender)]
+        if self.comm.group is None:
+            return {}
+        group = self._group()  # on every rank: it may be made here
+        if not sends and not incoming:
+            return {}
+        senders = [t.sender for t in incoming]
+        messages = exchange_messages(group, sends, senders, self._has_room)
+        return {t.part: data for t, data in zip(incoming, messages, strict=True)}
+
+    def _assemble(self, verdict: Verdict, received: Mapping[int, bytes | None]) -> str:
+        """This rank's restore directory: the whole checkpoint of the verdict's step, its
+        node's parts hard-linked, the others written from the messages ``received``."""
+        assert verdict.step is not None and verdict.save_id is not None
+        assert verdict.world_size is not None
+        step, save_id = verdict.step, verdict.save_id
+        path = self.directory.make_restore(self.rank)
+        indexes = set()
+        for part in range(verdict.world_size):
+            if part in received:
+                data = received[part]
+                if data is None:
+                    raise CheckpointDataError(f"part {part} of local step {step} did not come")
+                files = part_files.unpack_part(data)
+                problem = part_files.verify_part(files, part, save_id, verdict.world_size)
+                if problem is not None:
+                    raise CheckpointDataError(f"part {part} of local step {step}: {problem}")
+                indexes.add(files.pop(INDEX_NAME))
+                part_files.write_part(path, files)
+            else:
+                source = self.directory.part_path(step, part)
+                indexes.add(part_files.link_part(source, path, part, save_id))
+        if len(indexes) != 1:
+            raise CheckpointDataError(f"the parts of local step {step} hold different indexes")
+        part_files.write_part(path, {INDEX_NAME: indexes.pop()})
+        return path

@@ -1,0 +1,261 @@
+"""A part of a local save as bytes: its files read from and written to its directory, packed
+into one message for another rank, and verified against its index (``docs/local-tier.md``).
+
+A part is a directory holding what :func:`~shardwise.checkpoint.saving.save.save_parts` wrote
+for one saved rank: the index of the whole save (``shardwise.json``) and, when that rank
+wrote anything, its data file (``data/rank-<R>.<save id>.safetensors``). The part's
+``part.json`` (:mod:`.directory`) is not part of it: each holder writes its own.
+
+A packed part, as sent between ranks::
+
+    8 bytes: N, little-endian    N bytes: JSON [[name, size], ...]    the files' bytes, in order
+
+Packing, unpacking and verifying are pure (bytes in, bytes out); reading and writing go
+through descriptors with ``O_NOFOLLOW``, as everything in the tier's directory does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+from collections.abc import Mapping
+
+from shardwise._codec import strict_json
+from shardwise.checkpoint.index import (
+    DATA_DIR,
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    block_checksums,
+    data_file_name,
+    decode_index,
+)
+from shardwise.checkpoint.index.names import is_data_file_name
+from shardwise.errors import CheckpointError
+
+__all__ = [
+    "index_of",
+    "link_part",
+    "pack_part",
+    "read_part",
+    "unpack_part",
+    "verify_part",
+    "write_part",
+]
+
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# A packed part's header lists at most two files, a few hundred bytes.
+_MAX_HEADER = 4096
+
+
+def _is_part_file(name: object) -> bool:
+    if name == INDEX_NAME:
+        return True
+    if not isinstance(name, str) or not name.startswith(f"{DATA_DIR}/"):
+        return False
+    return is_data_file_name(name.removeprefix(f"{DATA_DIR}/"))
+
+
+def _read_file(parent: int, name: str, limit: int | None) -> bytes:
+    fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        if limit is not None and status.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", name)
+        chunks = []
+        while chunk := os.read(fd, 1 << 24):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_part(path: str, rank: int, save_id: str) -> dict[str, bytes]:
+    """The files of saved rank ``rank``'s part of save ``save_id`` in the directory ``path``:
+    its index, and its data file when the directory holds one.
+
+    Raises:
+        OSError: A file is missing, a link or not a regular file, or cannot be read.
+    """
+    fd = os.open(path, _DIRECTORY_FLAGS)
+    try:
+        files = {INDEX_NAME: _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES)}
+        try:
+            data_fd = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            return files
+        try:
+            name = data_file_name(rank, save_id)
+            with contextlib.suppress(FileNotFoundError):
+                files[name] = _read_file(data_fd, name.removeprefix(f"{DATA_DIR}/"), None)
+        finally:
+            os.close(data_fd)
+        return files
+    finally:
+        os.close(fd)
+
+
+def write_part(path: str, files: Mapping[str, bytes], *, sync: bool = False) -> None:
+    """Write a part's ``files`` into the (new, empty) directory ``path``.
+
+    Raises:
+        ValueError: A name that is no part file.
+        OSError: Writing failed, or a file is there already.
+    """
+    if not all(_is_part_file(name) for name in files):
+        raise ValueError(f"not the files of a part: {sorted(files)}")
+    fd = os.open(path, _DIRECTORY_FLAGS)
+    try:
+        for name, data in files.items():
+            parent = fd
+            if name != INDEX_NAME:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(DATA_DIR, 0o700, dir_fd=fd)
+                parent = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
+            try:
+                out = os.open(os.path.basename(name), _CREATE_FLAGS, 0o600, dir_fd=parent)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(out, view) :]
+                    if sync:
+                        os.fsync(out)
+                finally:
+                    os.close(out)
+            finally:
+                if parent != fd:
+                    os.close(parent)
+    finally:
+        os.close(fd)
+
+
+def link_part(source: str, target: str, rank: int, save_id: str) -> bytes:
+    """Put saved rank ``rank``'s data file of the part in directory ``source`` into directory
+    ``target``'s ``data/`` (a hard link: no copy; a copy where the two are on different file
+    systems), if the part has one; the part's index.
+
+    Raises:
+        OSError: A file is missing, a link or not a regular file, or cannot be linked.
+    """
+    name = data_file_name(rank, save_id).removeprefix(f"{DATA_DIR}/")
+    source_fd = os.open(source, _DIRECTORY_FLAGS)
+    try:
+        index = _read_file(source_fd, INDEX_NAME, MAX_INDEX_BYTES)
+        try:
+            data_fd = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=source_fd)
+        except FileNotFoundError:
+            return index
+        try:
+            status = os.stat(name, dir_fd=data_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(data_fd)
+            return index
+        target_fd = os.open(target, _DIRECTORY_FLAGS)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(DATA_DIR, 0o700, dir_fd=target_fd)
+            into = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=target_fd)
+            try:
+                if not stat.S_ISREG(status.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file", name)
+                try:
+                    os.link(name, name, src_dir_fd=data_fd, dst_dir_fd=into, follow_symlinks=False)
+                except OSError as err:
+                    if err.errno != errno.EXDEV:
+                        raise
+                    data = _read_file(data_fd, name, None)
+                    write_part(target, {f"{DATA_DIR}/{name}": data})
+            finally:
+                os.close(into)
+        finally:
+            os.close(target_fd)
+            os.close(data_fd)
+        return index
+    finally:
+        os.close(source_fd)
+
+
+def pack_part(files: Mapping[str, bytes]) -> bytes:
+    """One message of a part's ``files`` (module docstring)."""
+    header = json.dumps([[name, len(data)] for name, data in files.items()]).encode()
+    return b"".join([len(header).to_bytes(8, "little"), header, *files.values()])
+
+
+def unpack_part(message: bytes | memoryview) -> dict[str, bytes]:
+    """The files of a packed part (from another rank: untrusted).
+
+    Raises:
+        CheckpointError: It is not a packed part (sizes that do not add up, names that are no
+            part file, the index missing or twice).
+    """
+    view = memoryview(message).cast("B")
+    if len(view) < 8:
+        raise CheckpointError(f"a packed part of {len(view)} bytes has no header")
+    length = int.from_bytes(view[:8], "little")
+    if length > min(_MAX_HEADER, len(view) - 8):
+        raise CheckpointError(f"a packed part's header of {length} bytes does not fit")
+    try:
+        listed = strict_json(bytes(view[8 : 8 + length]), "a packed part's header")
+    except ValueError as err:
+        raise CheckpointError(f"a packed part's header does not read: {err}") from err
+    if not isinstance(listed, list) or not all(
+        isinstance(entry, list)
+        and len(entry) == 2
+        and _is_part_file(entry[0])
+        and type(entry[1]) is int
+        and entry[1] >= 0
+        for entry in listed
+    ):
+        raise CheckpointError("a packed part's header is not a list of [part file, size]")
+    names = [entry[0] for entry in listed]
+    if len(set(names)) != len(names) or INDEX_NAME not in names or len(names) > 2:
+        raise CheckpointError(f"a packed part holds {names}, not an index and one data file")
+    position = 8 + length
+    if position + sum(entry[1] for entry in listed) != len(view):
+        raise CheckpointError("a packed part's sizes do not add up to its length")
+    files = {}
+    for name, size in listed:
+        files[name] = bytes(view[position : position + size])
+        position += size
+    return files
+
+
+def index_of(files: Mapping[str, bytes]) -> bytes:
+    """The index of a part's ``files``."""
+    return files[INDEX_NAME]
+
+
+def verify_part(files: Mapping[str, bytes], rank: int, save_id: str, world_size: int) -> str | None:
+    """Why the ``files`` of saved rank ``rank``'s part of save ``save_id`` (by
+    ``world_size`` ranks) are not that part, checked against their own index (the index
+    decodes and is of that save; the data file is there exactly when the index names it, of
+    its size, every block's checksum right); None when they are."""
+    if set(files) - {INDEX_NAME, data_file_name(rank, save_id)} or INDEX_NAME not in files:
+        return f"holds {sorted(files)}"
+    try:
+        index = decode_index(files[INDEX_NAME])
+    except (CheckpointError, ValueError, RecursionError) as err:
+        return f"its index does not decode ({err})"
+    if index.save.save_id != save_id or index.save.world_size != world_size:
+        return (
+            f"its index is of save {index.save.save_id} by {index.save.world_size} ranks, not "
+            f"{save_id} by {world_size}"
+        )
+    name = data_file_name(rank, save_id)
+    data = files.get(name)
+    if name not in index.files:
+        return None if data is None else "it holds a data file its index does not name"
+    if data is None:
+        return f"its data file {name} is missing"
+    if len(data) != index.files[name]:
+        return f"its data file {name} is {len(data)} bytes, not {index.files[name]}"
+    start = index.data_starts[name]
+    if block_checksums(memoryview(data)[start:], index.block_size) != index.file_checksums[name]:
+        return f"its data file {name} fails its block checksums"
+    return None

@@ -1,0 +1,191 @@
+"""``CheckpointManager(local_tier=...)`` on 4 real gloo ranks as 2 simulated nodes of 2 ranks
+(each node its own tier directory under the test's directory): the local saves hold every
+part on both nodes; a restore takes the newest local step from the node's own copies or the
+peers' replicas, and equals that step saved to durable storage; a corrupt copy counts as
+absent; one node's copies gone and the other's corrupt, or both nodes' copies gone, falls
+back to the durable tier; a restart on 3 ranks (3 nodes, two of them new) restores from the
+tier written by 4; a full directory skips the local save on every rank."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+import shardwise.checkpoint as ckpt
+from tests.harness import distributed
+
+WORLD = 4
+LOCAL = 2
+SHAPE = (12, 5)
+
+
+def _full(step: int) -> torch.Tensor:
+    return torch.arange(12 * 5, dtype=torch.float32).reshape(SHAPE) + 1000 * step
+
+
+def _state(step: int, world: int = WORLD, group: Any = None) -> dict[str, Any]:
+    """This rank's state at ``step``, rows sharded over ``world`` ranks (no communication)."""
+    spec = sw.ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(world)])
+    metadata = spec.build_metadata(torch.Size(SHAPE), sw.TensorProperties(dtype=torch.float32))
+    full, rank = _full(step), dist.get_rank()
+    local = [
+        sw.Shard(full[md.shard_offsets[0] : md.shard_offsets[0] + md.shard_sizes[0]].clone(), md)
+        for md in metadata.shards_metadata
+        if md.placement is not None and md.placement.rank() == rank
+    ]
+    sharded = sw.init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
+    return {"model": {"sharded": sharded, "bias": torch.full((3,), float(step))}, "step": step}
+
+
+def _values(state: dict[str, Any]) -> list[torch.Tensor]:
+    shards = [shard.tensor for shard in state["model"]["sharded"].local_shards()]
+    return [*shards, state["model"]["bias"], torch.tensor(state["step"])]
+
+
+def _shared_dir(tmp_path: Path) -> Path:
+    path = [str(tmp_path)]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
+
+
+def _tier(base: Path, node: int, local: int = LOCAL, **options: Any) -> ckpt.LocalTier:
+    return ckpt.LocalTier(
+        every_steps=2,
+        job_id="job-36",
+        directory=base / f"node{node}",
+        local_world_size=local,
+        **options,
+    )
+
+
+def _train(base: Path) -> None:
+    """Steps 1 to 6: durable every 4 (step 4), local every 2 (steps 4 and 6 kept); and a
+    durable reference copy of step 6."""
+    node = dist.get_rank() // LOCAL
+    policy = ckpt.SavePolicy(every_steps=4)
+    with ckpt.CheckpointManager(
+        base / "run", save_policy=policy, async_save=False, local_tier=_tier(base, node)
+    ) as manager:
+        for step in range(1, 7):
+            manager.save(step, _state(step))
+    ckpt.save(_state(6), base / "reference-6")
+
+
+def _restore(base: Path) -> tuple[int | None, str | None, dict[str, Any]]:
+    node = dist.get_rank() // LOCAL
+    manager = ckpt.CheckpointManager(base / "run", local_tier=_tier(base, node))
+    state = _state(0)
+    step = manager.restore(None, state)
+    manager.close()
+    return step, manager.restored_from, state
+
+
+def _barrier_then(action: Any) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        action()
+    dist.barrier()
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
+    base = _shared_dir(tmp_path)
+    _train(base)
+    for node in (0, 1):  # every part on both nodes: its owner's and its replica
+        for step in (4, 6):
+            held = sorted(p.name for p in (base / f"node{node}" / f"step_{step}").iterdir())
+            assert held == [f"rank_{r}" for r in range(WORLD)]
+    assert not (base / "node0" / "step_2").exists()  # keep=2
+    reference = _state(0)
+    ckpt.load(reference, base / "reference-6")
+
+    step, source, state = _restore(base)
+    assert (step, source) == (6, "local")
+    for got, want in zip(_values(state), _values(reference), strict=True):
+        assert torch.equal(got, want)
+
+    # Node 0's copy of part 2 (a replica) corrupt: counts as absent, node 1's is used.
+    def corrupt() -> None:
+        data = next((base / "node0" / "step_6" / "rank_2" / "data").iterdir())
+        raw = bytearray(data.read_bytes())
+        raw[-2] ^= 0x01
+        data.write_bytes(bytes(raw))
+
+    _barrier_then(corrupt)
+    step, source, state = _restore(base)
+    assert (step, source) == (6, "local")
+    for got, want in zip(_values(state), _values(reference), strict=True):
+        assert torch.equal(got, want)
+
+    # Node 1 lost (its directory gone): part 2 of step 6 is only on node 0, corrupt; step 4
+    # is complete on node 0 but not newer than the durable step 4.
+    _barrier_then(lambda: shutil.rmtree(base / "node1"))
+    step, source, state = _restore(base)
+    assert (step, source) == (4, "durable")
+    for got, want in zip(_values(state), _values(_state(4)), strict=True):
+        assert torch.equal(got, want)
+
+    # Both nodes' directories gone: the durable tier, as without a local tier.
+    _barrier_then(lambda: [shutil.rmtree(base / f"node{node}") for node in (0, 1)])
+    step, source, state = _restore(base)
+    assert (step, source) == (4, "durable")
+    for got, want in zip(_values(state), _values(_state(4)), strict=True):
+        assert torch.equal(got, want)
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_node_lost_restores_from_peers_and_then_on_three_ranks(tmp_path: Path) -> None:
+    base = _shared_dir(tmp_path)
+    _train(base)
+    # Node 0 lost: its ranks restart with empty directories, parts come from node 1.
+    _barrier_then(lambda: shutil.rmtree(base / "node0"))
+    step, source, state = _restore(base)
+    assert (step, source) == (6, "local")
+    for got, want in zip(_values(state), _values(_state(6)), strict=True):
+        assert torch.equal(got, want)
+    assert not any(p.name.startswith("restore_") for p in (base / "node1").iterdir())
+
+    # A restart on 3 ranks, one node each: node 1's directory, and two new ones.
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    if dist.get_rank() == 3:
+        return
+    node = {0: 1, 1: 2, 2: 3}[dist.get_rank()]
+    manager = ckpt.CheckpointManager(
+        base / "run", process_group=group, local_tier=_tier(base, node, local=1)
+    )
+    state = _state(0, world=3, group=group)
+    assert manager.restore(None, state) == 6
+    assert manager.restored_from == "local"
+    manager.close()
+    for shard in state["model"]["sharded"].local_shards():
+        first, count = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        assert torch.equal(shard.tensor, _full(6)[first : first + count])
+    assert torch.equal(state["model"]["bias"], torch.full((3,), 6.0))
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_a_full_directory_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:
+    base = _shared_dir(tmp_path)
+    node = dist.get_rank() // LOCAL
+    # Node 1 "full": its save would leave less than min_free_bytes.
+    tier = _tier(base, node, min_free_bytes=1 << 62 if node == 1 else 0)
+    manager = ckpt.CheckpointManager(base / "run", async_save=False, local_tier=tier)
+    with pytest.warns(ckpt.LocalTierWarning, match="skipped the local save of step 2"):
+        assert manager.save(2, _state(2))  # the durable save is made
+    manager.close()
+    assert not (base / "node0" / "step_2").exists()
+    manager = ckpt.CheckpointManager(base / "run", local_tier=_tier(base, node))
+    state = _state(0)
+    assert manager.restore(None, state) == 2
+    assert manager.restored_from == "durable"
+    manager.close()
+    fresh = ckpt.CheckpointManager(base / "fresh", local_tier=_tier(base, node))
+    assert fresh.restore(None, _state(0)) is None
+    assert fresh.restored_from is None
+    fresh.close()

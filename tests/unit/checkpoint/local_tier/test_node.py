@@ -1,0 +1,94 @@
+"""``CheckpointManager(local_tier=...)`` in one process (one node, no replicas): the local
+rule beside the save policy, ``restored_from``, pruning to ``keep``, a corrupt own copy
+falling back to the durable tier, the warning when placement degrades, settings checked."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+import shardwise.checkpoint as ckpt
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.full((4, 3), float(step)), "step": step}
+
+
+def _tier(tmp_path: pathlib.Path, **options: object) -> ckpt.LocalTier:
+    return ckpt.LocalTier(
+        every_steps=2,
+        replicas=0,
+        job_id="job",
+        directory=tmp_path / "shm",
+        min_free_bytes=0,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _manager(tmp_path: pathlib.Path, **options: object) -> ckpt.CheckpointManager:
+    return ckpt.CheckpointManager(
+        tmp_path / "run",
+        save_policy=ckpt.SavePolicy(every_steps=3),
+        async_save=False,
+        local_tier=_tier(tmp_path, **options),
+    )
+
+
+def test_local_saves_beside_the_policy_and_restore(tmp_path: pathlib.Path) -> None:
+    with _manager(tmp_path) as manager:
+        saved = [step for step in range(1, 8) if manager.save(step, _state(step))]
+    assert saved == [3, 6]  # the durable policy's; the local rule is its own
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == [
+        "job.json",
+        "step_4",
+        "step_6",
+    ]
+    state = _state(0)
+    manager = _manager(tmp_path)
+    assert manager.restored_from is None
+    assert manager.restore(None, state) == 6  # local 6 is not newer than durable 6
+    assert manager.restored_from == "durable"
+    with manager:
+        manager.save(8, _state(8))  # local only
+    state = _state(0)
+    manager = _manager(tmp_path)
+    assert manager.restore(None, state) == 8
+    assert manager.restored_from == "local"
+    assert torch.equal(state["w"], torch.full((4, 3), 8.0))  # type: ignore[arg-type]
+    assert state["step"] == 8
+    assert manager.restore(6, state) == 6  # an explicit step: the series'
+    assert manager.restored_from == "durable"
+    manager.close()
+    assert not any(p.name.startswith("restore_") for p in (tmp_path / "shm").iterdir())
+
+
+def test_a_corrupt_own_copy_falls_back_to_durable(tmp_path: pathlib.Path) -> None:
+    with _manager(tmp_path) as manager:
+        for step in range(1, 5):
+            manager.save(step, _state(step))
+    data = next((tmp_path / "shm" / "step_4" / "rank_0" / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    state = _state(0)
+    manager = _manager(tmp_path)
+    assert manager.restore(None, state) == 3  # step 4's only part fails its checksums
+    assert manager.restored_from == "durable"
+    manager.close()
+
+
+def test_fresh_start_and_degraded_placement(tmp_path: pathlib.Path) -> None:
+    with pytest.warns(ckpt.LocalTierWarning, match="1 node"):
+        manager = ckpt.CheckpointManager(
+            tmp_path / "run",
+            local_tier=ckpt.LocalTier(every_steps=1, job_id="job", directory=tmp_path / "shm"),
+        )
+    assert manager.restore(None, _state(0)) is None
+    assert manager.restored_from is None
+    manager.close()
+    with pytest.raises(TypeError, match="local_tier must be a LocalTier"):
+        ckpt.CheckpointManager(tmp_path / "run", local_tier=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="local_world_size 3"):
+        ckpt.CheckpointManager(tmp_path / "run", local_tier=_tier(tmp_path, local_world_size=3))
