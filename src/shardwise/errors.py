@@ -64,10 +64,10 @@ __all__ = [
     "CheckpointVersionError",
     "ChecksumError",
     "DCPImportError",
+    "LocalTierWarning",
     "MetadataFormatError",
     "PickleNotAllowedError",
     "RemoteError",
-    "LocalTierWarning",
     "RestoreFallbackWarning",
 ]
 
