@@ -94,28 +94,65 @@ def _run_isolated(
     )
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_an_unreachable_endpoint_is_one_line(command: str, local: Path) -> None:
+def _run_clean(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    in_process: bool,
+) -> tuple[int, str, str]:
+    """``shardwise argv`` with no AWS settings from this machine: as ``python -m shardwise``
+    (``in_process=False``: what a user's shell runs, start-up included) or through
+    ``cli.main`` in this process under the same environment (the same code from the
+    argument parser on, without the second of start-up a process costs)."""
+    if not in_process:
+        result = _run_isolated(argv)
+        return result.returncode, result.stdout, result.stderr
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return _run(capsys, *argv)
+
+
+# One command of each test runs as its own process (start-up, logging and exit as a shell
+# sees them); the others run the same code in this process, a second faster each.
+@pytest.mark.parametrize(
+    ("command", "in_process"), [(command, command != "inspect") for command in COMMANDS]
+)
+def test_an_unreachable_endpoint_is_one_line(
+    command: str,
+    in_process: bool,
+    local: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     options = {"endpoint_url": _dead_endpoint(), "key": "a", "secret": "b", **_FAST}
     argv = [*_argv(command, "s3://bucket/x", local), "--storage-options", json.dumps(options)]
-    result = _run_isolated(argv)
+    code, out, err = _run_clean(capsys, monkeypatch, argv, in_process)
     name = command.split("-out")[0]
-    assert (result.returncode, result.stdout) == (4, ""), result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith(f"shardwise {name}: error: ")
-    assert "Could not connect to the endpoint URL" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert (code, out) == (4, ""), err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"shardwise {name}: error: ")
+    assert "Could not connect to the endpoint URL" in err
+    assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["inspect", "consolidate-out"])
-def test_no_credentials_is_one_line(command: str, local: Path) -> None:
+@pytest.mark.parametrize(("command", "in_process"), [("inspect", False), ("consolidate-out", True)])
+def test_no_credentials_is_one_line(
+    command: str,
+    in_process: bool,
+    local: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     options = {"endpoint_url": _dead_endpoint(), **_FAST}
     argv = [*_argv(command, "s3://bucket/x", local), "--storage-options", json.dumps(options)]
-    result = _run_isolated(argv)
-    assert (result.returncode, result.stdout) == (4, ""), result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith(f"shardwise {command.split('-out')[0]}: error: ")
-    assert "Unable to locate credentials" in result.stderr
+    code, out, err = _run_clean(capsys, monkeypatch, argv, in_process)
+    assert (code, out) == (4, ""), err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"shardwise {command.split('-out')[0]}: error: ")
+    assert "Unable to locate credentials" in err
     assert not (local / "s3:").exists()
 
 
