@@ -26,8 +26,12 @@ $(STAMP): $(BIN)/python pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# Two pytest workers, each taking whole files (tests/README.md, "Running the suite");
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
