@@ -200,7 +200,8 @@ def test_config_is_copied(
     ("content", "why"),
     [
         ("[1, 2]", "holds a JSON list; a model config is a JSON object"),
-        ("{'a': 1}", "is not JSON: Expecting property name enclosed in double quotes"),
+        ("{'a': 1}", "is not valid JSON: Expecting property name enclosed in double quotes"),
+        ('{"a": 1, "a": 2}', "repeats the key 'a' in one JSON object"),  # read by strict_json
         ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "is nested too deeply"),  # was a traceback
         (None, "cannot read --config"),
     ],

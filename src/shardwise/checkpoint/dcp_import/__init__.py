@@ -21,7 +21,7 @@ import torch
 from shardwise._boxes import region
 from shardwise.checkpoint.dcp_import._payloads import (
     MALFORMED,
-    decode_object,
+    decode_dcp_object,
     first_line,
     torch_load,
 )
@@ -279,7 +279,7 @@ class DCPReader:
         entry = self._entries[fqn]
         if isinstance(entry, DCPTensorPlan):
             return _dcp_tensor(self._storage, fqn, entry, self._metadata_path)
-        return decode_object(
+        return decode_dcp_object(
             _read_range(self._storage, entry),
             fqn,
             self._storage.url(self._storage.join(entry.file)),

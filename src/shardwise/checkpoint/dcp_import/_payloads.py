@@ -15,7 +15,7 @@ import torch
 
 from shardwise.checkpoint.dcp_import._plan import error
 
-__all__ = ["MALFORMED", "decode_object", "first_line", "torch_load"]
+__all__ = ["MALFORMED", "decode_dcp_object", "first_line", "torch_load"]
 
 # A malformed pickle fails in an unpickler in many ways; each means "unreadable input".
 MALFORMED = (
@@ -164,7 +164,7 @@ def _check_json_value(value: object, budget: int, fqn: str, path: str) -> None:
             )
 
 
-def decode_object(payload: bytes, fqn: str, path: str) -> Any:
+def decode_dcp_object(payload: bytes, fqn: str, path: str) -> Any:
     """The object value ``payload`` holds: raw bytes as they are, else a ``torch.save``
     archive decoded into ``bytes``, ``io.BytesIO`` or a bounded JSON value."""
     if not payload.startswith(_ZIP_MAGIC):

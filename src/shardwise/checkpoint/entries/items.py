@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shardwise._boxes import Box, origin
+from shardwise._json import strict_json
 from shardwise.checkpoint.entries.dtensor import local_shape_and_offset
 from shardwise.checkpoint.entries.pyjson import (
     MAX_DEPTH,
@@ -436,7 +437,7 @@ def _culprit(value: object, where: str) -> tuple[str, object]:
 def decode_object(encoding: str, payload: bytes, loads: Callable[[bytes], Any]) -> Any:
     """The value a stored object decodes to (``loads`` unpickles)."""
     if encoding == "json":
-        return json.loads(payload)
+        return strict_json(payload, "a stored JSON value", constants=True)
     if encoding == "bytes":
         return payload
     if encoding == "bytesio":

@@ -25,7 +25,6 @@ The steps, which the command line takes one by one to word its refusals as optio
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from shardwise._boxes import byte_view
+from shardwise._json import strict_json
 from shardwise._progress import ByteBar, human_bytes
 from shardwise._sizes import parse_size
 from shardwise.checkpoint import tuning
@@ -125,11 +125,10 @@ def read_config(path: str | os.PathLike[str], option: str = "config") -> bytes:
     if len(data) > _MAX_CONFIG_BYTES:
         raise ValueError(f"{option} {path} is larger than {human_bytes(_MAX_CONFIG_BYTES)}")
     try:
-        value = json.loads(data)
-    except ValueError as err:  # not UTF-8, or not JSON
-        raise ValueError(f"{option} {path} is not JSON: {err}") from err
-    except RecursionError:
-        raise ValueError(f"{option} {path} is nested too deeply") from None
+        # NaN and Infinity allowed: transformers writes a config with json.dumps' defaults.
+        value = strict_json(data, f"{option} {path}", constants=True)
+    except ValueError as err:  # not UTF-8, not JSON, a repeated key, nested too deeply
+        raise ValueError(str(err)) from None  # it begins with "{option} {path}"
     if not isinstance(value, dict):
         raise ValueError(
             f"{option} {path} holds a JSON {type(value).__name__}; a model config is a JSON "

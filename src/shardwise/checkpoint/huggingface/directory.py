@@ -33,10 +33,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from shardwise.checkpoint.huggingface.files import (
-    INDEX_NAME,
     LEFTOVER_NAME,
     METADATA,
     OUTPUT_NAME,
+    WEIGHT_INDEX_NAME,
     OutTensor,
     check_header_size,
     file_names,
@@ -191,7 +191,7 @@ class DirectoryWriter:
         """Write ``model.safetensors.index.json`` for ``files`` (none for one file)."""
         document = index_document(files)
         if document is not None:
-            self.write(INDEX_NAME, document, sync)
+            self.write(WEIGHT_INDEX_NAME, document, sync)
 
     def commit(self, sync: bool = True) -> list[str]:
         """Put every file written in place, in the order written; the names placed.
@@ -224,7 +224,7 @@ class DirectoryWriter:
         for name in self.storage.listdir(self.storage.root):
             if not OUTPUT_NAME.fullmatch(name):
                 continue
-            if name not in self._written or (name == INDEX_NAME and not keep_index):
+            if name not in self._written or (name == WEIGHT_INDEX_NAME and not keep_index):
                 self.storage.remove(self.storage.join(name))
 
     def discard(self) -> None:

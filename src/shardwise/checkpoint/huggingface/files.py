@@ -21,7 +21,7 @@ from shardwise.errors import CheckpointFormatError, CheckpointKeyError, Checkpoi
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
-    "INDEX_NAME",
+    "WEIGHT_INDEX_NAME",
     "LEFTOVER_NAME",
     "MAX_INDEX_JSON_BYTES",
     "METADATA",
@@ -44,7 +44,7 @@ __all__ = [
 #: The one weight file of an unsplit model, as ``save_pretrained`` names it.
 SINGLE_NAME = "model.safetensors"
 #: The index of a split model: which file holds each tensor.
-INDEX_NAME = "model.safetensors.index.json"
+WEIGHT_INDEX_NAME = "model.safetensors.index.json"
 #: The names a writer of this module makes (a later write removes those it did not make).
 #: (Matched whole, digits as ``[0-9]``: ``\d`` takes Unicode digits, names no writer makes.)
 OUTPUT_NAME = re.compile(r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors(\.index\.json)?")

@@ -27,9 +27,9 @@ from shardwise import collectives
 from shardwise.checkpoint.entries.items import LocalBox, is_tensor_value, storage_key
 from shardwise.checkpoint.entries.state_dict import display_key, flatten
 from shardwise.checkpoint.huggingface.files import (
-    INDEX_NAME,
     MAX_INDEX_JSON_BYTES,
     SINGLE_NAME,
+    WEIGHT_INDEX_NAME,
     parse_index_json,
 )
 from shardwise.checkpoint.huggingface.headers import (
@@ -202,8 +202,8 @@ def _choose(storage: Storage, path: str) -> tuple[str | None, list[str]]:
         raise CheckpointNotFoundError(
             f"cannot list {path}: {err.strerror or err}", file=path
         ) from err
-    if INDEX_NAME in entries:
-        return INDEX_NAME, []
+    if WEIGHT_INDEX_NAME in entries:
+        return WEIGHT_INDEX_NAME, []
     if SINGLE_NAME in entries:
         return None, [SINGLE_NAME]
     indexes = [entry for entry in entries if entry.endswith(_INDEX_SUFFIX)]
@@ -216,12 +216,12 @@ def _choose(storage: Storage, path: str) -> tuple[str | None, list[str]]:
         what = f"it holds {quoted(entries)}" if entries else "it is empty or missing"
         raise CheckpointNotFoundError(
             f"no safetensors weights at {path}: {what}; give a Hugging Face model directory "
-            f"(with {SINGLE_NAME} or {INDEX_NAME}) or one *.safetensors file",
+            f"(with {SINGLE_NAME} or {WEIGHT_INDEX_NAME}) or one *.safetensors file",
             file=path,
         )
     several = indexes or weights
     raise CheckpointNotFoundError(
-        f"{path} holds several sets of weights ({quoted(several)}) and no {INDEX_NAME} or "
+        f"{path} holds several sets of weights ({quoted(several)}) and no {WEIGHT_INDEX_NAME} or "
         f"{SINGLE_NAME}: give the path of the one file to load",
         file=path,
     )
@@ -275,7 +275,7 @@ def _decode_survey(storage: Storage, survey: Mapping[str, Any]) -> Catalog:
 
 
 @dataclass(slots=True)
-class _Plan:
+class _WeightsLoadPlan:
     targets: list[LocalBox] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)  # display keys no file holds
@@ -289,7 +289,7 @@ def _plan(
     tensors: Catalog,
     names: Names,
     allow_dtype_cast: bool,
-) -> _Plan:
+) -> _WeightsLoadPlan:
     """This rank's reads: every tensor of the state dict whose name the files hold, checked."""
     flat = flatten(state_dict)
     wanted: dict[str, str] = {}
@@ -309,7 +309,7 @@ def _plan(
             f"no tensor of the state dict is under the prefix {names.prefix!r}: nothing to load"
         )
     matched = match(wanted, tensors.tensors)
-    plan = _Plan(absent=matched.absent, unexpected=matched.unexpected)
+    plan = _WeightsLoadPlan(absent=matched.absent, unexpected=matched.unexpected)
     loaded: dict[Any, str] = {}
     for fqn, name in matched.pairs.items():
         stored = tensors.tensors[name]
@@ -422,14 +422,14 @@ def load_safetensors(
     files = SafetensorsFiles(storage, tensors.sizes, comm.rank)
     wish, token = survey["bar"]
 
-    def plan() -> _Plan:
+    def plan() -> _WeightsLoadPlan:
         planned = _plan(state_dict, tensors, names, allow_dtype_cast)
         for job in planned.jobs:  # a missing, unsafe or changed file fails before any read
             if job.read.nbytes:
                 files.handle(job.chunk.file, job.key)
         return planned
 
-    def counts(planned: _Plan) -> list[int]:
+    def counts(planned: _WeightsLoadPlan) -> list[int]:
         nbytes = sum(job.read.nbytes for job in planned.jobs)
         return [nbytes, len(planned.tied) + len(planned.untied)]
 

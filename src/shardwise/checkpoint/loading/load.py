@@ -218,7 +218,7 @@ def _allocate(record: TensorRecord, parameter: Any) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class _Plan:
+class _CheckpointLoadPlan:
     targets: list[LocalBox]
     jobs: list[Job]
     objects: list[tuple[str, ObjectRecord]]  # (state dict or grown checkpoint key, record)
@@ -237,7 +237,7 @@ def _check_pickle(item: ObjectRecord, key: str, allow_pickle: bool) -> None:
         )
 
 
-def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _Plan:
+def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _CheckpointLoadPlan:
     index: Index = reader.index
     pairs, grown, missing, unexpected = _match(flat, index)
     if options.strict and missing:
@@ -248,7 +248,7 @@ def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _P
             key=missing[0],
         )
     typed = any("\x00" in saved for saved in (*index.tensors, *index.objects))
-    plan = _Plan([], [], [], _grown_paths(grown, typed), {}, missing, unexpected)
+    plan = _CheckpointLoadPlan([], [], [], _grown_paths(grown, typed), {}, missing, unexpected)
     templates = _parameters_of(flat, plan.grown)
     for saved_key in itertools.chain.from_iterable(grown.values()):
         record = index.tensors.get(saved_key)
@@ -436,7 +436,7 @@ def _load(
     flat = Flat()
     values: dict[str, Any] = {}
 
-    def plan() -> _Plan:
+    def plan() -> _CheckpointLoadPlan:
         nonlocal flat
         flat = flatten(state_dict)
         planned = _plan_load(flat, reader, options)
@@ -449,7 +449,7 @@ def _load(
                 values[key] = _decode(reader, item, flat.leaves.get(key), None)
         return planned
 
-    def nbytes(planned: _Plan) -> list[int]:
+    def nbytes(planned: _CheckpointLoadPlan) -> list[int]:
         return [sum(job.read.nbytes for job in planned.jobs)]
 
     planned, (total,) = comm.agree_or_raise(plan, nbytes, 1)
