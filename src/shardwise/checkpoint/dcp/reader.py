@@ -171,14 +171,20 @@ class StorageReader(_DCPStorageReader):
             jobs.extend(reader.plan(key, box, len(targets)))
             targets.append(LocalBox(box[0], box[1], tensor))
             filled.append((item, tensor))
-        reader.check_files((job.key, job.chunk) for job in jobs)
-        segments, buffers = [], []
-        for _, record in objects:
-            if record.blob is not None:
-                segment, data = reader.blob_segment(record)
-                segments.append(segment)
-                buffers.append(data)
-        reader.fill(jobs, targets, verify=self.verify, also=segments)
+        try:
+            reader.check_files((job.key, job.chunk) for job in jobs)
+            segments, buffers = [], []
+            for _, record in objects:
+                if record.blob is not None:
+                    segment, data = reader.blob_segment(record)
+                    segments.append(segment)
+                    buffers.append(data)
+            reader.fill(jobs, targets, verify=self.verify, also=segments)
+        finally:
+            # DCP has no close step, and a reader may live on (a reference cycle, a frozen
+            # collector): open data files would keep a later save's unlinked files in memory.
+            # Measured in bench/dcp_plugins.py: the next save on tmpfs took 2.3 s, not 0.65 s.
+            reader.close()
         for item, tensor in filled:
             planner.commit_tensor(item, tensor)
         blobs = iter(buffers)
