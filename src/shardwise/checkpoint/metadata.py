@@ -1,6 +1,7 @@
 """Checkpoint metadata: the classes of ``torch.distributed.checkpoint.metadata``, mirrored
 (DCP's fields, defaults, equality and repr; :class:`TensorProperties` is shared with the
-sharded-tensor metadata); ``to_dcp`` and :func:`properties_to_dcp` give DCP's own classes.
+sharded-tensor metadata); ``to_dcp`` and :func:`properties_to_dcp` give DCP's own classes
+(:func:`properties_from_dcp` ours from DCP's).
 
 Every class has a JSON-able body (``to_dict``/``from_dict``, the rules in :mod:`.metadata_json`);
 :class:`Metadata`'s is a whole document, also as text, which no checkpoint reader accepts.
@@ -49,6 +50,7 @@ __all__ = [
     "StorageMeta",
     "TensorProperties",
     "TensorStorageMetadata",
+    "properties_from_dcp",
     "properties_to_dcp",
 ]
 
@@ -59,6 +61,18 @@ def properties_to_dcp(properties: TensorProperties) -> dcp.TensorProperties:
 
     return DCPTensorProperties(
         dtype=properties.dtype,
+        layout=properties.layout,
+        requires_grad=properties.requires_grad,
+        memory_format=properties.memory_format,
+        pin_memory=properties.pin_memory,
+    )
+
+
+def properties_from_dcp(properties: Any, dtype: torch.dtype) -> TensorProperties:
+    """Ours from DCP's ``TensorProperties``, with ``dtype`` (the tensor's own: DCP's planners
+    may leave a stale one in the properties of a write item)."""
+    return TensorProperties(
+        dtype=dtype,
         layout=properties.layout,
         requires_grad=properties.requires_grad,
         memory_format=properties.memory_format,

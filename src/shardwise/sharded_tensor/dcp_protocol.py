@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise._dcp_properties import to_dcp
+from shardwise.checkpoint.metadata import properties_to_dcp
 
 if TYPE_CHECKING:
     from shardwise.sharded_tensor.api import ShardedTensor
@@ -37,7 +37,7 @@ def write_items(fqn: str, st: ShardedTensor) -> list[Any]:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    dcp_properties = to_dcp(st.metadata().tensor_properties)
+    dcp_properties = properties_to_dcp(st.metadata().tensor_properties)
     items = []
     for shard in _non_empty(st):
         offsets = torch.Size(shard.metadata.shard_offsets)

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
 from torch.futures import Future
 
-from shardwise._dcp_properties import to_dcp
 from shardwise.checkpoint.dcp.writer import _openable, _path_of
 from shardwise.checkpoint.entries.items import LocalBox, decode_object
 from shardwise.checkpoint.entries.state_dict import display_key
@@ -39,6 +38,7 @@ from shardwise.checkpoint.index import ObjectRecord, decode_text
 from shardwise.checkpoint.loading.fill import Job
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.checkpoint.loading.targets import check_memory
+from shardwise.checkpoint.metadata import properties_to_dcp
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointKeyError,
@@ -272,7 +272,7 @@ def _metadata(reader: CheckpointReader) -> tuple[dict[str, str | list[str]], DCP
         entries.setdefault(
             display_key(key),
             TensorStorageMetadata(
-                properties=to_dcp(record.properties),
+                properties=properties_to_dcp(record.properties),
                 size=torch.Size(record.size),
                 chunks=[
                     ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))

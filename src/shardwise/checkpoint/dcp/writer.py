@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardwise import __version__ as _version
-from shardwise._dcp_properties import from_dcp
 from shardwise.checkpoint.entries.items import (
     LocalBox,
     ObjectValue,
@@ -57,6 +56,7 @@ from shardwise.checkpoint.index import (
 )
 from shardwise.checkpoint.index.data_file import bytes_key, chunk_key
 from shardwise.checkpoint.index.records import SavedChunk
+from shardwise.checkpoint.metadata import properties_from_dcp
 from shardwise.checkpoint.planning.planner import WriteAssignment
 from shardwise.checkpoint.saving import save as _save
 from shardwise.checkpoint.saving import writer as data_writer
@@ -309,7 +309,7 @@ def _tensor_write(
     value = tensors.get(key)
     if value is None:
         value = tensors[key] = TensorValue(
-            tuple(data.size), tensor.dtype, from_dcp(data.properties, tensor.dtype), []
+            tuple(data.size), tensor.dtype, properties_from_dcp(data.properties, tensor.dtype), []
         )
     value.boxes.append(LocalBox(offsets, sizes, tensor))
     return WriteAssignment(key, offsets, sizes, tensor.numel() * tensor.element_size())
@@ -406,7 +406,7 @@ def _index_bytes(
             )
         if key is None:
             raise CheckpointError(f"{fqn!r}: DCP planned no chunk of it; nothing was committed")
-        properties = from_dcp(entry.properties, entry.properties.dtype)
+        properties = properties_from_dcp(entry.properties, entry.properties.dtype)
         tensors.append(LayoutRecord(key, properties, tuple(entry.size), chunks))
     facts = SaveFacts(f"shardwise {_version}", torch.__version__, len(results), save_id, path)
     data = encode_index(facts, files, tensors, objects)
