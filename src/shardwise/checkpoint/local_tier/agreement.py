@@ -117,14 +117,21 @@ def _held_step(value: object, where: str, rank: int) -> HeldStep:
         )
     if type(parts) is not list or not parts:
         raise _refuse(rank, f"{where}: parts is not a non-empty list")
+    held = _part_set(parts, world_size, rank, f"{where}: part", f"{where}: parts")
+    return HeldStep(step=step, save_id=save_id, world_size=world_size, parts=held)
+
+
+def _part_set(
+    parts: list[object], world_size: int, rank: int, one: str, all_: str
+) -> frozenset[int]:
+    """``parts`` checked: ranks of a saved world of ``world_size``, none twice (``one`` and
+    ``all_`` begin the messages about one part and about the list)."""
     for part in parts:
         if not _int_in(part, 0, world_size - 1):
-            raise _refuse(
-                rank, f"{where}: part {part!r} is not a rank of the saved world of {world_size}"
-            )
+            raise _refuse(rank, f"{one} {part!r} is not a rank of the saved world of {world_size}")
     if len(set(parts)) != len(parts):
-        raise _refuse(rank, f"{where}: parts {parts} repeat a part")
-    return HeldStep(step=step, save_id=save_id, world_size=world_size, parts=frozenset(parts))
+        raise _refuse(rank, f"{all_} {parts} repeat a part")
+    return frozenset(parts)  # type: ignore[arg-type]  # every part is an int, checked above
 
 
 def parse_holdings(record: object, *, rank: int) -> Holdings:
@@ -239,14 +246,7 @@ def parse_needs(record: object, *, rank: int, world_size: int) -> frozenset[int]
     """
     if type(record) is not list:
         raise _refuse(rank, f"the needed parts are a {type(record).__name__}, not a list")
-    for part in record:
-        if not _int_in(part, 0, world_size - 1):
-            raise _refuse(
-                rank, f"needed part {part!r} is not a rank of the saved world of {world_size}"
-            )
-    if len(set(record)) != len(record):
-        raise _refuse(rank, f"the needed parts {record} repeat a part")
-    return frozenset(record)
+    return _part_set(record, world_size, rank, "needed part", "the needed parts")
 
 
 @dataclass(frozen=True, slots=True, order=True)
