@@ -22,3 +22,23 @@ def tiny_llama(tie: bool) -> Any:
         tie_word_embeddings=tie,
     )
     return transformers.LlamaForCausalLM(config)
+
+
+def check_from_pretrained(out: object, expected: dict[str, torch.Tensor], tie: bool) -> Any:
+    """``from_pretrained(out)`` loads a Llama with no missing, unexpected or mismatched key,
+    tied as ``tie`` says, every tensor equal to ``expected``'s (its dtype too); the model."""
+    import transformers
+
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert {key: sorted(value) for key, value in info.items()} == {
+        "missing_keys": [],
+        "unexpected_keys": [],
+        "mismatched_keys": [],
+        "error_msgs": [],
+    }
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    return loaded

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
-from tests._llama import tiny_llama
+from tests._llama import check_from_pretrained, tiny_llama
 from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
 from tests.harness import distributed, run_on_ranks
 
@@ -364,23 +364,10 @@ def _save_fsdp2_llama(path: str, tie: bool) -> dict[str, torch.Tensor] | None:
 def test_an_fsdp2_model_saved_on_two_ranks_loads_with_from_pretrained(
     tmp_path: Path, tie: bool
 ) -> None:
-    import transformers
-
     out = tmp_path / "hf"
     expected = run_on_ranks(_save_fsdp2_llama, 2, args=(str(out), tie), timeout=120)[0]
     assert expected is not None
-    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert {key: sorted(value) for key, value in info.items()} == {
-        "missing_keys": [],
-        "unexpected_keys": [],
-        "mismatched_keys": [],
-        "error_msgs": [],
-    }
-    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
-    got = loaded.state_dict()
-    assert sorted(got) == sorted(expected)
-    for key, value in expected.items():
-        assert torch.equal(got[key], value), key
+    check_from_pretrained(out, expected, tie)
 
 
 # -- S3 ------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import shardwise.checkpoint as ckpt
-from tests._llama import tiny_llama
+from tests._llama import check_from_pretrained, tiny_llama
 
 
 def _saved(tmp_path: Path, tie: bool) -> tuple[Any, Path, Path]:
@@ -70,18 +70,7 @@ def test_a_training_checkpoint_loads_with_from_pretrained(
     else:
         assert result.notes == []
 
-    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert {key: sorted(value) for key, value in info.items()} == {
-        "missing_keys": [],
-        "unexpected_keys": [],
-        "mismatched_keys": [],
-        "error_msgs": [],
-    }
-    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
-    got = loaded.state_dict()
-    assert sorted(got) == sorted(expected)
-    for key, value in expected.items():
-        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    check_from_pretrained(out, expected, tie)
 
 
 def test_bfloat16_and_a_second_write_that_replaces_the_first(tmp_path: Path) -> None:

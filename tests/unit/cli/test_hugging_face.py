@@ -18,7 +18,7 @@ from safetensors import safe_open
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.loading.reader import CheckpointReader
 from shardwise.cli import main
-from tests._llama import tiny_llama
+from tests._llama import check_from_pretrained, tiny_llama
 
 
 def _trained(tie: bool) -> tuple[Any, torch.optim.Optimizer, torch.Tensor]:
@@ -77,19 +77,7 @@ def test_consolidated_training_checkpoint_loads_with_from_pretrained(
     else:
         assert captured.err == ""
 
-    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert {key: sorted(value) for key, value in info.items()} == {
-        "missing_keys": [],
-        "unexpected_keys": [],
-        "mismatched_keys": [],
-        "error_msgs": [],
-    }
-    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
-    expected, got = model.state_dict(), loaded.state_dict()
-    assert sorted(got) == sorted(expected)
-    for key, value in expected.items():
-        assert got[key].dtype == value.dtype, key
-        assert torch.equal(got[key], value), key
+    loaded = check_from_pretrained(out, model.state_dict(), tie)
     model.eval()
     loaded.eval()
     with torch.no_grad():
