@@ -33,6 +33,11 @@ from shardwise.checkpoint.index import (
     decode_index,
 )
 from shardwise.checkpoint.index.names import is_data_file_name
+from shardwise.checkpoint.local_tier.directory import (  # the tier's one set of open flags
+    _CREATE_FLAGS,
+    _DIRECTORY_FLAGS,
+    _READ_FLAGS,
+)
 from shardwise.errors import CheckpointError
 
 __all__ = [
@@ -45,9 +50,6 @@ __all__ = [
     "write_part",
 ]
 
-_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # A packed part's header lists at most two files, a few hundred bytes.
 _MAX_HEADER = 4096
 
