@@ -10,6 +10,11 @@ own ``dcp.save``/``dcp.load`` with its default planners; only the storage layer 
 * shardwise: ``StorageWriter`` / ``StorageReader`` (fsync; every block checksummed on write and
   verified on read).
 
+Saves are timed twice: to the same path every time (DCP overwrites its files in place there;
+shardwise writes new files, the previous checkpoint intact until the commit, and removes the
+old ones after), and to a new directory each time, as a training run saves each step (the
+directory before removed after each save, untimed, as retention would).
+
 Every method is interleaved in one run (the order rotates each repetition) on tmpfs
 (``/dev/shm``) and on the disk of the working directory (``--dir``); times are collective
 (barrier to barrier), the median of ``--reps`` repetitions after one warm-up. Before each load
@@ -33,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from _launch import freeze_gc, fresh_dir, rotate, run_rank, run_world
+from _launch import freeze_gc, fresh_dir, remove_dir, rotate, run_rank, run_world
 from _training import state as training
 from _training.model import BIG, QUICK_BIG
 from shardwise.checkpoint.dcp import StorageReader, StorageWriter
@@ -59,24 +64,54 @@ def _timed(operation: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _methods(
-    state: training.TrainingState, root: str
-) -> dict[str, tuple[Callable[[], object], bool]]:
+class _NewDirectories:
+    """A new directory for each save (``<root>/<name>-<n>``), as a training run saves each
+    step to its own path; the one before is removed after each save, untimed (retention)."""
+
+    def __init__(self, root: str, name: str, rank: int) -> None:
+        self._root, self._name, self._rank = root, name, rank
+        self._count = 0
+
+    def next(self) -> str:
+        self._count += 1
+        return os.path.join(self._root, f"{self._name}-{self._count}")
+
+    def remove_older(self) -> None:
+        if self._count > 1:
+            remove_dir(os.path.join(self._root, f"{self._name}-{self._count - 1}"), self._rank)
+
+
+@dataclass(frozen=True, slots=True)
+class _Method:
+    operation: Callable[[], object]
+    loads: bool = False
+    after: Callable[[], None] | None = None  # untimed, after each repetition
+
+
+def _methods(state: training.TrainingState, root: str, rank: int) -> dict[str, _Method]:
     dcp_path, ours = os.path.join(root, "dcp"), os.path.join(root, "shardwise")
+    dcp_new, ours_new = (_NewDirectories(root, name, rank) for name in ("dcp-new", "ours-new"))
     return {
-        "dcp save": (
-            lambda: dcp.save(state.state, storage_writer=dcp.FileSystemWriter(dcp_path)),
-            False,
+        "dcp save": _Method(
+            lambda: dcp.save(state.state, storage_writer=dcp.FileSystemWriter(dcp_path))
         ),
-        "shardwise save": (
-            lambda: dcp.save(state.state, storage_writer=StorageWriter(ours)),
-            False,
+        "shardwise save": _Method(
+            lambda: dcp.save(state.state, storage_writer=StorageWriter(ours))
         ),
-        "dcp load": (
-            lambda: dcp.load(state.state, storage_reader=dcp.FileSystemReader(dcp_path)),
-            True,
+        "dcp save new": _Method(
+            lambda: dcp.save(state.state, storage_writer=dcp.FileSystemWriter(dcp_new.next())),
+            after=dcp_new.remove_older,
         ),
-        "shardwise load": (lambda: dcp.load(state.state, storage_reader=StorageReader(ours)), True),
+        "shardwise save new": _Method(
+            lambda: dcp.save(state.state, storage_writer=StorageWriter(ours_new.next())),
+            after=ours_new.remove_older,
+        ),
+        "dcp load": _Method(
+            lambda: dcp.load(state.state, storage_reader=dcp.FileSystemReader(dcp_path)), True
+        ),
+        "shardwise load": _Method(
+            lambda: dcp.load(state.state, storage_reader=StorageReader(ours)), True
+        ),
     }
 
 
@@ -88,22 +123,25 @@ def _body(rank: int, config: Config) -> dict[str, Any]:
     results: dict[str, Any] = {"bytes": state.global_bytes}
     for directory in config.directories:
         root = fresh_dir(os.path.join(directory, "dcp-plugins-bench"), rank)
-        methods = _methods(state, root)
+        methods = _methods(state, root, rank)
         # Warm-up: every method once, each load checked (the saves come first).
-        for name in ("dcp save", "shardwise save", "dcp load", "shardwise load"):
-            operation, loads = methods[name]
-            if loads:
+        for name, method in methods.items():
+            if method.loads:
                 state.clear()
-            _timed(operation)
-            if loads:
+            _timed(method.operation)
+            if method.loads:
                 state.check(name)
+            if method.after is not None:
+                method.after()
         times: dict[str, list[float]] = {name: [] for name in methods}
         for repetition in range(config.reps):
             for name in rotate(list(methods), repetition):
-                operation, loads = methods[name]
-                if loads:
+                method = methods[name]
+                if method.loads:
                     state.clear()
-                times[name].append(_timed(operation))
+                times[name].append(_timed(method.operation))
+                if method.after is not None:
+                    method.after()
         state.fill()
         results[directory] = {name: statistics.median(values) for name, values in times.items()}
         fresh_dir(root, rank)
@@ -138,12 +176,13 @@ def main() -> None:
         )
         found = run_world(_rank, config, WORLD)
     print(f"dcp.save / dcp.load, {WORLD} gloo ranks, FSDP2 state of {found['bytes'] / MIB:.0f} MiB")
-    print(f"{'where':<32}{'case':<8}{'DCP (s)':>10}{'shardwise (s)':>15}{'DCP / shardwise':>17}")
+    print(f"{'where':<20}{'case':<34}{'DCP (s)':>10}{'shardwise (s)':>15}{'DCP / shardwise':>17}")
+    cases = (("save", "save"), ("save new", "save, a new directory each time"), ("load", "load"))
     for directory in directories:
         timing = found[directory]
-        for case in ("save", "load"):
+        for case, label in cases:
             theirs, ours = timing[f"dcp {case}"], timing[f"shardwise {case}"]
-            print(f"{directory:<32}{case:<8}{theirs:>10.3f}{ours:>15.3f}{theirs / ours:>16.2f}x")
+            print(f"{directory:<20}{label:<34}{theirs:>10.3f}{ours:>15.3f}{theirs / ours:>16.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +24,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.dcp import StorageReader, StorageWriter
+from shardwise.checkpoint.index import decode_index
+from shardwise.checkpoint.saving import save as _save
+from shardwise.checkpoint.saving import writer as data_writer
+from shardwise.checkpoint.saving.lock import wait_for_cleanup
+from shardwise.checkpoint.storage import open_storage
 from shardwise.cli import main
 from tests._hostile import index_bytes, read_document, reseal_bytes, write_index, write_resealed
 from tests._s3 import S3Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
@@ -117,6 +125,111 @@ def test_a_load_leaves_no_data_file_open(tmp_path: Path) -> None:
     dcp.load(state, storage_reader=reader)  # the same reader loads again: files reopen
     _check(state)
     assert _open_files_under(path) == []
+
+
+def _data_files(path: Path) -> list[str]:
+    return sorted(os.listdir(path / "data"))
+
+
+def _named_files(path: Path) -> list[str]:
+    index = decode_index((path / "shardwise.json").read_bytes())
+    return sorted(name.removeprefix("data/") for name in index.files)
+
+
+def test_a_second_save_removes_the_firsts_files_after_dcp_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP's last exchange waits for finish: the earlier save's files go in a thread that
+    # holds the lock, and the next save of this process to the path waits for it before
+    # any rank writes (its cleanup removes temporary data files).
+    path = tmp_path / "ckpt"
+    dcp.save(_state(), storage_writer=StorageWriter(path))
+    first = _data_files(path)
+    release = threading.Event()
+    events: list[str] = []
+    remove_files = _save.remove_files
+    write_data_file = data_writer.write_data_file
+
+    def slow_removal(storage: Any, paths: list[str]) -> None:
+        events.append("cleanup starts")
+        assert release.wait(10)
+        remove_files(storage, paths)
+        events.append("cleanup ends")
+
+    def recorded_write(*args: Any, **kwargs: Any) -> Any:
+        events.append("write")
+        return write_data_file(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "remove_files", slow_removal)
+    monkeypatch.setattr(data_writer, "write_data_file", recorded_write)
+    dcp.save(_state(), storage_writer=StorageWriter(path))  # returns, the cleanup pending
+    second = _named_files(path)
+    assert events == ["write", "cleanup starts"]
+    assert (path / "shardwise.lock").exists()  # held by the cleanup
+    assert set(first) <= set(_data_files(path))
+    third = threading.Thread(
+        target=lambda: dcp.save(_state(), storage_writer=StorageWriter(path)), daemon=True
+    )
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and events == ["write", "cleanup starts"]  # waits, writes nothing
+    release.set()
+    third.join(30)
+    assert not third.is_alive()
+    assert events[:4] == ["write", "cleanup starts", "cleanup ends", "write"]
+    wait_for_cleanup(open_storage(str(path)))
+    assert not set(first) & set(_data_files(path)) and not set(second) & set(_data_files(path))
+    assert _data_files(path) == _named_files(path)
+    assert sorted(os.listdir(path)) == ["data", "shardwise.json"]  # the lock released
+    _check(_loaded(path))
+
+
+def _loaded(path: Path) -> dict[str, Any]:
+    state = _blank()
+    dcp.load(state, storage_reader=StorageReader(path))
+    return state
+
+
+def test_a_shardwise_save_waits_for_the_cleanup_of_a_dcp_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(_state(), storage_writer=StorageWriter(path))
+    release = threading.Event()
+    remove_files = _save.remove_files
+    ended: list[float] = []
+
+    def slow_removal(storage: Any, paths: list[str]) -> None:
+        assert release.wait(10)
+        remove_files(storage, paths)
+        ended.append(time.monotonic())
+
+    monkeypatch.setattr(_save, "remove_files", slow_removal)
+    dcp.save(_state(), storage_writer=StorageWriter(path))
+    threading.Timer(0.3, release.set).start()
+    # The lock is this live process's: without the wait this would be CheckpointLockedError.
+    ckpt.save(_state(), path)
+    assert ended and ended[0] <= time.monotonic()
+    assert _data_files(path) == _named_files(path)
+    _check(_loaded(path))
+
+
+def test_a_failed_cleanup_is_logged_and_releases_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(_state(), storage_writer=StorageWriter(path))
+
+    def failing(storage: Any, paths: list[str]) -> None:
+        raise RuntimeError("the mount went away")
+
+    monkeypatch.setattr(_save, "remove_files", failing)
+    with caplog.at_level(logging.WARNING, "shardwise.checkpoint.lock"):
+        dcp.save(_state(), storage_writer=StorageWriter(path))
+        wait_for_cleanup(open_storage(str(path)))
+    assert "the mount went away" in caplog.text
+    assert not (path / "shardwise.lock").exists()
+    _check(_loaded(path))  # committed and complete: the stale files only cost space
 
 
 def test_checkpoint_id_replaces_the_path(tmp_path: Path) -> None:

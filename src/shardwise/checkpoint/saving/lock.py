@@ -1,6 +1,11 @@
 """One save at a time per checkpoint path (``docs/format.md``, *One save at a time*): the
 coordinator holds ``<ckpt>/shardwise.lock`` from before the first data file is written until
 after the commit and the removal of killed saves' leftovers, which holding it makes safe.
+
+A save whose last step every rank waits for (the DCP ``StorageWriter``'s ``finish``) removes
+the leftovers after it returns (:meth:`SaveLock.release_after`), still holding the lock; the
+next save of this process to the path waits for that removal (:func:`wait_for_cleanup`)
+before anything of it is written.
 """
 
 from __future__ import annotations
@@ -13,14 +18,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shardwise._codec import strict_json
 from shardwise.checkpoint import tuning
-from shardwise.checkpoint.storage import Storage
+from shardwise.checkpoint.storage import LocalStorage, Storage
 from shardwise.errors import CheckpointLockedError, CheckpointStorageError
 
-__all__ = ["LOCK_NAME", "SaveLock"]
+__all__ = ["LOCK_NAME", "SaveLock", "wait_for_cleanup"]
 
 logger = logging.getLogger("shardwise.checkpoint.lock")
 
@@ -29,6 +35,29 @@ LOCK_NAME = "shardwise.lock"
 _MAX_LOCK_BYTES = 4096
 # Process ids are C ints (os.kill raises OverflowError past them).
 _MAX_PID = 2**31
+
+
+# The cleanups running after their save returned, by lock (``_lock_key``): each thread holds
+# its save's lock until its work is done.
+_cleanups: dict[str, threading.Thread] = {}
+_cleanups_guard = threading.Lock()
+
+
+def _lock_key(storage: Storage) -> str:
+    path = storage.join(LOCK_NAME)
+    if isinstance(storage, LocalStorage):
+        return os.path.realpath(path)  # one key for every spelling of a local path
+    return f"{type(storage).__name__}:{path}"
+
+
+def wait_for_cleanup(storage: Storage) -> None:
+    """Wait for the cleanup a save of this process to ``storage`` still runs, if any
+    (:meth:`SaveLock.release_after`): it removes temporary data files, so no data file of a
+    new save may be written before it ends."""
+    with _cleanups_guard:
+        thread = _cleanups.get(_lock_key(storage))
+    if thread is not None:
+        thread.join()
 
 
 class SaveLock:
@@ -85,6 +114,7 @@ class SaveLock:
         Raises:
             CheckpointLockedError: Another save to this path is running.
         """
+        wait_for_cleanup(self._storage)  # this process's own earlier save, finishing
         for _ in range(3):
             if self._storage.create_exclusive(self._path, self._content()):
                 self._thread.start()
@@ -138,3 +168,32 @@ class SaveLock:
                 err,
                 int(tuning.TUNING.lock_stale_seconds),
             )
+
+    def release_after(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` in a thread holding the lock, then release it; return at once.
+
+        The thread is not a daemon (the interpreter waits for it at exit); a failure of
+        ``cleanup`` is logged (the save is committed: what it leaves only costs space, and
+        the next save removes it). The next save of this process to the path waits for it
+        (:func:`wait_for_cleanup`, which :meth:`acquire` calls).
+        """
+        key = _lock_key(self._storage)
+
+        def run() -> None:
+            try:
+                cleanup()
+            except Exception as err:  # a lost mount, a store's error: logged, never raised
+                logger.warning("the cleanup after a save to %s failed: %s", self._path, err)
+            finally:
+                self.release()
+                with _cleanups_guard:
+                    if _cleanups.get(key) is threading.current_thread():
+                        del _cleanups[key]
+
+        thread = threading.Thread(target=run, name="shardwise-save-cleanup")
+        with _cleanups_guard:
+            previous = _cleanups.get(key)
+            _cleanups[key] = thread
+        if previous is not None:  # acquire waited for it; a hand-made lock may not have
+            previous.join()
+        thread.start()

@@ -59,7 +59,15 @@ from shardwise.errors import CheckpointDataError, CheckpointError, CheckpointTim
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["async_save", "commit_index", "remove_leftovers", "save", "save_parts"]
+__all__ = [
+    "async_save",
+    "commit_index",
+    "leftovers",
+    "remove_files",
+    "remove_leftovers",
+    "save",
+    "save_parts",
+]
 
 logger = logging.getLogger("shardwise.checkpoint.save")  # the name users configure
 # Temporary names of the index (see commit_index) and of the lock (LocalStorage.replace_small).
@@ -108,6 +116,13 @@ def commit_index(storage: Storage, index: bytes, sync_files: bool, save_id: str)
 def remove_leftovers(storage: Storage, index: Index) -> None:
     """Remove what earlier saves to this path left (``docs/format.md``, *Cleanup*): safe
     because this save holds the lock; runs after the commit is acknowledged, so no rank waits."""
+    remove_files(storage, leftovers(storage, index))
+
+
+def leftovers(storage: Storage, index: Index) -> list[str]:
+    """What earlier saves to this path left (``docs/format.md``, *Cleanup*): the data files
+    ``index`` does not name, temporary data files, indexes and lock files. Listed holding the
+    lock, so that no other save's file can be among them."""
     keep = {name.removeprefix(f"{DATA_DIR}/") for name in index.files}
     stale = [
         storage.join(DATA_DIR, name)
@@ -119,7 +134,13 @@ def remove_leftovers(storage: Storage, index: Index) -> None:
         for name in storage.listdir(storage.root)
         if _TEMPORARY_INDEX.fullmatch(name) or _TEMPORARY_LOCK.fullmatch(name)
     ]
-    for path in stale:
+    return stale
+
+
+def remove_files(storage: Storage, paths: list[str]) -> None:
+    """Remove ``paths`` (what :func:`leftovers` listed); one that cannot be removed is logged
+    and skipped."""
+    for path in paths:
         try:
             storage.remove(path)
         except OSError as err:  # e.g. a directory of that name: skip it, remove the rest
