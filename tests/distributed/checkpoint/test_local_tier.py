@@ -189,3 +189,49 @@ def test_a_full_directory_skips_the_local_save_on_every_rank(tmp_path: Path) -> 
     assert fresh.restore(None, _state(0)) is None
     assert fresh.restored_from is None
     fresh.close()
+
+
+def _fill(state: dict[str, Any], step: int) -> None:
+    """``state`` (made by ``_state``) set to step ``step``'s values, in place."""
+    for got, want in zip(_values(state)[:-1], _values(_state(step))[:-1], strict=True):
+        got.copy_(want)
+    state["step"] = step
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_background_local_saves_keep_the_state_of_their_step(tmp_path: Path) -> None:
+    # async_save (the default): save() returns once the state is staged; the tensors are then
+    # changed in place at once, as the optimizer's next step would, while the thread writes.
+    base = _shared_dir(tmp_path)
+    node = dist.get_rank() // LOCAL
+    policy = ckpt.SavePolicy(every_steps=4)
+    state = _state(0)
+    with ckpt.CheckpointManager(
+        base / "run", save_policy=policy, local_tier=_tier(base, node)
+    ) as manager:
+        for step in range(1, 7):
+            _fill(state, step)
+            manager.save(step, state)
+            for tensor in _values(state)[:-1]:
+                tensor.fill_(-1.0)
+    for node_dir in ("node0", "node1"):
+        held = sorted(p.name for p in (base / node_dir / "step_6").iterdir())
+        assert held == [f"rank_{r}" for r in range(WORLD)]
+    step, source, restored = _restore(base)
+    assert (step, source) == (6, "local")
+    for got, want in zip(_values(restored), _values(_state(6)), strict=True):
+        assert torch.equal(got, want)
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_a_background_local_save_skipped_warns_at_the_next_call(tmp_path: Path) -> None:
+    base = _shared_dir(tmp_path)
+    node = dist.get_rank() // LOCAL
+    tier = _tier(base, node, min_free_bytes=1 << 62 if node == 1 else 0)
+    manager = ckpt.CheckpointManager(base / "run", local_tier=tier)
+    assert manager.save(2, _state(2))  # returns at once: the verdict is the thread's
+    with pytest.warns(ckpt.LocalTierWarning, match="skipped the local save of step 2"):
+        manager.wait()
+    manager.close()
+    assert not (base / "node0" / "step_2").exists()
+    assert (base / "run").is_dir() and ckpt.CheckpointManager(base / "run").latest_step() == 2

@@ -7,19 +7,24 @@ be made is skipped (every rank agrees, and warns), and a restore that cannot be 
 tier returns None on every rank, so that the manager restores from the durable tier. Only
 the user's own mistakes (a state dict that cannot be saved or loaded) are raised.
 
-First version: the local save runs in the training process, synchronously (the async writer
-process is the next step); parts travel as whole messages in memory; every rank of a restore
-needs every part of the step (each assembles the whole checkpoint, by hard links to its
-node's copies and from the parts it receives), which is what makes a restore on another
-world size work (the load's planner reshards).
+A local save runs in the background (:meth:`TierNode.start_save`, the manager's default with
+``async_save=True``): the training thread stages the state into host memory and returns; a
+thread of its own writes the part and sends the replicas over a gloo group of its own, every
+step of which (file writes, checksums, gloo) runs without the GIL (``docs/local-tier.md``,
+*Save path*, says why not in the async writer process). :meth:`TierNode.save` is the same
+save run to its end in the caller's thread. Parts travel as whole messages in memory; every
+rank of a restore needs every part of the step (each assembles the whole checkpoint, by hard
+links to its node's copies and from the parts it receives), which is what makes a restore on
+another world size work (the load's planner reshards).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from shardwise import collectives
@@ -45,6 +50,7 @@ from shardwise.checkpoint.local_tier.tier import LocalTier
 from shardwise.checkpoint.local_tier.transport import exchange_messages
 from shardwise.checkpoint.saving.save import save_parts
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
+from shardwise.checkpoint.saving.staging import StagingArea, open_views
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
@@ -63,6 +69,9 @@ logger = logging.getLogger("shardwise.checkpoint.local_tier")
 #: What makes a restore from the tier fall back to the durable tier: the assembled checkpoint
 #: is bad (as for the manager's own fallback), or the tier's storage failed.
 _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError, OSError)
+
+#: Says what went wrong with a local save: a warning now, or one kept for the training thread.
+Report = Callable[[str], None]
 
 
 def _snapshot_bytes(snapshot: Snapshot) -> int:
@@ -107,23 +116,30 @@ class TierNode:
         self._refusal: str | None = None  # why this node's directory is not usable
         self._claimed = False
         self._gloo: ProcessGroup | None = None
+        # The background save: its thread, what it reported, its staging area and its group.
+        self._job: threading.Thread | None = None
+        self._reports: list[str] = []
+        self._staging: StagingArea | None = None
+        self._save_comm: collectives.Comm | None = None
 
     @property
     def rank(self) -> int:
         return self.comm.rank
 
-    def _usable(self) -> str | None:
+    def _usable(self, report: Report | None = None) -> str | None:
         """None if this node's directory is usable, else why not (asked once)."""
         if not self._claimed:
             self._claimed = True
             self._refusal = self.directory.claim()
             if self._refusal is not None:
-                warnings.warn(
-                    f"the local tier is off on rank {self.rank}: {self._refusal}",
-                    LocalTierWarning,
-                    stacklevel=4,
+                (report or self._warn)(
+                    f"the local tier is off on rank {self.rank}: {self._refusal}"
                 )
         return self._refusal
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(message, LocalTierWarning, stacklevel=5)  # at the manager's caller
 
     def _group(self) -> ProcessGroup:
         """The group parts travel over: the manager's when it is gloo, else a gloo group over
@@ -149,19 +165,83 @@ class TierNode:
         """Write this rank's part of ``step`` into its node's directory and send it to its
         holders (collective); whether the local save was made. A local save that cannot be
         made is skipped on every rank with a :class:`LocalTierWarning`.
-
-        Raises:
-            TypeError, ValueError: ``state_dict`` cannot be saved (on every rank).
         """
+        self.finish_save()
+        snapshot, error = describe_or_error(state_dict, False)
+        return self._save(step, snapshot, error, self.comm, self._group, self._warn)
+
+    def start_save(self, step: int, state_dict: Mapping[str, Any]) -> None:
+        """:meth:`save` in the background (collective): wait for the local save before it,
+        copy this rank's state into host memory (from GPUs: issued on a side stream, as
+        ``async_save`` stages), and return; a thread writes the part and sends the replicas
+        over a gloo group of its own (made at the first call: collective over the default
+        group). What it reports comes as :class:`LocalTierWarning` at the next call (or
+        :meth:`finish_save`)."""
+        self.finish_save()
+        snapshot, error = describe_or_error(state_dict, False)
+        events: list[Any] = []
+        if error is None:
+            try:
+                snapshot, events = self._stage(snapshot)
+            except Exception as err:  # e.g. no memory left for the staging buffer
+                error = CheckpointError(f"cannot stage the state dict: {type(err).__name__}: {err}")
+                snapshot = Snapshot({}, {}, {})
+        if self._save_comm is None:
+            group = collectives.new_gloo_group_like(self._process_group)
+            self._save_comm = collectives.Comm(group, operation="local tier save")
+        comm = self._save_comm
+        reports = self._reports
+
+        def run() -> None:
+            try:
+                for event in events:  # the copies from GPUs are done
+                    event.synchronize()
+                self._save(step, snapshot, error, comm, lambda: comm.group, reports.append)
+            except BaseException as err:  # never the training step's failure
+                reports.append(f"the local save of step {step} failed: {err}")
+
+        # A daemon: a training process leaving on an error does not wait for a peer that
+        # never comes (a part left without its part.json is not held, and pruned later).
+        self._job = threading.Thread(target=run, name="shardwise-local-tier-save", daemon=True)
+        self._job.start()
+
+    def finish_save(self) -> None:
+        """Wait for the background local save, if any; warn what it reported (this rank)."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.join()
+        reports, self._reports = self._reports, []
+        for message in reports:
+            warnings.warn(message, LocalTierWarning, stacklevel=3)
+
+    def _stage(self, snapshot: Snapshot) -> tuple[Snapshot, list[Any]]:
+        """``snapshot`` copied into this node's staging area (reused by every local save)."""
+        if self._staging is None:
+            self._staging = StagingArea()
+        staged, _, events = self._staging.stage(snapshot)
+        assert self._staging.buffer is not None
+        tensors = open_views(staged, self._staging.buffer.bytes)
+        return Snapshot(tensors, staged.objects, staged.aliases), events
+
+    def _save(
+        self,
+        step: int,
+        snapshot: Snapshot,
+        error: BaseException | None,
+        comm: collectives.Comm,
+        group: Callable[[], ProcessGroup | None],
+        report: Report,
+    ) -> bool:
+        """The local save of ``snapshot`` as step ``step`` over ``comm``, the replicas over
+        ``group()``; whether it was made (what went wrong goes to ``report``)."""
         me, topology = self.rank, self.topology
-        reason = self._usable()
+        reason = self._usable(report)
         if reason is None and me % topology.local_world_size == 0:
             try:  # the node's: its first local rank prunes, before any rank of it writes
                 self.directory.prune(self.tier.keep, writing=step)
             except (CheckpointError, OSError) as err:
                 reason = f"pruning {self.directory.path} failed ({err})"
-        snapshot, error = describe_or_error(state_dict, False)
-        sizes = self.comm.all_gather_json(_snapshot_bytes(snapshot) + _index_margin(snapshot))
+        sizes = comm.all_gather_json(_snapshot_bytes(snapshot) + _index_margin(snapshot))
         if reason is None:
             node = topology.node_of(me)
             needed = sum(
@@ -175,16 +255,12 @@ class TierNode:
             else:
                 if not space.fits:
                     reason = space.describe(self.directory.path)
-        reasons = self.comm.all_gather_json(reason)
+        reasons = comm.all_gather_json(reason)
         refused = [(rank, why) for rank, why in enumerate(reasons) if why is not None]
         if refused:
             rank, why = refused[0]
             more = f" (and {len(refused) - 1} more ranks)" if len(refused) > 1 else ""
-            warnings.warn(
-                f"skipped the local save of step {step}: on rank {rank}{more}, {why}",
-                LocalTierWarning,
-                stacklevel=3,
-            )
+            report(f"skipped the local save of step {step}: on rank {rank}{more}, {why}")
             return False
         path = ""
         try:
@@ -196,15 +272,13 @@ class TierNode:
                 rank=me,
             )
         try:
-            save_id = save_parts(snapshot, path, self.comm, local_error=error, sync_files=False)
+            save_id = save_parts(snapshot, path, comm, local_error=error, sync_files=False)
         except (CheckpointError, OSError) as err:
-            warnings.warn(
-                f"the local save of step {step} failed: {err}", LocalTierWarning, stacklevel=3
-            )
+            report(f"the local save of step {step} failed: {err}")
             return False
         world = topology.world_size
-        self._commit(PartRecord(step=step, rank=me, world_size=world, save_id=save_id))
-        self._send_replicas(step, path, save_id)
+        self._commit(PartRecord(step=step, rank=me, world_size=world, save_id=save_id), report)
+        self._send_replicas(step, path, save_id, group, report)
         return True
 
     def _has_room(self, sender: int, size: int) -> bool:
@@ -222,18 +296,23 @@ class TierNode:
             )
         return space.fits
 
-    def _commit(self, record: PartRecord) -> None:
+    def _commit(self, record: PartRecord, report: Report) -> None:
         try:
             self.directory.commit_part(record)
         except (CheckpointError, OSError) as err:
-            warnings.warn(
+            report(
                 f"rank {self.rank} could not commit its local copy of part {record.rank} of "
-                f"step {record.step}: {err}",
-                LocalTierWarning,
-                stacklevel=4,
+                f"step {record.step}: {err}"
             )
 
-    def _send_replicas(self, step: int, path: str, save_id: str) -> None:
+    def _send_replicas(
+        self,
+        step: int,
+        path: str,
+        save_id: str,
+        group: Callable[[], ProcessGroup | None],
+        report: Report,
+    ) -> None:
         """Send this rank's part to its holders; write the parts it holds (collective over the
         ranks of the placement)."""
         if not self.placement.replicas:
@@ -247,7 +326,9 @@ class TierNode:
             message = None
         owners = self.placement.held_by(me)
         sends = [(holder, message) for holder in self.placement.holders[me]]
-        received = exchange_messages(self._group(), sends, list(owners), self._has_room)
+        over = group()
+        assert over is not None, "a world of one holds no replica"
+        received = exchange_messages(over, sends, list(owners), self._has_room)
         world = self.topology.world_size
         for owner, data in zip(owners, received, strict=True):
             if data is None:
@@ -258,13 +339,12 @@ class TierNode:
                 target = self.directory.make_part(step, owner)
                 part_files.write_part(target, files)
             except (CheckpointError, OSError, ValueError) as err:
-                warnings.warn(
-                    f"rank {me} could not keep the replica of part {owner} of step {step}: {err}",
-                    LocalTierWarning,
-                    stacklevel=4,
+                report(
+                    f"rank {me} could not keep the replica of part {owner} of step {step}: {err}"
                 )
                 continue
-            self._commit(PartRecord(step=step, rank=owner, world_size=world, save_id=save_id))
+            record = PartRecord(step=step, rank=owner, world_size=world, save_id=save_id)
+            self._commit(record, report)
 
     # -- restoring -------------------------------------------------------------------------
 

@@ -197,7 +197,9 @@ class CheckpointManager:
         local_tier: A second, fast tier (:class:`LocalTier`): every ``every_steps`` steps,
             each rank's part in node-local memory and on ranks of other nodes; a restore
             takes its newest step when it is newer than the series' (``docs/manager.md``,
-            *Local tier*).
+            *Local tier*). With ``async_save`` the local save runs in the background too
+            (the state staged, the rest in a thread of its own); else it finishes in
+            :meth:`save`.
 
     Example:
         >>> with CheckpointManager("ckpt", save_policy=SavePolicy(every_steps=100),
@@ -420,7 +422,10 @@ class CheckpointManager:
         self._check_open()
         step, agreed = self._agreed_call(step, bool(force))
         if self._tier is not None and self._tier.due(step):  # its own rule, beside the policy
-            self._tier.save(step, state_dict)
+            if self._async:
+                self._tier.start_save(step, state_dict)
+            else:
+                self._tier.save(step, state_dict)
         if not agreed.saves:
             self._tidy_if_done()
             return False
@@ -539,6 +544,8 @@ class CheckpointManager:
     def wait(self) -> None:
         """Finish the save in flight (collective); raise its failure on every rank."""
         self._check_open()
+        if self._tier is not None:
+            self._tier.finish_save()
         self._comm.agree_or_raise(self._finish_in_flight)
         if self._comm.rank == 0:
             self._tidy()

@@ -92,3 +92,25 @@ def test_fresh_start_and_degraded_placement(tmp_path: pathlib.Path) -> None:
         ckpt.CheckpointManager(tmp_path / "run", local_tier=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="local_world_size 3"):
         ckpt.CheckpointManager(tmp_path / "run", local_tier=_tier(tmp_path, local_world_size=3))
+
+
+def test_background_local_saves_in_one_process(tmp_path: pathlib.Path) -> None:
+    # async_save: the local save is staged, then written by the tier's thread; the state is
+    # changed in place right after each call, as an optimizer step would.
+    policy = ckpt.SavePolicy(every_steps=100)  # no durable save: the local tier alone
+    state = _state(0)
+    with ckpt.CheckpointManager(
+        tmp_path / "run", save_policy=policy, local_tier=_tier(tmp_path)
+    ) as manager:
+        for step in range(1, 5):
+            state["w"].fill_(float(step))  # type: ignore[union-attr]
+            state["step"] = step
+            assert manager.save(step, state) is False  # the durable policy's answer
+            state["w"].fill_(-1.0)  # type: ignore[union-attr]
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["job.json", "step_2", "step_4"]
+    restored = _state(0)
+    manager = _manager(tmp_path)
+    assert manager.restore(None, restored) == 4
+    assert manager.restored_from == "local"
+    assert torch.equal(restored["w"], torch.full((4, 3), 4.0))  # type: ignore[arg-type]
+    manager.close()
