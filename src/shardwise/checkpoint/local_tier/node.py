@@ -392,13 +392,13 @@ class TierNode:
         return Holdings(rank=me, held=entries)
 
     def _check_held(self, step: int, record: PartRecord) -> str | None:
+        path = self.directory.part_path(step, record.rank)
         try:
-            files = part_files.read_part(
-                self.directory.part_path(step, record.rank), record.rank, record.save_id
+            return part_files.check_stored_part(
+                path, record.rank, record.save_id, record.world_size
             )
         except OSError as err:
             return f"it does not read ({err})"
-        return part_files.verify_part(files, record.rank, record.save_id, record.world_size)
 
     def restore(
         self,

@@ -15,7 +15,9 @@ from shardwise import collectives
 from shardwise.checkpoint import load
 from shardwise.checkpoint.index import INDEX_NAME, data_file_name
 from shardwise.checkpoint.local_tier import TierDirectory
+from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.parts import (
+    check_stored_part,
     link_part,
     pack_part,
     read_part,
@@ -62,6 +64,43 @@ def test_verify_names_what_is_wrong(tmp_path: pathlib.Path) -> None:
     assert "by 1 ranks, not" in str(verify_part(files, 0, save_id, 2))
     assert "does not decode" in str(verify_part({**files, INDEX_NAME: b"{"}, 0, save_id, 1))
     assert "holds" in str(verify_part({**files, "data/x": b""}, 0, save_id, 1))
+
+
+def test_a_stored_part_is_checked_as_it_is_read(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A few blocks per read: a data file of 3 MiB and more is read in several pieces.
+    monkeypatch.setattr(part_files, "_CHECK_BLOCKS", 1)
+    path = tmp_path / "part"
+    path.mkdir()
+    state = {"w": torch.arange(800_000, dtype=torch.float32), "step": 3}
+    snapshot, error = describe_or_error(state, False)
+    assert error is None
+    save_id = save_parts(snapshot, str(path), collectives.Comm(None), sync_files=False)
+    name = data_file_name(0, save_id)
+    data_file = path / name
+    good = data_file.read_bytes()
+    assert len(good) > 3 << 20
+    assert check_stored_part(str(path), 0, save_id, 1) is None
+    assert "by 1 ranks, not" in str(check_stored_part(str(path), 0, save_id, 2))
+    assert "not 0123456789abcdef" in str(check_stored_part(str(path), 0, "0123456789abcdef", 1))
+    for where in (len(good) - 1, len(good) // 2, len(good) - (2 << 20)):
+        flipped = bytearray(good)
+        flipped[where] ^= 1
+        data_file.write_bytes(bytes(flipped))
+        assert "checksums" in str(check_stored_part(str(path), 0, save_id, 1)), where
+        assert verify_part(read_part(str(path), 0, save_id), 0, save_id, 1) is not None
+    data_file.write_bytes(good[:-1])
+    assert "bytes, not" in str(check_stored_part(str(path), 0, save_id, 1))
+    data_file.unlink()
+    assert "missing" in str(check_stored_part(str(path), 0, save_id, 1))
+    os.symlink(tmp_path / "elsewhere", data_file)
+    (tmp_path / "elsewhere").write_bytes(good)
+    with pytest.raises(OSError):
+        check_stored_part(str(path), 0, save_id, 1)  # a link is never followed
+    data_file.unlink()
+    data_file.write_bytes(good)
+    assert check_stored_part(str(path), 0, save_id, 1) is None
 
 
 def test_pack_round_trips_and_refuses_hostile_messages(tmp_path: pathlib.Path) -> None:
