@@ -22,6 +22,7 @@ ranks on CPU as 2 simulated nodes of 2 ranks, each node its own tier directory u
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import socket
@@ -103,57 +104,70 @@ def _restore(
 
 
 def _restores(rank: int, config: Config, state: training.TrainingState) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    never = ckpt.SavePolicy(every_steps=10**9)  # the local tier's saves only
-    for directory in config.directories:
-        root = fresh_dir(os.path.join(directory, "local-tier-bench"), rank)
-        fresh_dir(TIERS, rank)
-        durable, tiered = os.path.join(root, "durable"), os.path.join(root, "tiered")
-        with ckpt.CheckpointManager(durable, async_save=False) as manager:
-            manager.save(1, state.state)
-        tier = _tier(rank)
-
-        def local_save() -> None:
-            with ckpt.CheckpointManager(
-                tiered, save_policy=never, async_save=False, local_tier=tier
-            ) as manager:
-                manager.save(1, state.state)
-
-        def durable_restore() -> float:
-            if directory != "/dev/shm" and rank == 0:
-                _evict(durable)
-            return _restore(state, durable, None, "durable")
-
-        def own_restore() -> float:
-            local_save()  # untimed: both nodes hold every part (again)
-            return _restore(state, tiered, tier, "local")
-
-        def peers_restore() -> float:
-            local_save()
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(f"{TIERS}/node0")  # node 0 lost: its ranks restart empty
-            return _restore(state, tiered, tier, "local")
-
-        cases = {
-            "durable": durable_restore,
-            "local, own node": own_restore,
-            "local, node 0 lost": peers_restore,
-        }
-        for name, case in cases.items():  # warm-up, each result checked
-            case()
-            state.check(f"{name} restore from {directory}")
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for repetition in range(config.reps):
-            names = list(cases)
-            names = names[repetition % 3 :] + names[: repetition % 3]
-            for name in names:
-                times[name].append(cases[name]())
-        results[directory] = {name: statistics.median(values) for name, values in times.items()}
-        state.fill()
-        fresh_dir(root, rank)
+    results = {
+        directory: _restores_in(rank, config, state, directory) for directory in config.directories
+    }
     fresh_dir(TIERS, rank)
     return results
+
+
+def _restores_in(
+    rank: int, config: Config, state: training.TrainingState, directory: str
+) -> dict[str, float]:
+    """The median restore times with the durable tier in ``directory``."""
+    never = ckpt.SavePolicy(every_steps=10**9)  # the local tier's saves only
+    root = fresh_dir(os.path.join(directory, "local-tier-bench"), rank)
+    fresh_dir(TIERS, rank)
+    durable, tiered = os.path.join(root, "durable"), os.path.join(root, "tiered")
+    with ckpt.CheckpointManager(durable, async_save=False) as manager:
+        manager.save(1, state.state)
+    tier = _tier(rank)
+
+    def local_save() -> None:
+        with ckpt.CheckpointManager(
+            tiered, save_policy=never, async_save=False, local_tier=tier
+        ) as manager:
+            manager.save(1, state.state)
+
+    def durable_restore() -> float:
+        if directory != "/dev/shm" and rank == 0:
+            _evict(durable)
+        return _restore(state, durable, None, "durable")
+
+    def own_restore() -> float:
+        local_save()  # untimed: both nodes hold every part (again)
+        return _restore(state, tiered, tier, "local")
+
+    def peers_restore() -> float:
+        local_save()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(f"{TIERS}/node0")  # node 0 lost: its ranks restart empty
+        return _restore(state, tiered, tier, "local")
+
+    cases = {
+        "durable": durable_restore,
+        "local, own node": own_restore,
+        "local, node 0 lost": peers_restore,
+    }
+    for name, case in cases.items():  # warm-up, each result checked
+        case()
+        state.check(f"{name} restore from {directory}")
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for repetition in range(config.reps):
+        names = list(cases)
+        names = names[repetition % 3 :] + names[: repetition % 3]
+        for name in names:
+            times[name].append(cases[name]())
+    state.fill()
+    fresh_dir(root, rank)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _save_at(
+    manager: ckpt.CheckpointManager, repetition: int, model: training.TrainingState, number: int
+) -> None:
+    manager.save(repetition * 1000 + number, model.state)  # a new step in every repetition
 
 
 def _loop(rank: int, config: Config) -> dict[str, Any]:
@@ -192,8 +206,7 @@ def _loop(rank: int, config: Config) -> dict[str, Any]:
         manager = ckpt.CheckpointManager(
             os.path.join(root, f"run-{repetition}"), save_policy=never, local_tier=_tier(rank)
         )
-        offset = repetition * 1000
-        saving.append(rate(steps, lambda number: manager.save(offset + number, model.state)))
+        saving.append(rate(steps, functools.partial(_save_at, manager, repetition, model)))
         manager.close()
     held = sorted(os.listdir(f"{TIERS}/node{rank // LOCAL}"))
     fresh_dir(root, rank)
