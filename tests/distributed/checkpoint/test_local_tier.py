@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
+from shardwise.checkpoint.local_tier import parts as part_files
 from tests.harness import distributed
 
 WORLD = 4
@@ -143,10 +144,24 @@ def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
 def test_node_lost_restores_from_peers_and_then_on_three_ranks(tmp_path: Path) -> None:
     base = _shared_dir(tmp_path)
     _train(base)
-    # Node 0 lost: its ranks restart with empty directories, parts come from node 1.
+    # Node 0 lost: its ranks restart with empty directories, parts come from node 1: only
+    # those their loads read (their own rows, and rank 0's, which holds the replicated bias).
     _barrier_then(lambda: shutil.rmtree(base / "node0"))
-    step, source, state = _restore(base)
+    received: list[int] = []
+    unpack = part_files.unpack_part
+
+    def counted(message: Any) -> Any:
+        files = unpack(message)
+        received.append(len(files))
+        return files
+
+    part_files.unpack_part = counted
+    try:
+        step, source, state = _restore(base)
+    finally:
+        part_files.unpack_part = unpack
     assert (step, source) == (6, "local")
+    assert len(received) == {0: 1, 1: 2, 2: 0, 3: 0}[dist.get_rank()]  # not the 4 parts
     for got, want in zip(_values(state), _values(_state(6)), strict=True):
         assert torch.equal(got, want)
     assert not any(p.name.startswith("restore_") for p in (base / "node1").iterdir())

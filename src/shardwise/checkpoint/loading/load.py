@@ -32,7 +32,7 @@ from shardwise.checkpoint.loading.targets import check_target, describe_target
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.report import exchange_with_bar, job_bar, log_done
-from shardwise.checkpoint.storage import open_shared_storage
+from shardwise.checkpoint.storage import LocalStorage, open_shared_storage
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointFormatError,
@@ -44,7 +44,7 @@ from shardwise.errors import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["LoadResult", "load", "load_tensor", "read_metadata"]
+__all__ = ["LoadResult", "files_read", "load", "load_tensor", "read_metadata"]
 
 logger = logging.getLogger("shardwise.checkpoint.load")  # the name users configure
 
@@ -287,6 +287,26 @@ def _plan_load(flat: Flat, reader: CheckpointReader, options: LoadOptions) -> _C
         _check_pickle(item, fqn, options.allow_pickle)
         plan.objects.append((key, item))
     return plan
+
+
+class _PlanningReader(CheckpointReader):
+    """A reader that only plans: no data file is opened (there may be none yet)."""
+
+    def check_files(self, items: Any) -> None:
+        return None
+
+
+def files_read(
+    state_dict: MutableMapping[str, Any], index: Index, options: LoadOptions
+) -> set[str]:
+    """The data files (``data/...`` names of ``index``) that loading ``state_dict`` from a
+    checkpoint of ``index`` reads on this rank, planned as :func:`load` plans, nothing read
+    (the local tier fetches only these parts). Raises what planning the load raises."""
+    reader = _PlanningReader(LocalStorage("."), index, "")  # its storage is never used
+    planned = _plan_load(flatten(state_dict), reader, options)
+    files = {job.chunk.file for job in planned.jobs if job.chunk.nbytes}
+    files.update(item.blob.file for _, item in planned.objects if item.blob is not None)
+    return files
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:

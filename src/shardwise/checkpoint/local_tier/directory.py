@@ -293,6 +293,8 @@ class TierDirectory:
             data = _read_small(fd, JOB_FILE)
         except FileNotFoundError:
             entries = [name for name in os.listdir(fd) if _TEMPORARY.fullmatch(name) is None]
+            if entries == [JOB_FILE]:  # another rank of the node marked it meanwhile
+                return self._claim_in(fd)
             if entries:
                 return (
                     f"{self.path} holds {len(entries)} entries but no {JOB_FILE}: it is no "

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from shardwise import collectives
-from shardwise.checkpoint.index import INDEX_NAME
-from shardwise.checkpoint.loading.load import load
+from shardwise.checkpoint.index import INDEX_NAME, data_file_name, decode_index
+from shardwise.checkpoint.loading.load import files_read, load
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.agreement import (
     HeldStep,
@@ -38,6 +38,7 @@ from shardwise.checkpoint.local_tier.agreement import (
     Verdict,
     choose_step,
     parse_gathered,
+    parse_needs,
     plan_transfers,
 )
 from shardwise.checkpoint.local_tier.directory import PartRecord, TierDirectory
@@ -48,6 +49,7 @@ from shardwise.checkpoint.local_tier.placement import (
 )
 from shardwise.checkpoint.local_tier.tier import LocalTier
 from shardwise.checkpoint.local_tier.transport import exchange_messages
+from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.saving.save import save_parts
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.saving.staging import StagingArea, open_views
@@ -426,13 +428,23 @@ class TierNode:
         if verdict.source != "local":
             return None
         assert verdict.world_size is not None and verdict.step is not None
-        needs = [frozenset(range(verdict.world_size))] * self.topology.world_size
+        index, mine = self._needs(verdict, state_dict, load_options)
+        try:
+            needs = [
+                parse_needs(record, rank=rank, world_size=verdict.world_size)
+                for rank, record in enumerate(self.comm.all_gather_json(sorted(mine)))
+            ]
+        except CheckpointFormatError as err:
+            self._fall_back(f"a rank's needed parts are malformed: {err}")
+            return None
         plan = plan_transfers(verdict, needs, self.topology)
         me = self.rank
         received = self._transfer(verdict, plan)
         try:
             try:
-                path, _ = self.comm.agree_or_raise(lambda: self._assemble(verdict, received))
+                path, _ = self.comm.agree_or_raise(
+                    lambda: self._assemble(verdict, needs[me], received, index)
+                )
             except (CheckpointError, OSError, ValueError) as err:
                 self._fall_back(f"assembling local step {verdict.step} failed: {err}")
                 return None
@@ -448,6 +460,47 @@ class TierNode:
                 logger.warning("local tier: could not remove rank %d's restore files: %s", me, err)
         logger.info("restored step %d from the local tier (save %s)", verdict.step, verdict.save_id)
         return verdict.step
+
+    def _needs(
+        self,
+        verdict: Verdict,
+        state_dict: MutableMapping[str, Any],
+        load_options: Mapping[str, Any],
+    ) -> tuple[bytes | None, frozenset[int]]:
+        """The step's index (read by the lowest rank holding a part, broadcast: untrusted
+        here, decoded and checked) and the parts loading ``state_dict`` reads on this rank,
+        planned as :func:`load` plans (collective). Every part when the index is not to be
+        had or the plan fails: the load itself then says why."""
+        assert verdict.step is not None and verdict.save_id is not None
+        assert verdict.world_size is not None
+        every = frozenset(range(verdict.world_size))
+        source = min(holders[0] for holders in verdict.holders)
+        text = None
+        if self.rank == source:
+            part = next(p for p, holders in enumerate(verdict.holders) if source in holders)
+            try:
+                data = part_files.read_index(self.directory.part_path(verdict.step, part))
+                text = data.decode("utf-8", "surrogateescape")
+            except OSError as err:
+                logger.warning(
+                    "local tier: cannot read the index of step %d: %s", verdict.step, err
+                )
+        text = self.comm.broadcast_json(text, src=source)
+        if not isinstance(text, str):
+            return None, every
+        index = text.encode("utf-8", "surrogateescape")
+        try:
+            decoded = decode_index(index)
+            if decoded.save.save_id != verdict.save_id:
+                return None, every
+            options = {k: v for k, v in load_options.items() if k != "progress"}
+            files = files_read(state_dict, decoded, LoadOptions(**options))
+        except (CheckpointError, TypeError, ValueError, RecursionError):
+            return None, every
+        names = {data_file_name(rank, verdict.save_id): rank for rank in every}
+        if not files <= names.keys():
+            return index, every
+        return index, frozenset(names[name] for name in files)
 
     def _fall_back(self, why: str) -> None:
         warnings.warn(
@@ -486,15 +539,22 @@ class TierNode:
         messages = exchange_messages(group, sends, senders, self._has_room)
         return {t.part: data for t, data in zip(incoming, messages, strict=True)}
 
-    def _assemble(self, verdict: Verdict, received: Mapping[int, bytes | None]) -> str:
-        """This rank's restore directory: the whole checkpoint of the verdict's step, its
-        node's parts hard-linked, the others written from the messages ``received``."""
+    def _assemble(
+        self,
+        verdict: Verdict,
+        needed: frozenset[int],
+        received: Mapping[int, bytes | None],
+        index: bytes | None,
+    ) -> str:
+        """This rank's restore directory: the parts of the verdict's step it ``needed``, its
+        node's hard-linked, the others written from the messages ``received``, and the
+        step's index (the parts', all the same; ``index`` when no part was needed)."""
         assert verdict.step is not None and verdict.save_id is not None
         assert verdict.world_size is not None
         step, save_id = verdict.step, verdict.save_id
         path = self.directory.make_restore(self.rank)
         indexes = set()
-        for part in range(verdict.world_size):
+        for part in sorted(needed):
             if part in received:
                 data = received[part]
                 if data is None:
@@ -508,7 +568,9 @@ class TierNode:
             else:
                 source = self.directory.part_path(step, part)
                 indexes.add(part_files.link_part(source, path, part, save_id))
-        if len(indexes) != 1:
+        if index is not None and not indexes:
+            indexes.add(index)
+        if len(indexes) != 1 or (index is not None and indexes != {index}):
             raise CheckpointDataError(f"the parts of local step {step} hold different indexes")
         part_files.write_part(path, {INDEX_NAME: indexes.pop()})
         return path

@@ -46,6 +46,7 @@ __all__ = [
     "link_part",
     "check_stored_part",
     "pack_part",
+    "read_index",
     "read_part",
     "unpack_part",
     "verify_part",
@@ -76,6 +77,19 @@ def _read_file(parent: int, name: str, limit: int | None) -> bytes:
         while chunk := os.read(fd, 1 << 24):
             chunks.append(chunk)
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_index(path: str) -> bytes:
+    """The index of the part in the directory ``path`` (no data is read).
+
+    Raises:
+        OSError: It is missing, a link or not a regular file, or cannot be read.
+    """
+    fd = os.open(path, _DIRECTORY_FLAGS)
+    try:
+        return _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES)
     finally:
         os.close(fd)
 

@@ -345,3 +345,27 @@ def test_space_simulated(tier: TierDirectory) -> None:
 def test_space_of_the_file_system(tier: TierDirectory) -> None:
     space = tier.check_space(0, min_free_bytes=0)
     assert space.free_bytes > 0 and space.fits
+
+
+def test_a_marker_made_by_another_rank_meanwhile_is_taken(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two ranks of a node claim at once: one finds no marker, and by the time it lists the
+    # directory the other's marker is there. That is this job's directory, not a user's.
+    path = str(tmp_path / "tier")
+    assert TierDirectory(path, "job-1").claim() is None
+    from shardwise.checkpoint.local_tier import directory as module
+
+    read = module._read_small
+    calls = []
+
+    def late(fd: int, name: str, *args: object) -> bytes:
+        calls.append(name)
+        if len(calls) == 1:
+            raise FileNotFoundError(name)  # not there yet when first read
+        return read(fd, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "_read_small", late)
+    assert TierDirectory(path, "job-1").claim() is None
+    assert len(calls) == 2
+    assert "another job" in str(TierDirectory(path, "job-2").claim())
