@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,10 +126,17 @@ def _describe(launchers: list[_Launcher]) -> str:
 
 
 def _start(
-    mode: str, num_nodes: int, per_node: int, path: Path, reports: Path, logs: Path
+    mode: str,
+    num_nodes: int,
+    per_node: int,
+    path: Path,
+    reports: Path,
+    logs: Path,
+    worker: Path = WORKER,
+    rdzv_id: str | None = None,
 ) -> list[_Launcher]:
     endpoint = f"127.0.0.1:{_free_port()}"
-    rdzv_id = f"shardwise-{mode}-{uuid.uuid4().hex}"
+    rdzv_id = rdzv_id or f"shardwise-{mode}-{uuid.uuid4().hex}"
     env = _environment()
     launchers: list[_Launcher] = []
     try:
@@ -148,7 +156,7 @@ def _start(
                 "--local-addr=127.0.0.1",
                 "--max-restarts=0",
                 f"--log-dir={logs / 'torchelastic'}",  # not a fresh directory in /tmp
-                str(WORKER),
+                str(worker),
                 mode,
                 str(path),
                 str(reports),
@@ -178,7 +186,7 @@ def _worker_pids(reports: Path) -> list[int]:
     for file in reports.glob("pid-*"):
         pid = int(file.name.removeprefix("pid-"))
         with contextlib.suppress(OSError):
-            if b"_multinode_worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"_worker.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 pids.append(pid)
     return pids
 
@@ -208,13 +216,18 @@ def _stop(launchers: list[_Launcher], reports: Path) -> None:
     _signal_all(_worker_pids(reports), signal.SIGKILL)
 
 
-def _wait(launchers: list[_Launcher], reports: Path) -> None:
+def _wait(launchers: list[_Launcher], reports: Path, killed: bool = False) -> None:
     """Wait for every launcher to exit; stop them all and fail, with their output, if one
-    fails or the launch takes longer than :data:`LAUNCH_TIMEOUT`."""
+    fails or the launch takes longer than :data:`LAUNCH_TIMEOUT` (``killed``: the workers kill
+    themselves, and every launcher is to fail)."""
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     failed = False
     while any(launcher.proc.poll() is None for launcher in launchers):
-        if not failed and any(launcher.proc.returncode not in (None, 0) for launcher in launchers):
+        if (
+            not killed
+            and not failed
+            and any(launcher.proc.returncode not in (None, 0) for launcher in launchers)
+        ):
             failed = True
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
         if time.monotonic() > deadline:
@@ -232,6 +245,12 @@ def _wait(launchers: list[_Launcher], reports: Path) -> None:
                 "included)\n" + _describe(launchers)
             )
         time.sleep(0.1)
+    if killed:
+        if any(launcher.proc.returncode == 0 for launcher in launchers):
+            raise AssertionError(
+                "a node whose workers were killed succeeded\n" + _describe(launchers)
+            )
+        return
     if any(launcher.proc.returncode != 0 for launcher in launchers):
         raise AssertionError("a node failed; every node's output follows\n" + _describe(launchers))
 
@@ -242,7 +261,14 @@ def _port_taken(launchers: list[_Launcher]) -> bool:
 
 
 def _launch(
-    mode: str, num_nodes: int, per_node: int, path: Path, workdir: Path
+    mode: str,
+    num_nodes: int,
+    per_node: int,
+    path: Path,
+    workdir: Path,
+    worker: Path = WORKER,
+    rdzv_id: str | None = None,
+    killed: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the worker in ``mode`` on ``num_nodes`` nodes of ``per_node`` processes; return
     every rank's report, by rank, after checking that the ranks are the nodes' processes."""
@@ -251,9 +277,9 @@ def _launch(
     for attempt in range(PORT_ATTEMPTS):
         reports = workdir / f"reports-{mode}-{attempt}"
         reports.mkdir()
-        launchers = _start(mode, num_nodes, per_node, path, reports, logs)
+        launchers = _start(mode, num_nodes, per_node, path, reports, logs, worker, rdzv_id)
         try:
-            _wait(launchers, reports)
+            _wait(launchers, reports, killed)
             break
         except AssertionError:
             if attempt + 1 < PORT_ATTEMPTS and _port_taken(launchers):
@@ -316,3 +342,24 @@ def test_two_nodes_save_three_nodes_and_one_process_load(tmp_path: Path) -> None
         result = ckpt.load(target, saved)
         assert not result.missing_keys and not result.unexpected_keys, result
         assert check_loaded(target, expected_state(), layout={}) == (len(want), elements)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+def test_local_tier_restores_a_lost_nodes_parts_from_its_peers(tmp_path: Path) -> None:
+    # 2 nodes x 2 train to step 6 (durable step 4; local steps 4 and 6, each part on both
+    # nodes), then every worker is killed; node 1 is lost with its memory (its tier directory
+    # deleted). The restart of the job (same --rdzv-id: the tier's job id) restores step 6
+    # from node 0's own copies and its replicas of node 1's parts.
+    base = tmp_path / "job"
+    worker = REPO / "tests" / "_local_tier_worker.py"
+    job = f"shardwise-tier-{uuid.uuid4().hex}"
+    trained = _launch("train", 2, 2, base, tmp_path, worker, job, killed=True)
+    assert {report["job"] for report in trained} == {job}
+    for node in (0, 1):
+        held = sorted(p.name for p in (base / f"node{node}" / "step_6").iterdir())
+        assert held == [f"rank_{rank}" for rank in range(4)]
+    shutil.rmtree(base / "node1")
+    restored = _launch("restore", 2, 2, base, tmp_path, worker, job)
+    for report in restored:
+        assert (report["step"], report["source"], report["equal"]) == (6, "local", True), report

@@ -3,6 +3,7 @@ step agreed by all ranks before the next (``docs/architecture.md``, *Reading tru
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -32,7 +33,7 @@ from shardwise.checkpoint.loading.targets import check_target, describe_target
 from shardwise.checkpoint.metadata import Metadata
 from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.report import exchange_with_bar, job_bar, log_done
-from shardwise.checkpoint.storage import LocalStorage, open_shared_storage
+from shardwise.checkpoint.storage import LocalStorage, Storage, open_shared_storage
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointFormatError,
@@ -44,7 +45,14 @@ from shardwise.errors import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["LoadResult", "files_read", "load", "load_tensor", "read_metadata"]
+__all__ = [
+    "LoadResult",
+    "files_read",
+    "load",
+    "load_from_storage",
+    "load_tensor",
+    "read_metadata",
+]
 
 logger = logging.getLogger("shardwise.checkpoint.load")  # the name users configure
 
@@ -378,6 +386,27 @@ def load(
     comm = collectives.Comm(process_group, operation="load")
     path_text = os.path.expanduser(os.fspath(path))
     storage = open_shared_storage(path_text, storage_options, comm.world_size)
+    options = LoadOptions(
+        strict=strict,
+        verify=verify,
+        allow_pickle=allow_pickle,
+        allow_dtype_cast=allow_dtype_cast,
+        progress=progress,
+    )
+    return load_from_storage(state_dict, storage, path_text, comm, options, started)
+
+
+def load_from_storage(
+    state_dict: MutableMapping[str, Any],
+    storage: Storage,
+    path_text: str,
+    comm: collectives.Comm,
+    options: LoadOptions,
+    started: float,
+) -> LoadResult:
+    """:func:`load` from ``storage`` opened at ``path_text`` (the local tier's, which serves
+    the parts it received from memory)."""
+    strict, progress = options.strict, options.progress
 
     # surrogateescape carries arbitrary bytes through the JSON broadcast unchanged.
     envelope: dict[str, Any] = {}
@@ -400,13 +429,7 @@ def load(
     data = envelope["text"].encode("utf-8", "surrogateescape")
     reader = CheckpointReader(storage, decode(data, storage), path_text, comm.rank)
     wish, token = envelope["bar"]
-    options = LoadOptions(
-        strict=strict,
-        verify=verify,
-        allow_pickle=allow_pickle,
-        allow_dtype_cast=allow_dtype_cast,
-        progress=wish,
-    )
+    options = dataclasses.replace(options, progress=wish)
     try:
         with paused_gc():  # see paused_gc: the collector would walk every tensor, many times
             result, nbytes = _load(reader, comm, state_dict, options, token)

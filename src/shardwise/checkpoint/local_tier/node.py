@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from shardwise import collectives
 from shardwise.checkpoint.index import INDEX_NAME, data_file_name, decode_index
-from shardwise.checkpoint.loading.load import files_read, load
+from shardwise.checkpoint.loading.load import files_read, load_from_storage
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.agreement import (
     HeldStep,
@@ -320,9 +321,9 @@ class TierNode:
         if not self.placement.replicas:
             return
         me = self.rank
-        message: bytes | None
+        message: bytearray | None
         try:
-            message = part_files.pack_part(part_files.read_part(path, me, save_id))
+            message = part_files.read_packed_part(path, me, save_id)
         except OSError as err:
             logger.warning("local tier: rank %d cannot read its part of step %d: %s", me, step, err)
             message = None
@@ -442,14 +443,18 @@ class TierNode:
         received = self._transfer(verdict, plan)
         try:
             try:
-                path, _ = self.comm.agree_or_raise(
+                storage, _ = self.comm.agree_or_raise(
                     lambda: self._assemble(verdict, needs[me], received, index)
                 )
             except (CheckpointError, OSError, ValueError) as err:
                 self._fall_back(f"assembling local step {verdict.step} failed: {err}")
                 return None
             try:
-                load(state_dict, path, process_group=self._process_group, **load_options)
+                options = LoadOptions(**load_options)
+                comm = collectives.Comm(self._process_group, operation="load")
+                load_from_storage(
+                    state_dict, storage, storage.root, comm, options, time.monotonic()
+                )
             except _FALLBACK_ERRORS as err:
                 self._fall_back(f"loading local step {verdict.step} failed: {err}")
                 return None
@@ -512,7 +517,7 @@ class TierNode:
     def _on_my_node(self, rank: int) -> bool:
         return self.topology.node_of(rank) == self.topology.node_of(self.rank)
 
-    def _transfer(self, verdict: Verdict, plan: TransferPlan) -> dict[int, bytes | None]:
+    def _transfer(self, verdict: Verdict, plan: TransferPlan) -> dict[int, memoryview | None]:
         """Send the parts the plan has this rank send to other nodes, and receive those it
         gets from other nodes (a same-node part is read from the node's directory)."""
         assert verdict.step is not None and verdict.save_id is not None
@@ -521,10 +526,10 @@ class TierNode:
         for transfer in plan.sends_from(self.rank):
             if self._on_my_node(transfer.receiver):
                 continue
-            message: bytes | None
+            message: bytearray | None
             try:
                 path = self.directory.part_path(step, transfer.part)
-                message = part_files.pack_part(part_files.read_part(path, transfer.part, save_id))
+                message = part_files.read_packed_part(path, transfer.part, save_id)
             except OSError as err:
                 logger.warning("local tier: cannot read part %d to send: %s", transfer.part, err)
                 message = None
@@ -543,17 +548,18 @@ class TierNode:
         self,
         verdict: Verdict,
         needed: frozenset[int],
-        received: Mapping[int, bytes | None],
+        received: Mapping[int, memoryview | None],
         index: bytes | None,
-    ) -> str:
+    ) -> part_files.ReceivedParts:
         """This rank's restore directory: the parts of the verdict's step it ``needed``, its
-        node's hard-linked, the others written from the messages ``received``, and the
-        step's index (the parts', all the same; ``index`` when no part was needed)."""
+        node's hard-linked, the others read from the messages ``received`` (verified first),
+        and the step's index (the parts', all the same; ``index`` when no part was needed)."""
         assert verdict.step is not None and verdict.save_id is not None
         assert verdict.world_size is not None
         step, save_id = verdict.step, verdict.save_id
         path = self.directory.make_restore(self.rank)
         indexes = set()
+        in_memory: dict[str, memoryview] = {}
         for part in sorted(needed):
             if part in received:
                 data = received[part]
@@ -563,8 +569,9 @@ class TierNode:
                 problem = part_files.verify_part(files, part, save_id, verdict.world_size)
                 if problem is not None:
                     raise CheckpointDataError(f"part {part} of local step {step}: {problem}")
-                indexes.add(files.pop(INDEX_NAME))
-                part_files.write_part(path, files)
+                indexes.add(bytes(files.pop(INDEX_NAME)))
+                for name, piece in files.items():
+                    in_memory[name] = memoryview(piece)
             else:
                 source = self.directory.part_path(step, part)
                 indexes.add(part_files.link_part(source, path, part, save_id))
@@ -573,4 +580,4 @@ class TierNode:
         if len(indexes) != 1 or (index is not None and indexes != {index}):
             raise CheckpointDataError(f"the parts of local step {step} hold different indexes")
         part_files.write_part(path, {INDEX_NAME: indexes.pop()})
-        return path
+        return part_files.ReceivedParts(path, in_memory)

@@ -26,13 +26,14 @@ __all__ = ["exchange_messages"]
 
 def exchange_messages(
     group: ProcessGroup,
-    sends: Sequence[tuple[int, bytes | None]],
+    sends: Sequence[tuple[int, bytes | bytearray | None]],
     receives: Sequence[int],
     accept: Callable[[int, int], bool],
-) -> list[bytes | None]:
+) -> list[memoryview | None]:
     """Send each ``(group rank, message)`` of ``sends`` (None: none) and receive one message
-    from each group rank of ``receives``, in that order; the messages received (None: the
-    sender had none, or ``accept(sender, size)`` refused its size).
+    from each group rank of ``receives``, in that order; the messages received, as views of
+    the buffers they arrived in (None: the sender had none, or ``accept(sender, size)``
+    refused its size).
 
     Collective over the ranks named on both sides: each pair must be listed by both.
     """
@@ -58,7 +59,7 @@ def exchange_messages(
         [(ranks[peer], answer) for (peer, _), answer in zip(sends, agreed, strict=True)],
     )
     outgoing = [
-        (ranks[peer], torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        (ranks[peer], torch.frombuffer(_writable(data), dtype=torch.uint8))
         for (peer, data), answer in zip(sends, agreed, strict=True)
         if data is not None and int(answer.item()) and data
     ]
@@ -75,4 +76,11 @@ def exchange_messages(
             if buffer is not None and buffer.numel()
         ],
     )
-    return [None if buffer is None else buffer.numpy().tobytes() for buffer in buffers]
+    # Views of the buffers received: a message of 300 MiB is not copied again.
+    return [None if buffer is None else memoryview(buffer.numpy()) for buffer in buffers]  # type: ignore[arg-type]
+
+
+def _writable(data: bytes | bytearray) -> bytearray:
+    """``data`` as the writable buffer ``torch.frombuffer`` takes without a warning (a copy
+    only of read-only bytes)."""
+    return data if isinstance(data, bytearray) else bytearray(data)

@@ -20,6 +20,7 @@ from shardwise.checkpoint.local_tier.parts import (
     check_stored_part,
     link_part,
     pack_part,
+    read_packed_part,
     read_part,
     unpack_part,
     verify_part,
@@ -106,7 +107,9 @@ def test_a_stored_part_is_checked_as_it_is_read(
 def test_pack_round_trips_and_refuses_hostile_messages(tmp_path: pathlib.Path) -> None:
     save_id, files = _saved(tmp_path / "part")
     packed = pack_part(files)
+    assert read_packed_part(str(tmp_path / "part"), 0, save_id) == packed  # read in one go
     assert unpack_part(packed) == files
+    assert unpack_part(bytearray(packed)) == files
     assert unpack_part(pack_part({INDEX_NAME: b"{}"})) == {INDEX_NAME: b"{}"}
     for hostile in (
         b"",
