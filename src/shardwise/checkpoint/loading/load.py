@@ -393,7 +393,9 @@ def load(
         allow_dtype_cast=allow_dtype_cast,
         progress=progress,
     )
-    return load_from_storage(state_dict, storage, path_text, comm, options, started)
+    result, nbytes = load_from_storage(state_dict, storage, path_text, comm, options)
+    report_load(comm, path_text, nbytes, started, result, strict, "the checkpoint")
+    return result
 
 
 def load_from_storage(
@@ -402,11 +404,11 @@ def load_from_storage(
     path_text: str,
     comm: collectives.Comm,
     options: LoadOptions,
-    started: float,
-) -> LoadResult:
+) -> tuple[LoadResult, int]:
     """:func:`load` from ``storage`` opened at ``path_text`` (the local tier's, which serves
-    the parts it received from memory)."""
-    strict, progress = options.strict, options.progress
+    the parts it received from memory), before :func:`report_load`: the result, and the
+    bytes every rank read."""
+    progress = options.progress
 
     # surrogateescape carries arbitrary bytes through the JSON broadcast unchanged.
     envelope: dict[str, Any] = {}
@@ -435,8 +437,7 @@ def load_from_storage(
             result, nbytes = _load(reader, comm, state_dict, options, token)
     finally:
         reader.close()
-    report_load(comm, path_text, nbytes, started, result, strict, "the checkpoint")
-    return result
+    return result, nbytes
 
 
 def report_load(

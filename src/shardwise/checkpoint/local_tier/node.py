@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardwise import collectives
 from shardwise.checkpoint.index import INDEX_NAME, data_file_name, decode_index
-from shardwise.checkpoint.loading.load import files_read, load_from_storage
+from shardwise.checkpoint.loading.load import files_read, load_from_storage, report_load
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.agreement import (
     HeldStep,
@@ -452,9 +452,9 @@ class TierNode:
             try:
                 options = LoadOptions(**load_options)
                 comm = collectives.Comm(self._process_group, operation="load")
-                load_from_storage(
-                    state_dict, storage, storage.root, comm, options, time.monotonic()
-                )
+                started = time.monotonic()
+                result, nbytes = load_from_storage(state_dict, storage, storage.root, comm, options)
+                report_load(comm, storage.root, nbytes, started, result, options.strict, "it")
             except _FALLBACK_ERRORS as err:
                 self._fall_back(f"loading local step {verdict.step} failed: {err}")
                 return None
