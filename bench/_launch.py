@@ -18,6 +18,15 @@ import torch
 import torch.distributed as dist
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: the rendezvous port of a benchmark's world."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def run_world(target: Callable[..., Any], config: Any, world_size: int) -> dict[str, Any]:
     """Run ``target(rank, config)`` in ``world_size`` fresh processes and return the JSON
     results rank 0 wrote to ``config.results``; a failing rank stops them all."""

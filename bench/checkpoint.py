@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,16 +47,10 @@ import torch
 import xxhash
 
 from _ckpt import worker
-from _launch import run_world
+from _launch import free_port, run_world
 
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _fs_type(path: str) -> str:
@@ -450,7 +443,7 @@ def main() -> None:
             storages=dirs,
             dcp_threads=[int(n) for n in args.dcp_threads.split(",")],
             results=results.name,
-            port=_free_port(),
+            port=free_port(),
             verify=not args.no_verify,
             cases=args.cases.split(","),
         )

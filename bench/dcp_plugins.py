@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -38,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from _launch import freeze_gc, fresh_dir, remove_dir, rotate, run_rank, run_world
+from _launch import free_port, freeze_gc, fresh_dir, remove_dir, rotate, run_rank, run_world
 from _training import state as training
 from _training.model import BIG, QUICK_BIG
 from shardwise.checkpoint.dcp import StorageReader, StorageWriter
@@ -152,12 +151,6 @@ def _rank(rank: int, config: Config) -> None:
     run_rank(rank, config, WORLD, 600, lambda: _body(rank, config))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, 2 repetitions")
@@ -168,7 +161,7 @@ def main() -> None:
     directories = ["/dev/shm"] + ([] if args.no_disk else [os.path.abspath(args.dir)])
     with tempfile.NamedTemporaryFile(suffix=".json") as results:
         config = Config(
-            _free_port(),
+            free_port(),
             results.name,
             tuple(directories),
             args.reps or (2 if args.quick else 5),

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from _launch import freeze_gc, rotate, run_rank, run_world
+from _launch import free_port, freeze_gc, rotate, run_rank, run_world
 from _training.model import BIG, QUICK_BIG, Decoder, ModelShape
 
 MIB = 1 << 20
@@ -181,12 +180,6 @@ def worker(rank: int, config: Config) -> None:
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _time(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
@@ -253,7 +246,7 @@ def main() -> None:
         verdicts = []
         for world, label in ((args.world, f"FSDP2, {args.world} ranks"), (1, "1 process")):
             results = os.path.join(root, f"results-{world}.json")
-            config = Config(world, shape, path, reps, results, _free_port())
+            config = Config(world, shape, path, reps, results, free_port())
             verdicts += _report(label, run_world(worker, config, world))
         missed = sum(not ok for _, ok, _ in verdicts)
         print(f"\n## Targets: {len(verdicts) - missed} PASS, {missed} MISS")

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise.checkpoint as ckpt
-from _launch import freeze_gc, fresh_dir, run_rank, run_world
+from _launch import free_port, freeze_gc, fresh_dir, run_rank, run_world
 from _training import state as training
 from _training.model import BIG, QUICK_BIG, ModelShape
 
@@ -247,12 +246,6 @@ def _rank(rank: int, config: Config) -> None:
     run_rank(rank, config, WORLD, 900, lambda: _body(rank, config))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, 2 repetitions")
@@ -262,14 +255,14 @@ def main() -> None:
     directories = ("/dev/shm", os.path.abspath(args.dir))
     with tempfile.NamedTemporaryFile(suffix=".json") as results:
         config = Config(
-            _free_port(),
+            free_port(),
             results.name,
             directories,
             args.reps or (2 if args.quick else 5),
             args.quick,
         )
         found = run_world(_rank, config, WORLD)
-        config = dataclasses.replace(config, port=_free_port())
+        config = dataclasses.replace(config, port=free_port())
         loop = run_world(_loop_rank, config, LOOP_WORLD)
     print(
         f"CheckpointManager.restore, {WORLD} gloo ranks as 2 nodes x {LOCAL}, FSDP2 state of "

@@ -47,7 +47,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ from typing import Any
 
 import torch
 
-from _launch import run_world
+from _launch import free_port, run_world
 from _training import worker
 from _training.model import BIG, MANY_SMALL, QUICK_BIG, QUICK_SMALL
 from checkpoint import _fs_type, _source_state
@@ -69,12 +68,6 @@ MEMORY_LIMIT_MIB = 64
 GIB = 1 << 30
 MAIN_WORLD = 4
 RESHARD_WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _run_world(config: worker.Config) -> dict[str, Any]:
@@ -365,14 +358,12 @@ def main() -> None:
             "profile_only": args.profile_only,
         }
         main_result = _run_world(
-            worker.Config(phase="main", world_size=MAIN_WORLD, port=_free_port(), **common)
+            worker.Config(phase="main", world_size=MAIN_WORLD, port=free_port(), **common)
         )
         reshard_result: dict[str, Any] = {"records": [], "checks": [], "profiles": {}}
         if "reshard" in cases:
             reshard_result = _run_world(
-                worker.Config(
-                    phase="reshard", world_size=RESHARD_WORLD, port=_free_port(), **common
-                )
+                worker.Config(phase="reshard", world_size=RESHARD_WORLD, port=free_port(), **common)
             )
     seconds = time.perf_counter() - began
 
