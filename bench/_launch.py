@@ -18,6 +18,15 @@ import torch
 import torch.distributed as dist
 
 
+def collective_time(operation: Callable[[], object]) -> float:
+    """Seconds of ``operation`` on every rank, barrier to barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    operation()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now: the rendezvous port of a benchmark's world."""
     import socket

@@ -28,16 +28,23 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from _launch import free_port, freeze_gc, fresh_dir, remove_dir, rotate, run_rank, run_world
+from _launch import (
+    collective_time,
+    free_port,
+    freeze_gc,
+    fresh_dir,
+    remove_dir,
+    rotate,
+    run_rank,
+    run_world,
+)
 from _training import state as training
 from _training.model import BIG, QUICK_BIG
 from shardwise.checkpoint.dcp import StorageReader, StorageWriter
@@ -53,14 +60,6 @@ class Config:
     directories: tuple[str, ...]
     reps: int
     quick: bool
-
-
-def _timed(operation: Callable[[], object]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    operation()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 class _NewDirectories:
@@ -127,7 +126,7 @@ def _body(rank: int, config: Config) -> dict[str, Any]:
         for name, method in methods.items():
             if method.loads:
                 state.clear()
-            _timed(method.operation)
+            collective_time(method.operation)
             if method.loads:
                 state.check(name)
             if method.after is not None:
@@ -138,7 +137,7 @@ def _body(rank: int, config: Config) -> dict[str, Any]:
                 method = methods[name]
                 if method.loads:
                     state.clear()
-                times[name].append(_timed(method.operation))
+                times[name].append(collective_time(method.operation))
                 if method.after is not None:
                     method.after()
         state.fill()

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise.checkpoint as ckpt
-from _launch import free_port, freeze_gc, fresh_dir, run_rank, run_world
+from _launch import collective_time, free_port, freeze_gc, fresh_dir, run_rank, run_world
 from _training import state as training
 from _training.model import BIG, QUICK_BIG, ModelShape
 
@@ -60,14 +60,6 @@ class Config:
     directories: tuple[str, ...]
     reps: int
     quick: bool
-
-
-def _timed(operation: Callable[[], object]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    operation()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _evict(path: str) -> None:
@@ -99,7 +91,7 @@ def _restore(
     """The time of one collective restore of ``root`` (and ``tier``) into ``state``."""
     manager = ckpt.CheckpointManager(root, async_save=False, local_tier=tier)
     state.clear()
-    seconds = _timed(lambda: manager.restore(None, state.state))
+    seconds = collective_time(lambda: manager.restore(None, state.state))
     if manager.restored_from != expected:
         raise AssertionError(f"restored from {manager.restored_from}, not {expected}")
     manager.close()
