@@ -429,7 +429,8 @@ class TierNode:
         if verdict.source != "local":
             return None
         assert verdict.world_size is not None and verdict.step is not None
-        index, mine = self._needs(verdict, state_dict, load_options)
+        options = LoadOptions(**load_options)
+        index, mine = self._needs(verdict, state_dict, options)
         try:
             needs = [
                 parse_needs(record, rank=rank, world_size=verdict.world_size)
@@ -450,7 +451,6 @@ class TierNode:
                 self._fall_back(f"assembling local step {verdict.step} failed: {err}")
                 return None
             try:
-                options = LoadOptions(**load_options)
                 comm = collectives.Comm(self._process_group, operation="load")
                 started = time.monotonic()
                 result, nbytes = load_from_storage(state_dict, storage, storage.root, comm, options)
@@ -470,7 +470,7 @@ class TierNode:
         self,
         verdict: Verdict,
         state_dict: MutableMapping[str, Any],
-        load_options: Mapping[str, Any],
+        options: LoadOptions,
     ) -> tuple[bytes | None, frozenset[int]]:
         """The step's index (read by the lowest rank holding a part, broadcast: untrusted
         here, decoded and checked) and the parts loading ``state_dict`` reads on this rank,
@@ -498,9 +498,8 @@ class TierNode:
             decoded = decode_index(index)
             if decoded.save.save_id != verdict.save_id:
                 return None, every
-            options = {k: v for k, v in load_options.items() if k != "progress"}
-            files = files_read(state_dict, decoded, LoadOptions(**options))
-        except (CheckpointError, TypeError, ValueError, RecursionError):
+            files = files_read(state_dict, decoded, options)
+        except Exception:
             return None, every
         names = {data_file_name(rank, verdict.save_id): rank for rank in every}
         if not files <= names.keys():

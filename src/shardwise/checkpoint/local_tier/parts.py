@@ -122,6 +122,40 @@ def read_part(path: str, rank: int, save_id: str) -> dict[str, bytes]:
         os.close(fd)
 
 
+def _open_data_file(part_fd: int, name: str) -> int | None:
+    """The part's data file ``name`` (``data/...``) opened for reading, below the part's
+    descriptor with no link followed; None when it (or ``data/``) is missing.
+
+    Raises:
+        OSError: A link, not a regular file, or it cannot be opened.
+    """
+    try:
+        directory = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=part_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        fd = os.open(name.removeprefix(f"{DATA_DIR}/"), _READ_FLAGS, dir_fd=directory)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(directory)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", name)
+    return fd
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, name: str) -> bool:
+    """Fill ``view`` from byte ``offset`` of ``fd``; False if the file ends first."""
+    done = 0
+    while done < len(view):
+        moved = os.preadv(fd, [view[done:]], offset + done)
+        if moved == 0:
+            return False
+        done += moved
+    return True
+
+
 def read_packed_part(path: str, rank: int, save_id: str) -> bytearray:
     """``pack_part(read_part(path, rank, save_id))``, read straight into the message: one
     buffer, no copy of the data file in between (on this project's machines, each fresh
@@ -134,43 +168,26 @@ def read_packed_part(path: str, rank: int, save_id: str) -> bytearray:
     try:
         index = _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES)
         name = data_file_name(rank, save_id)
-        data_fd = -1
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                directory = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
-                try:
-                    data_fd = os.open(
-                        name.removeprefix(f"{DATA_DIR}/"), _READ_FLAGS, dir_fd=directory
-                    )
-                finally:
-                    os.close(directory)
-            listed: list[list[object]] = [[INDEX_NAME, len(index)]]
-            size = 0
-            if data_fd >= 0:
-                status = os.fstat(data_fd)
-                if not stat.S_ISREG(status.st_mode):
-                    raise OSError(errno.EINVAL, "not a regular file", name)
-                size = status.st_size
-                listed.append([name, size])
-            header = json.dumps(listed).encode()
-            start = 8 + len(header) + len(index)
-            message = bytearray(start + size)
-            message[:8] = len(header).to_bytes(8, "little")
-            message[8 : 8 + len(header)] = header
-            message[8 + len(header) : start] = index
-            view = memoryview(message)
-            done = 0
-            while done < size:
-                moved = os.preadv(data_fd, [view[start + done :]], done)
-                if moved == 0:
-                    raise OSError(errno.EIO, "shorter than its size", name)
-                done += moved
-            return message
-        finally:
-            if data_fd >= 0:
-                os.close(data_fd)
+        data_fd = _open_data_file(fd, name)
     finally:
         os.close(fd)
+    try:
+        listed: list[list[object]] = [[INDEX_NAME, len(index)]]
+        size = 0 if data_fd is None else os.fstat(data_fd).st_size
+        if data_fd is not None:
+            listed.append([name, size])
+        header = json.dumps(listed).encode()
+        start = 8 + len(header) + len(index)
+        message = bytearray(start + size)
+        message[:8] = len(header).to_bytes(8, "little")
+        message[8 : 8 + len(header)] = header
+        message[8 + len(header) : start] = index
+        if data_fd is not None and not _read_exactly(data_fd, memoryview(message)[start:], 0, name):
+            raise OSError(errno.EIO, "shorter than its size", name)
+        return message
+    finally:
+        if data_fd is not None:
+            os.close(data_fd)
 
 
 def write_part(path: str, files: Mapping[str, bytes | memoryview], *, sync: bool = False) -> None:
@@ -361,60 +378,50 @@ def check_stored_part(path: str, rank: int, save_id: str, world_size: int) -> st
     """
     fd = os.open(path, _DIRECTORY_FLAGS)
     try:
-        index_bytes = _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES)
-        index, problem = _index_problem(index_bytes, rank, save_id, world_size)
+        index, problem = _index_problem(
+            _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES), rank, save_id, world_size
+        )
         if index is None:
             return problem
         name = data_file_name(rank, save_id)
-        try:
-            data_fd = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            return None if name not in index.files else f"its data file {name} is missing"
-        try:
-            try:
-                file_fd = os.open(name.removeprefix(f"{DATA_DIR}/"), _READ_FLAGS, dir_fd=data_fd)
-            except FileNotFoundError:
-                return None if name not in index.files else f"its data file {name} is missing"
-            try:
-                if name not in index.files:
-                    return "it holds a data file its index does not name"
-                return _check_data_file(file_fd, name, index)
-            finally:
-                os.close(file_fd)
-        finally:
-            os.close(data_fd)
+        data_fd = _open_data_file(fd, name)
     finally:
         os.close(fd)
+    if data_fd is None:
+        return None if name not in index.files else f"its data file {name} is missing"
+    try:
+        if name not in index.files:
+            return "it holds a data file its index does not name"
+        return _check_data_file(data_fd, name, index)
+    finally:
+        os.close(data_fd)
 
 
 def _check_data_file(fd: int, name: str, index: Index) -> str | None:
-    status = os.fstat(fd)
-    if not stat.S_ISREG(status.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", name)
-    size = index.files[name]
-    if status.st_size != size:
-        return f"its data file {name} is {status.st_size} bytes, not {size}"
+    size, start = index.files[name], index.data_starts[name]
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        return f"its data file {name} is {actual} bytes, not {size}"
+    if not 0 <= start <= size:  # the decoder checks this; a part is read from disk anyway
+        return f"its data file {name} has its data start {start} outside its {size} bytes"
     block, expected = index.block_size, index.file_checksums[name]
+    if start == size:  # no data: the checksum of nothing
+        return None if block_checksums(b"", block) == expected else _FAILS.format(name)
     buffer = memoryview(bytearray(block * _CHECK_BLOCKS))
-    position, checked = index.data_starts[name], 0  # checked: checksum characters so far
-    while position < size or checked == 0:
-        want = min(len(buffer), size - position)
-        got = 0
-        while got < want:
-            moved = os.preadv(fd, [buffer[got:want]], position + got)
-            if moved == 0:
-                return f"its data file {name} ends before {size} bytes"
-            got += moved
-        sums = block_checksums(buffer[:want], block)
+    position, checked = start, 0  # checked: checksum characters compared so far
+    while position < size:
+        piece = buffer[: min(len(buffer), size - position)]
+        if not _read_exactly(fd, piece, position, name):
+            return f"its data file {name} ends before {size} bytes"
+        sums = block_checksums(piece, block)
         if expected[checked : checked + len(sums)] != sums:
-            return f"its data file {name} fails its block checksums"
+            return _FAILS.format(name)
         checked += len(sums)
-        position += want
-        if want == 0:
-            break
-    if checked != len(expected):
-        return f"its data file {name} fails its block checksums"
-    return None
+        position += len(piece)
+    return None if checked == len(expected) else _FAILS.format(name)
+
+
+_FAILS = "its data file {} fails its block checksums"
 
 
 class _MemoryReader:

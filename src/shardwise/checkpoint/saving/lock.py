@@ -191,9 +191,6 @@ class SaveLock:
                         del _cleanups[key]
 
         thread = threading.Thread(target=run, name="shardwise-save-cleanup")
-        with _cleanups_guard:
-            previous = _cleanups.get(key)
+        with _cleanups_guard:  # acquire waited for the one before: none is running
             _cleanups[key] = thread
-        if previous is not None:  # acquire waited for it; a hand-made lock may not have
-            previous.join()
         thread.start()
