@@ -2,13 +2,17 @@
 (each node its own tier directory under the test's directory): the local saves hold every
 part on both nodes; a restore takes the newest local step from the node's own copies or the
 peers' replicas, and equals that step saved to durable storage; a corrupt copy counts as
-absent; one node's copies gone and the other's corrupt, or both nodes' copies gone, falls
-back to the durable tier; a restart on 3 ranks (3 nodes, two of them new) restores from the
-tier written by 4; a full directory skips the local save on every rank."""
+absent (one that the load reads, by a second round that checks every block); one node's
+copies gone and the other's corrupt, or both nodes' copies gone, falls back to the durable
+tier; a restart on 3 ranks (3 nodes, two of them new) restores from the tier written by 4; a
+full directory skips the local save on every rank."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,20 @@ def _restore(base: Path) -> tuple[int | None, str | None, dict[str, Any]]:
     return step, manager.restored_from, state
 
 
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages logged to ``name`` (warnings and above) in the block."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 def _barrier_then(action: Any) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -124,6 +142,23 @@ def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
     for got, want in zip(_values(state), _values(reference), strict=True):
         assert torch.equal(got, want)
 
+    # Node 1's copy of part 3, which rank 3's load reads there: the first round trusts its
+    # layout, the load finds the bad block, the second round checks every block, counts it
+    # as absent and fetches node 0's copy.
+    def corrupt_own() -> None:
+        data = next((base / "node1" / "step_6" / "rank_3" / "data").iterdir())
+        raw = bytearray(data.read_bytes())
+        raw[-2] ^= 0x01
+        data.write_bytes(bytes(raw))
+
+    _barrier_then(corrupt_own)
+    with _logged("shardwise.checkpoint.local_tier") as messages:
+        step, source, state = _restore(base)
+    assert (step, source) == (6, "local")
+    assert any("checking every block" in message for message in messages)
+    for got, want in zip(_values(state), _values(reference), strict=True):
+        assert torch.equal(got, want)
+
     # Node 1 lost (its directory gone): part 2 of step 6 is only on node 0, corrupt; step 4
     # is complete on node 0 but not newer than the durable step 4.
     _barrier_then(lambda: shutil.rmtree(base / "node1"))
@@ -147,19 +182,18 @@ def test_node_lost_restores_from_peers_and_then_on_three_ranks(tmp_path: Path) -
     # Node 0 lost: its ranks restart with empty directories, parts come from node 1: only
     # those their loads read (their own rows, and rank 0's, which holds the replicated bias).
     _barrier_then(lambda: shutil.rmtree(base / "node0"))
-    received: list[int] = []
-    unpack = part_files.unpack_part
+    received: list[str] = []  # the data files this rank received, each checked once
+    verify = part_files.verify_data
 
-    def counted(message: Any) -> Any:
-        files = unpack(message)
-        received.append(len(files))
-        return files
+    def counted(data: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        received.append(name)
+        return verify(data, name, *args, **kwargs)
 
-    part_files.unpack_part = counted
+    part_files.verify_data = counted
     try:
         step, source, state = _restore(base)
     finally:
-        part_files.unpack_part = unpack
+        part_files.verify_data = verify
     assert (step, source) == (6, "local")
     assert len(received) == {0: 1, 1: 2, 2: 0, 3: 0}[dist.get_rank()]  # not the 4 parts
     for got, want in zip(_values(state), _values(_state(6)), strict=True):

@@ -20,7 +20,10 @@ another world size work (the load's planner reshards).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import mmap
 import os
 import threading
 import time
@@ -28,8 +31,10 @@ import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from shardwise import collectives
-from shardwise.checkpoint.index import INDEX_NAME, data_file_name, decode_index
+from shardwise.checkpoint.index import INDEX_NAME, Index, data_file_name, decode_index
 from shardwise.checkpoint.loading.load import files_read, load_from_storage, report_load
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.agreement import (
@@ -49,7 +54,7 @@ from shardwise.checkpoint.local_tier.placement import (
     place_replicas,
 )
 from shardwise.checkpoint.local_tier.tier import LocalTier
-from shardwise.checkpoint.local_tier.transport import exchange_messages
+from shardwise.checkpoint.local_tier.transport import Place, exchange_buffers
 from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.saving.save import save_parts
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
@@ -72,6 +77,14 @@ logger = logging.getLogger("shardwise.checkpoint.local_tier")
 #: What makes a restore from the tier fall back to the durable tier: the assembled checkpoint
 #: is bad (as for the manager's own fallback), or the tier's storage failed.
 _FALLBACK_ERRORS = (CheckpointDataError, CheckpointFormatError, CheckpointNotFoundError, OSError)
+
+
+class _Again:
+    """What a restore round returns when the next one is to check every block and agree
+    again."""
+
+
+_AGAIN = _Again()
 
 #: Says what went wrong with a local save: a warning now, or one kept for the training thread.
 Report = Callable[[str], None]
@@ -316,31 +329,71 @@ class TierNode:
         group: Callable[[], ProcessGroup | None],
         report: Report,
     ) -> None:
-        """Send this rank's part to its holders; write the parts it holds (collective over the
-        ranks of the placement)."""
+        """Send this rank's data file to its holders; keep the parts it holds (collective over
+        the ranks of the placement). Only data files travel, from a mapping of the sender's
+        file straight into a mapping of the holder's new one: every part of a save holds the
+        same index, which each holder has in its own part."""
         if not self.placement.replicas:
             return
         me = self.rank
-        message: bytearray | None
+        text, index = b"", None
+        body: mmap.mmap | None = None
         try:
-            message = part_files.read_packed_part(path, me, save_id)
-        except OSError as err:
-            logger.warning("local tier: rank %d cannot read its part of step %d: %s", me, step, err)
-            message = None
+            text = part_files.read_index(path)
+            index = decode_index(text)
+            if data_file_name(me, save_id) in index.files:
+                body = part_files.map_data_file(path, me, save_id)
+        except (CheckpointError, OSError, ValueError) as err:
+            report(f"rank {me} cannot read its local part of step {step}: {err}")
         owners = self.placement.held_by(me)
-        sends = [(holder, message) for holder in self.placement.holders[me]]
+        incoming: dict[int, part_files.IncomingDataFile] = {}
+
+        def place(owner: int) -> Place:
+            def make(sender: int, size: int) -> mmap.mmap | None:
+                name = data_file_name(owner, save_id)
+                if index is None or index.files.get(name) != size:
+                    return None
+                if not self._has_room(sender, size):
+                    return None
+                try:
+                    target = self.directory.make_part(step, owner)
+                    incoming[owner] = part_files.IncomingDataFile(target, name, size)
+                except (CheckpointError, OSError, ValueError) as err:
+                    logger.warning("local tier: rank %d cannot take part %d: %s", me, owner, err)
+                    return None
+                return incoming[owner].buffer
+
+            return make
+
         over = group()
         assert over is not None, "a world of one holds no replica"
-        received = exchange_messages(over, sends, list(owners), self._has_room)
+        try:
+            received = exchange_buffers(
+                over,
+                [(holder, body) for holder in self.placement.holders[me]],
+                [(owner, place(owner)) for owner in owners],
+            )
+        finally:
+            for file in incoming.values():
+                file.close()
+            if body is not None:
+                with contextlib.suppress(BufferError):  # still exported after a failure
+                    body.close()
+        if index is None:
+            return
         world = self.topology.world_size
-        for owner, data in zip(owners, received, strict=True):
-            if data is None:
-                logger.warning("local tier: no replica of part %d of step %d came", owner, step)
-                continue
+        for owner, got in zip(owners, received, strict=True):
             try:
-                files = part_files.unpack_part(data)
-                target = self.directory.make_part(step, owner)
-                part_files.write_part(target, files)
+                if data_file_name(owner, save_id) in index.files:
+                    if got is None:
+                        logger.warning(
+                            "local tier: no replica of part %d of step %d came", owner, step
+                        )
+                        continue
+                    target = self.directory.part_path(step, owner)
+                else:  # a rank that wrote nothing: its part is the index alone
+                    target = self.directory.make_part(step, owner)
+                part_files.write_part(target, {INDEX_NAME: text})
             except (CheckpointError, OSError, ValueError) as err:
                 report(
                     f"rank {me} could not keep the replica of part {owner} of step {step}: {err}"
@@ -351,11 +404,13 @@ class TierNode:
 
     # -- restoring -------------------------------------------------------------------------
 
-    def holdings(self, newer_than: int | None = None) -> Holdings:
+    def holdings(self, newer_than: int | None = None, *, thorough: bool = True) -> Holdings:
         """The parts of this node's directory that are this rank's to report (saved rank
         modulo the local world size: each part read once per node), of steps after
-        ``newer_than``, verified (no collective; a part that fails its checks, or a directory
-        that cannot be read, counts as none)."""
+        ``newer_than``, checked (no collective; a part that fails its checks, or a directory
+        that cannot be read, counts as none): every block's checksum when ``thorough``, else
+        the layout only (its index, and its data file's size), for a load that checks every
+        block it reads."""
         me = self.rank
         if self._usable() is not None:
             return Holdings(rank=me, held=())
@@ -372,7 +427,7 @@ class TierNode:
             for saved, record in records.items():
                 if saved % local != me % local:
                     continue
-                problem = self._check_held(step, record)
+                problem = self._check_held(step, record, thorough)
                 if problem is not None:
                     logger.warning(
                         "local tier: part %d of step %d in %s left out: %s",
@@ -394,11 +449,11 @@ class TierNode:
         )
         return Holdings(rank=me, held=entries)
 
-    def _check_held(self, step: int, record: PartRecord) -> str | None:
+    def _check_held(self, step: int, record: PartRecord, thorough: bool) -> str | None:
         path = self.directory.part_path(step, record.rank)
         try:
             return part_files.check_stored_part(
-                path, record.rank, record.save_id, record.world_size
+                path, record.rank, record.save_id, record.world_size, blocks=thorough
             )
         except OSError as err:
             return f"it does not read ({err})"
@@ -414,11 +469,36 @@ class TierNode:
         is to be restored (nothing newer held, or a failure anywhere: then a
         :class:`LocalTierWarning` says why, on every rank).
 
+        Two rounds at most. The first trusts the layout of the parts held (their index and
+        sizes) and leaves their blocks to the load, which checks every block it reads (the
+        tier's loads always verify, whatever ``load_options`` say); if anything fails after
+        the agreement, the second checks every block of every part held, so that a part
+        that fails counts as absent, and agrees again (another copy, an older step, or the
+        durable tier).
+
         Raises:
             CheckpointError: The load failed for a reason that is not the tier's (a key
                 missing from the checkpoint, with ``strict``).
         """
-        records = self.comm.all_gather_json(self.holdings(durable_step).to_json())
+        options = dataclasses.replace(LoadOptions(**load_options), verify=True)
+        step = self._restore_round(state_dict, durable_step, options, thorough=False)
+        if isinstance(step, _Again):
+            step = self._restore_round(state_dict, durable_step, options, thorough=True)
+        assert not isinstance(step, _Again), "the thorough round falls back"
+        return step
+
+    def _restore_round(
+        self,
+        state_dict: MutableMapping[str, Any],
+        durable_step: int | None,
+        options: LoadOptions,
+        *,
+        thorough: bool,
+    ) -> int | _Again | None:
+        """One round of :meth:`restore`: the step, None (the durable tier), or ``_AGAIN``
+        (a failure after the agreement in the round that was not ``thorough``)."""
+        holdings = self.holdings(durable_step, thorough=thorough)
+        records = self.comm.all_gather_json(holdings.to_json())
         try:
             verdict = choose_step(parse_gathered(records), durable_step)
         except CheckpointFormatError as err:
@@ -429,8 +509,20 @@ class TierNode:
         if verdict.source != "local":
             return None
         assert verdict.world_size is not None and verdict.step is not None
-        options = LoadOptions(**load_options)
-        index, mine = self._needs(verdict, state_dict, options)
+
+        def failed(why: str) -> _Again | None:
+            if thorough:
+                self._fall_back(why)
+                return None
+            logger.warning(
+                "local tier: %s; checking every block of the parts held and agreeing again", why
+            )
+            return _AGAIN
+
+        found = self._needs(verdict, state_dict, options)
+        if found is None:  # the same on every rank: the broadcast index is what decides
+            return failed(f"the index of local step {verdict.step} is not to be had")
+        index, text, mine = found
         try:
             needs = [
                 parse_needs(record, rank=rank, world_size=verdict.world_size)
@@ -441,23 +533,21 @@ class TierNode:
             return None
         plan = plan_transfers(verdict, needs, self.topology)
         me = self.rank
-        received = self._transfer(verdict, plan)
+        received = self._transfer(verdict, plan, index)
         try:
             try:
                 storage, _ = self.comm.agree_or_raise(
-                    lambda: self._assemble(verdict, needs[me], received, index)
+                    lambda: self._assemble(verdict, needs[me], received, index, text, thorough)
                 )
             except (CheckpointError, OSError, ValueError) as err:
-                self._fall_back(f"assembling local step {verdict.step} failed: {err}")
-                return None
+                return failed(f"assembling local step {verdict.step} failed: {err}")
             try:
                 comm = collectives.Comm(self._process_group, operation="load")
                 started = time.monotonic()
                 result, nbytes = load_from_storage(state_dict, storage, storage.root, comm, options)
                 report_load(comm, storage.root, nbytes, started, result, options.strict, "it")
             except _FALLBACK_ERRORS as err:
-                self._fall_back(f"loading local step {verdict.step} failed: {err}")
-                return None
+                return failed(f"loading local step {verdict.step} failed: {err}")
         finally:
             try:
                 self.directory.remove_restore(me)
@@ -471,14 +561,13 @@ class TierNode:
         verdict: Verdict,
         state_dict: MutableMapping[str, Any],
         options: LoadOptions,
-    ) -> tuple[bytes | None, frozenset[int]]:
+    ) -> tuple[Index, bytes, frozenset[int]] | None:
         """The step's index (read by the lowest rank holding a part, broadcast: untrusted
-        here, decoded and checked) and the parts loading ``state_dict`` reads on this rank,
-        planned as :func:`load` plans (collective). Every part when the index is not to be
-        had or the plan fails: the load itself then says why."""
+        here, decoded and checked against the verdict), its bytes, and the parts loading
+        ``state_dict`` reads on this rank, planned as :func:`load` plans (collective); every
+        part with a data file when the plan fails (the load itself then says why). None on
+        every rank when the index is not to be had."""
         assert verdict.step is not None and verdict.save_id is not None
-        assert verdict.world_size is not None
-        every = frozenset(range(verdict.world_size))
         source = min(holders[0] for holders in verdict.holders)
         text = None
         if self.rank == source:
@@ -492,19 +581,25 @@ class TierNode:
                 )
         text = self.comm.broadcast_json(text, src=source)
         if not isinstance(text, str):
-            return None, every
-        index = text.encode("utf-8", "surrogateescape")
+            return None
+        raw = text.encode("utf-8", "surrogateescape")
         try:
-            decoded = decode_index(index)
-            if decoded.save.save_id != verdict.save_id:
-                return None, every
-            files = files_read(state_dict, decoded, options)
+            index = decode_index(raw)
+        except (CheckpointError, ValueError, RecursionError):
+            return None
+        if (index.save.save_id, index.save.world_size) != (verdict.save_id, verdict.world_size):
+            return None
+        names = {
+            data_file_name(rank, verdict.save_id): rank for rank in range(index.save.world_size)
+        }
+        every = frozenset(rank for name, rank in names.items() if name in index.files)
+        try:
+            files = files_read(state_dict, index, options)
         except Exception:
-            return None, every
-        names = {data_file_name(rank, verdict.save_id): rank for rank in every}
+            return index, raw, every
         if not files <= names.keys():
-            return index, every
-        return index, frozenset(names[name] for name in files)
+            return index, raw, every
+        return index, raw, frozenset(names[name] for name in files)
 
     def _fall_back(self, why: str) -> None:
         warnings.warn(
@@ -516,67 +611,89 @@ class TierNode:
     def _on_my_node(self, rank: int) -> bool:
         return self.topology.node_of(rank) == self.topology.node_of(self.rank)
 
-    def _transfer(self, verdict: Verdict, plan: TransferPlan) -> dict[int, memoryview | None]:
-        """Send the parts the plan has this rank send to other nodes, and receive those it
-        gets from other nodes (a same-node part is read from the node's directory)."""
+    def _transfer(
+        self, verdict: Verdict, plan: TransferPlan, index: Index
+    ) -> dict[int, memoryview | None]:
+        """Send the parts' data files the plan has this rank send to other nodes (from
+        mappings of its node's files), and receive those it gets from other nodes into
+        memory (a same-node part is read from the node's directory); the received bytes, by
+        part (None: it did not come)."""
         assert verdict.step is not None and verdict.save_id is not None
         step, save_id = verdict.step, verdict.save_id
-        sends = []
+        sends: list[tuple[int, mmap.mmap | None]] = []
         for transfer in plan.sends_from(self.rank):
             if self._on_my_node(transfer.receiver):
                 continue
-            message: bytearray | None
+            body: mmap.mmap | None
             try:
                 path = self.directory.part_path(step, transfer.part)
-                message = part_files.read_packed_part(path, transfer.part, save_id)
+                body = part_files.map_data_file(path, transfer.part, save_id)
             except OSError as err:
                 logger.warning("local tier: cannot read part %d to send: %s", transfer.part, err)
-                message = None
-            sends.append((transfer.receiver, message))
+                body = None
+            sends.append((transfer.receiver, body))
         incoming = [t for t in plan.receives_at(self.rank) if not self._on_my_node(t.sender)]
         if self.comm.group is None:
             return {}
         group = self._group()  # on every rank: it may be made here
         if not sends and not incoming:
             return {}
-        senders = [t.sender for t in incoming]
-        messages = exchange_messages(group, sends, senders, self._has_room)
-        return {t.part: data for t, data in zip(incoming, messages, strict=True)}
+
+        def place(part: int) -> Place:
+            def make(sender: int, size: int) -> memoryview | None:
+                if index.files.get(data_file_name(part, save_id)) != size:
+                    return None
+                if not self._has_room(sender, size):
+                    return None
+                try:  # memory the bytes touch first: not zeroed, as a bytearray would be
+                    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())  # type: ignore[arg-type]
+                except RuntimeError:  # no memory for it
+                    return None
+
+            return make
+
+        try:
+            received = exchange_buffers(group, sends, [(t.sender, place(t.part)) for t in incoming])
+        finally:
+            for _, body in sends:
+                if body is not None:
+                    with contextlib.suppress(BufferError):  # still exported after a failure
+                        body.close()
+        return {t.part: data for t, data in zip(incoming, received, strict=True)}
 
     def _assemble(
         self,
         verdict: Verdict,
         needed: frozenset[int],
         received: Mapping[int, memoryview | None],
-        index: bytes | None,
+        index: Index,
+        text: bytes,
+        thorough: bool,
     ) -> part_files.ReceivedParts:
-        """This rank's restore directory: the parts of the verdict's step it ``needed``, its
-        node's hard-linked, the others read from the messages ``received`` (verified first),
-        and the step's index (the parts', all the same; ``index`` when no part was needed)."""
+        """This rank's restore directory: the step's index ``text`` (of ``index``) and the
+        parts of the verdict's step it ``needed``, its node's hard-linked (their index must
+        be ``text``), the others' data files read from the bytes ``received`` (their size
+        checked first, and every block when ``thorough``: the load checks the blocks it
+        reads)."""
         assert verdict.step is not None and verdict.save_id is not None
-        assert verdict.world_size is not None
         step, save_id = verdict.step, verdict.save_id
         path = self.directory.make_restore(self.rank)
-        indexes = set()
         in_memory: dict[str, memoryview] = {}
         for part in sorted(needed):
             if part in received:
                 data = received[part]
                 if data is None:
                     raise CheckpointDataError(f"part {part} of local step {step} did not come")
-                files = part_files.unpack_part(data)
-                problem = part_files.verify_part(files, part, save_id, verdict.world_size)
+                name = data_file_name(part, save_id)
+                problem = part_files.verify_data(data, name, index, blocks=thorough)
                 if problem is not None:
                     raise CheckpointDataError(f"part {part} of local step {step}: {problem}")
-                indexes.add(bytes(files.pop(INDEX_NAME)))
-                for name, piece in files.items():
-                    in_memory[name] = memoryview(piece)
+                in_memory[name] = data
             else:
                 source = self.directory.part_path(step, part)
-                indexes.add(part_files.link_part(source, path, part, save_id))
-        if index is not None and not indexes:
-            indexes.add(index)
-        if len(indexes) != 1 or (index is not None and indexes != {index}):
-            raise CheckpointDataError(f"the parts of local step {step} hold different indexes")
-        part_files.write_part(path, {INDEX_NAME: indexes.pop()})
+                if part_files.link_part(source, path, part, save_id) != text:
+                    raise CheckpointDataError(
+                        f"part {part} of local step {step} holds another index than the step's"
+                    )
+        part_files.write_part(path, {INDEX_NAME: text})
         return part_files.ReceivedParts(path, in_memory)

@@ -1,29 +1,28 @@
-"""A part of a local save as bytes: its files read from and written to its directory, packed
-into one message for another rank, and verified against its index (``docs/local-tier.md``).
+"""A part of a local save as files: read from and written to its directory, its data file
+mapped for sending or made and mapped for receiving, and verified against its index
+(``docs/local-tier.md``).
 
 A part is a directory holding what :func:`~shardwise.checkpoint.saving.save.save_parts` wrote
 for one saved rank: the index of the whole save (``shardwise.json``) and, when that rank
 wrote anything, its data file (``data/rank-<R>.<save id>.safetensors``). The part's
-``part.json`` (:mod:`.directory`) is not part of it: each holder writes its own.
+``part.json`` (:mod:`.directory`) is not part of it: each holder writes its own. Only data
+files travel between ranks: the index is the same on every part of a save, and the receiver
+has it already (its own part's at a save; the broadcast one at a restore), which names the
+size it takes.
 
-A packed part, as sent between ranks::
-
-    8 bytes: N, little-endian    N bytes: JSON [[name, size], ...]    the files' bytes, in order
-
-Packing, unpacking and verifying are pure (bytes in, bytes out); reading and writing go
-through descriptors with ``O_NOFOLLOW``, as everything in the tier's directory does.
+Verifying is pure (bytes in, a verdict out); reading and writing go through descriptors with
+``O_NOFOLLOW``, as everything in the tier's directory does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
+import mmap
 import os
 import stat
 from collections.abc import Mapping, Sequence
 
-from shardwise._codec import strict_json
 from shardwise.checkpoint.index import (
     DATA_DIR,
     INDEX_NAME,
@@ -43,21 +42,18 @@ from shardwise.checkpoint.storage import LocalStorage, Reader
 from shardwise.errors import CheckpointError
 
 __all__ = [
-    "index_of",
-    "link_part",
     "check_stored_part",
-    "pack_part",
+    "IncomingDataFile",
+    "link_part",
+    "map_data_file",
     "read_index",
-    "read_packed_part",
-    "read_part",
     "ReceivedParts",
-    "unpack_part",
-    "verify_part",
+    "verify_data",
     "write_part",
 ]
 
-# A packed part's header lists at most two files, a few hundred bytes.
-_MAX_HEADER = 4096
+# A data file received is created to be mapped for writing.
+_MAP_FLAGS = (_CREATE_FLAGS & ~os.O_WRONLY) | os.O_RDWR
 
 
 def _is_part_file(name: object) -> bool:
@@ -97,31 +93,6 @@ def read_index(path: str) -> bytes:
         os.close(fd)
 
 
-def read_part(path: str, rank: int, save_id: str) -> dict[str, bytes]:
-    """The files of saved rank ``rank``'s part of save ``save_id`` in the directory ``path``:
-    its index, and its data file when the directory holds one.
-
-    Raises:
-        OSError: A file is missing, a link or not a regular file, or cannot be read.
-    """
-    fd = os.open(path, _DIRECTORY_FLAGS)
-    try:
-        files = {INDEX_NAME: _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES)}
-        try:
-            data_fd = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            return files
-        try:
-            name = data_file_name(rank, save_id)
-            with contextlib.suppress(FileNotFoundError):
-                files[name] = _read_file(data_fd, name.removeprefix(f"{DATA_DIR}/"), None)
-        finally:
-            os.close(data_fd)
-        return files
-    finally:
-        os.close(fd)
-
-
 def _open_data_file(part_fd: int, name: str) -> int | None:
     """The part's data file ``name`` (``data/...``) opened for reading, below the part's
     descriptor with no link followed; None when it (or ``data/``) is missing.
@@ -145,7 +116,7 @@ def _open_data_file(part_fd: int, name: str) -> int | None:
     return fd
 
 
-def _read_exactly(fd: int, view: memoryview, offset: int, name: str) -> bool:
+def _read_exactly(fd: int, view: memoryview, offset: int) -> bool:
     """Fill ``view`` from byte ``offset`` of ``fd``; False if the file ends first."""
     done = 0
     while done < len(view):
@@ -156,38 +127,69 @@ def _read_exactly(fd: int, view: memoryview, offset: int, name: str) -> bool:
     return True
 
 
-def read_packed_part(path: str, rank: int, save_id: str) -> bytearray:
-    """``pack_part(read_part(path, rank, save_id))``, read straight into the message: one
-    buffer, no copy of the data file in between (on this project's machines, each fresh
-    300 MiB copy cost about a second).
+def map_data_file(path: str, rank: int, save_id: str) -> mmap.mmap | None:
+    """Saved rank ``rank``'s data file of the part in the directory ``path``, mapped: a
+    buffer the transport sends from with no copy (a copy-on-write mapping, never written:
+    gloo wants a writable buffer); None when the part has none. Reading a fresh copy of a
+    300 MiB part first cost more than sending it. The file must keep its size while mapped
+    (a mapping read past a shrunk file's end faults): the tier's files are never truncated.
 
     Raises:
-        OSError: As :func:`read_part`.
+        OSError: A link, not a regular file, or it cannot be opened or mapped.
     """
     fd = os.open(path, _DIRECTORY_FLAGS)
     try:
-        index = _read_file(fd, INDEX_NAME, MAX_INDEX_BYTES)
-        name = data_file_name(rank, save_id)
-        data_fd = _open_data_file(fd, name)
+        data_fd = _open_data_file(fd, data_file_name(rank, save_id))
     finally:
         os.close(fd)
+    if data_fd is None:
+        return None
     try:
-        listed: list[list[object]] = [[INDEX_NAME, len(index)]]
-        size = 0 if data_fd is None else os.fstat(data_fd).st_size
-        if data_fd is not None:
-            listed.append([name, size])
-        header = json.dumps(listed).encode()
-        start = 8 + len(header) + len(index)
-        message = bytearray(start + size)
-        message[:8] = len(header).to_bytes(8, "little")
-        message[8 : 8 + len(header)] = header
-        message[8 + len(header) : start] = index
-        if data_fd is not None and not _read_exactly(data_fd, memoryview(message)[start:], 0, name):
-            raise OSError(errno.EIO, "shorter than its size", name)
-        return message
+        size = os.fstat(data_fd).st_size
+        if size == 0:  # nothing to map; a data file holds a header at least
+            raise OSError(errno.EINVAL, "an empty data file", path)
+        return mmap.mmap(data_fd, size, access=mmap.ACCESS_COPY)
     finally:
-        if data_fd is not None:
-            os.close(data_fd)
+        os.close(data_fd)
+
+
+class IncomingDataFile:
+    """A data file ``name`` (``data/...``) of ``size`` bytes made in the part directory
+    ``path`` for the transport to receive into: its blocks reserved first (a full file
+    system is an ``OSError`` here, never a fault while it is written), then mapped, so
+    that the bytes land in the file with no copy. :meth:`close` when the transfer is over."""
+
+    def __init__(self, path: str, name: str, size: int) -> None:
+        if not _is_part_file(name) or name == INDEX_NAME or size <= 0:
+            raise ValueError(f"not a part's data file: {name!r} of {size} bytes")
+        fd = os.open(path, _DIRECTORY_FLAGS)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(DATA_DIR, 0o700, dir_fd=fd)
+            directory = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+        try:
+            out = os.open(name.removeprefix(f"{DATA_DIR}/"), _MAP_FLAGS, 0o600, dir_fd=directory)
+        finally:
+            os.close(directory)
+        try:
+            os.posix_fallocate(out, 0, size)
+            self._map: mmap.mmap | None = mmap.mmap(out, size, access=mmap.ACCESS_WRITE)
+        finally:
+            os.close(out)
+        self.size = size
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        assert self._map is not None, "closed"
+        return self._map
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # still exported after a failed transfer
+                self._map.close()
+            self._map = None
 
 
 def write_part(path: str, files: Mapping[str, bytes | memoryview], *, sync: bool = False) -> None:
@@ -270,58 +272,6 @@ def link_part(source: str, target: str, rank: int, save_id: str) -> bytes:
         os.close(source_fd)
 
 
-def pack_part(files: Mapping[str, bytes]) -> bytes:
-    """One message of a part's ``files`` (module docstring)."""
-    header = json.dumps([[name, len(data)] for name, data in files.items()]).encode()
-    return b"".join([len(header).to_bytes(8, "little"), header, *files.values()])
-
-
-def unpack_part(message: bytes | bytearray | memoryview) -> dict[str, bytes | memoryview]:
-    """The files of a packed part (from another rank: untrusted).
-
-    Raises:
-        CheckpointError: It is not a packed part (sizes that do not add up, names that are no
-            part file, the index missing or twice).
-    """
-    view = memoryview(message).cast("B")
-    if len(view) < 8:
-        raise CheckpointError(f"a packed part of {len(view)} bytes has no header")
-    length = int.from_bytes(view[:8], "little")
-    if length > min(_MAX_HEADER, len(view) - 8):
-        raise CheckpointError(f"a packed part's header of {length} bytes does not fit")
-    try:
-        listed = strict_json(bytes(view[8 : 8 + length]), "a packed part's header")
-    except ValueError as err:
-        raise CheckpointError(f"a packed part's header does not read: {err}") from err
-    if not isinstance(listed, list) or not all(
-        isinstance(entry, list)
-        and len(entry) == 2
-        and _is_part_file(entry[0])
-        and type(entry[1]) is int
-        and entry[1] >= 0
-        for entry in listed
-    ):
-        raise CheckpointError("a packed part's header is not a list of [part file, size]")
-    names = [entry[0] for entry in listed]
-    if len(set(names)) != len(names) or INDEX_NAME not in names or len(names) > 2:
-        raise CheckpointError(f"a packed part holds {names}, not an index and one data file")
-    position = 8 + length
-    if position + sum(entry[1] for entry in listed) != len(view):
-        raise CheckpointError("a packed part's sizes do not add up to its length")
-    files: dict[str, bytes | memoryview] = {}
-    for name, size in listed:
-        piece = view[position : position + size]
-        # The index as bytes (small, compared and kept); the data file a view of the message.
-        files[name] = bytes(piece) if name == INDEX_NAME else piece
-        position += size
-    return files
-
-
-def index_of(files: Mapping[str, bytes]) -> bytes:
-    """The index of a part's ``files``."""
-    return files[INDEX_NAME]
-
-
 def _index_problem(
     data: bytes, rank: int, save_id: str, world_size: int
 ) -> tuple[Index | None, str | None]:
@@ -338,29 +288,24 @@ def _index_problem(
     return index, None
 
 
-def verify_part(
-    files: Mapping[str, bytes | memoryview], rank: int, save_id: str, world_size: int
+def verify_data(
+    data: bytes | bytearray | memoryview, name: str, index: Index, *, blocks: bool = True
 ) -> str | None:
-    """Why the ``files`` of saved rank ``rank``'s part of save ``save_id`` (by
-    ``world_size`` ranks) are not that part, checked against their own index (the index
-    decodes and is of that save; the data file is there exactly when the index names it, of
-    its size, every block's checksum right); None when they are."""
-    if set(files) - {INDEX_NAME, data_file_name(rank, save_id)} or INDEX_NAME not in files:
-        return f"holds {sorted(files)}"
-    index, problem = _index_problem(bytes(files[INDEX_NAME]), rank, save_id, world_size)
-    if index is None:
-        return problem
-    name = data_file_name(rank, save_id)
-    data = files.get(name)
+    """Why ``data`` (from another rank: untrusted) is not the data file ``name`` of the save
+    of ``index``: a name it does not list, another size, or, with ``blocks``, a block whose
+    checksum is wrong; None when it is. Without ``blocks`` only the size is checked: for a
+    data file whose blocks are checked as they are read (a load verifies every block it
+    reads)."""
     if name not in index.files:
-        return None if data is None else "it holds a data file its index does not name"
-    if data is None:
-        return f"its data file {name} is missing"
-    if len(data) != index.files[name]:
-        return f"its data file {name} is {len(data)} bytes, not {index.files[name]}"
-    start = index.data_starts[name]
-    if block_checksums(memoryview(data)[start:], index.block_size) != index.file_checksums[name]:
-        return f"its data file {name} fails its block checksums"
+        return f"its index names no data file {name}"
+    view = memoryview(data).cast("B")
+    size, start = index.files[name], index.data_starts[name]
+    if len(view) != size:
+        return f"its data file {name} is {len(view)} bytes, not {size}"
+    if not blocks:
+        return None
+    if block_checksums(view[start:], index.block_size) != index.file_checksums[name]:
+        return _FAILS.format(name)
     return None
 
 
@@ -369,9 +314,15 @@ def verify_part(
 _CHECK_BLOCKS = 16
 
 
-def check_stored_part(path: str, rank: int, save_id: str, world_size: int) -> str | None:
-    """:func:`verify_part` of the part in the directory ``path``, its data file checked as
-    it is read, a few blocks at a time, never held whole.
+def check_stored_part(
+    path: str, rank: int, save_id: str, world_size: int, *, blocks: bool = True
+) -> str | None:
+    """Why the part in the directory ``path`` is not saved rank ``rank``'s part of save
+    ``save_id`` by ``world_size`` ranks (its index decodes and is of that save; its data
+    file is there exactly when the index names it, of its size, and, with ``blocks``, every
+    block's checksum right: checked as it is read, a few blocks at a time, never held
+    whole); None when it is. Without ``blocks`` nothing of the data file is read: for a part
+    whose blocks a load checks as it reads them.
 
     Raises:
         OSError: A file cannot be opened or read (a link, not a regular file, I/O).
@@ -392,18 +343,20 @@ def check_stored_part(path: str, rank: int, save_id: str, world_size: int) -> st
     try:
         if name not in index.files:
             return "it holds a data file its index does not name"
-        return _check_data_file(data_fd, name, index)
+        return _check_data_file(data_fd, name, index, blocks)
     finally:
         os.close(data_fd)
 
 
-def _check_data_file(fd: int, name: str, index: Index) -> str | None:
+def _check_data_file(fd: int, name: str, index: Index, blocks: bool) -> str | None:
     size, start = index.files[name], index.data_starts[name]
     actual = os.fstat(fd).st_size
     if actual != size:
         return f"its data file {name} is {actual} bytes, not {size}"
     if not 0 <= start <= size:  # the decoder checks this; a part is read from disk anyway
         return f"its data file {name} has its data start {start} outside its {size} bytes"
+    if not blocks:
+        return None
     block, expected = index.block_size, index.file_checksums[name]
     if start == size:  # no data: the checksum of nothing
         return None if block_checksums(b"", block) == expected else _FAILS.format(name)
@@ -411,7 +364,7 @@ def _check_data_file(fd: int, name: str, index: Index) -> str | None:
     position, checked = start, 0  # checked: checksum characters compared so far
     while position < size:
         piece = buffer[: min(len(buffer), size - position)]
-        if not _read_exactly(fd, piece, position, name):
+        if not _read_exactly(fd, piece, position):
             return f"its data file {name} ends before {size} bytes"
         sums = block_checksums(piece, block)
         if expected[checked : checked + len(sums)] != sums:

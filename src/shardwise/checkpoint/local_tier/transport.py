@@ -1,39 +1,45 @@
-"""Messages of bytes between ranks of the local tier, over a gloo group, sizes first
+"""Buffers of bytes between ranks of the local tier, over a gloo group, sizes first
 (``docs/local-tier.md``, *Save path* and *Restore protocol*).
 
 Three rounds of point-to-point tensors, every pair matched in the order both sides list it:
 
-1. each sender sends the size of its message (``-1``: it has none, e.g. its part failed to
+1. each sender sends the size of its buffer (``-1``: it has none, e.g. its part failed to
    read);
-2. each receiver says whether it takes it (``accept``: a size it has room for);
-3. the accepted messages travel.
+2. each receiver says whether it takes it: its ``place`` for that size gives the buffer the
+   bytes land in (a file's mapping, a buffer in memory), or refuses;
+3. the accepted buffers travel, straight from the sender's buffer into the receiver's.
 
-So a receiver never allocates what it did not check, and neither side waits for a message
+So a receiver never makes room for what it did not check, and neither side waits for bytes
 the other will not send.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from shardwise import collectives
 
-__all__ = ["exchange_messages"]
+__all__ = ["exchange_buffers", "Place"]
+
+#: A receiver's answer to an offered size: a writable buffer of exactly that many bytes to
+#: receive into, or None (refused). Given the sender's group rank and the size; it must not
+#: raise (its peer waits for the answer), a failure is a refusal.
+Place = Callable[[int, int], Any]
 
 
-def exchange_messages(
+def exchange_buffers(
     group: ProcessGroup,
-    sends: Sequence[tuple[int, bytes | bytearray | None]],
-    receives: Sequence[int],
-    accept: Callable[[int, int], bool],
-) -> list[memoryview | None]:
-    """Send each ``(group rank, message)`` of ``sends`` (None: none) and receive one message
-    from each group rank of ``receives``, in that order; the messages received, as views of
-    the buffers they arrived in (None: the sender had none, or ``accept(sender, size)``
-    refused its size).
+    sends: Sequence[tuple[int, Any]],
+    receives: Sequence[tuple[int, Place]],
+) -> list[Any]:
+    """Send each ``(group rank, buffer)`` of ``sends`` (a writable buffer, or None: none)
+    and receive one buffer from each ``(group rank, place)`` of ``receives``, in that
+    order; for each receive, the buffer its ``place`` gave, filled, or None (the sender had
+    none, or ``place`` refused).
 
     Collective over the ranks named on both sides: each pair must be listed by both.
     """
@@ -45,42 +51,32 @@ def exchange_messages(
     collectives.send_recv_bytes(
         group,
         [(ranks[peer], size) for (peer, _), size in zip(sends, sizes, strict=True)],
-        [(ranks[peer], size) for peer, size in zip(receives, offered, strict=True)],
+        [(ranks[peer], size) for (peer, _), size in zip(receives, offered, strict=True)],
     )
-    taken = [
-        size >= 0 and accept(peer, size)
-        for peer, size in zip(receives, (int(size.item()) for size in offered), strict=True)
+    places = [
+        place(peer, size) if size >= 0 else None
+        for (peer, place), size in zip(
+            receives, (int(item.item()) for item in offered), strict=True
+        )
     ]
-    answers = [torch.tensor([int(take)], dtype=torch.int64) for take in taken]
+    answers = [torch.tensor([int(buffer is not None)], dtype=torch.int64) for buffer in places]
     agreed = [torch.zeros(1, dtype=torch.int64) for _ in sends]
     collectives.send_recv_bytes(
         group,
-        [(ranks[peer], answer) for peer, answer in zip(receives, answers, strict=True)],
+        [(ranks[peer], answer) for (peer, _), answer in zip(receives, answers, strict=True)],
         [(ranks[peer], answer) for (peer, _), answer in zip(sends, agreed, strict=True)],
     )
-    outgoing = [
-        (ranks[peer], torch.frombuffer(_writable(data), dtype=torch.uint8))
-        for (peer, data), answer in zip(sends, agreed, strict=True)
-        if data is not None and int(answer.item()) and data
-    ]
-    buffers: list[torch.Tensor | None] = [
-        torch.empty(int(size.item()), dtype=torch.uint8) if take else None
-        for size, take in zip(offered, taken, strict=True)
-    ]
     collectives.send_recv_bytes(
         group,
-        outgoing,
         [
-            (ranks[peer], buffer)
-            for peer, buffer in zip(receives, buffers, strict=True)
-            if buffer is not None and buffer.numel()
+            (ranks[peer], torch.frombuffer(data, dtype=torch.uint8))
+            for (peer, data), answer in zip(sends, agreed, strict=True)
+            if data is not None and int(answer.item()) and len(data)
+        ],
+        [
+            (ranks[peer], torch.frombuffer(buffer, dtype=torch.uint8))
+            for (peer, _), buffer in zip(receives, places, strict=True)
+            if buffer is not None and len(buffer)
         ],
     )
-    # Views of the buffers received: a message of 300 MiB is not copied again.
-    return [None if buffer is None else memoryview(buffer.numpy()) for buffer in buffers]  # type: ignore[arg-type]
-
-
-def _writable(data: bytes | bytearray) -> bytearray:
-    """``data`` as the writable buffer ``torch.frombuffer`` takes without a warning (a copy
-    only of read-only bytes)."""
-    return data if isinstance(data, bytearray) else bytearray(data)
+    return places

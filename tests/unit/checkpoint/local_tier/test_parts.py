@@ -1,7 +1,9 @@
-"""A part's files: written by ``save_parts`` in one process, read back, packed and unpacked
-(hostile messages refused), verified against their index (a flipped byte, a missing or extra
-file, another save's index), linked into a restore directory; and the directory's restore
-directories (a link in their place refused, nothing outside touched)."""
+"""A part's files: written by ``save_parts`` in one process, checked where they lie and
+verified as received bytes against their index (a flipped byte, a wrong size, a missing or
+extra file, another save's index), mapped for sending and made and mapped for receiving
+(names that are no data file refused, a link never followed), linked into a restore
+directory; and the directory's restore directories (a link in their place refused, nothing
+outside touched)."""
 
 from __future__ import annotations
 
@@ -13,22 +15,21 @@ import torch
 
 from shardwise import collectives
 from shardwise.checkpoint import load
-from shardwise.checkpoint.index import INDEX_NAME, data_file_name
+from shardwise.checkpoint.index import INDEX_NAME, data_file_name, decode_index
 from shardwise.checkpoint.local_tier import TierDirectory
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.parts import (
+    IncomingDataFile,
     check_stored_part,
     link_part,
-    pack_part,
-    read_packed_part,
-    read_part,
-    unpack_part,
-    verify_part,
+    map_data_file,
+    read_index,
+    verify_data,
     write_part,
 )
 from shardwise.checkpoint.saving.save import save_parts
 from shardwise.checkpoint.saving.snapshot import describe_or_error
-from shardwise.errors import CheckpointError, CheckpointStorageError
+from shardwise.errors import CheckpointStorageError
 
 
 def _saved(path: pathlib.Path) -> tuple[str, dict[str, bytes]]:
@@ -37,34 +38,39 @@ def _saved(path: pathlib.Path) -> tuple[str, dict[str, bytes]]:
     snapshot, error = describe_or_error(state, False)
     assert error is None
     save_id = save_parts(snapshot, str(path), collectives.Comm(None), sync_files=False)
-    return save_id, read_part(str(path), 0, save_id)
+    return save_id, _files(path, save_id)
+
+
+def _files(path: pathlib.Path, save_id: str) -> dict[str, bytes]:
+    """The part's files in ``path``, by name."""
+    names = [INDEX_NAME, data_file_name(0, save_id)]
+    return {name: (path / name).read_bytes() for name in names if (path / name).exists()}
 
 
 def test_a_part_is_a_checkpoint_and_verifies(tmp_path: pathlib.Path) -> None:
     save_id, files = _saved(tmp_path / "part")
     assert sorted(files) == [data_file_name(0, save_id), INDEX_NAME]
-    assert verify_part(files, 0, save_id, 1) is None
+    name = data_file_name(0, save_id)
+    assert verify_data(files[name], name, decode_index(files[INDEX_NAME])) is None
     state = {"w": torch.zeros(8, 5), "step": 0}
     load(state, tmp_path / "part")
     assert torch.equal(state["w"], torch.arange(40, dtype=torch.float32).reshape(8, 5))
     assert state["step"] == 3
 
 
-def test_verify_names_what_is_wrong(tmp_path: pathlib.Path) -> None:
+def test_verify_data_names_what_is_wrong(tmp_path: pathlib.Path) -> None:
     save_id, files = _saved(tmp_path / "part")
     name = data_file_name(0, save_id)
+    index = decode_index(files[INDEX_NAME])
     flipped = bytearray(files[name])
     flipped[-1] ^= 1
-    assert "checksums" in str(verify_part({**files, name: bytes(flipped)}, 0, save_id, 1))
-    assert "bytes, not" in str(verify_part({**files, name: files[name][:-1]}, 0, save_id, 1))
-    assert "missing" in str(verify_part({INDEX_NAME: files[INDEX_NAME]}, 0, save_id, 1))
-    other = "0123456789abcdef"
-    index_only = {INDEX_NAME: files[INDEX_NAME]}
-    assert f"not {other}" in str(verify_part(index_only, 0, other, 1))
-    assert "holds" in str(verify_part(files, 0, other, 1))  # another save's data file
-    assert "by 1 ranks, not" in str(verify_part(files, 0, save_id, 2))
-    assert "does not decode" in str(verify_part({**files, INDEX_NAME: b"{"}, 0, save_id, 1))
-    assert "holds" in str(verify_part({**files, "data/x": b""}, 0, save_id, 1))
+    assert "checksums" in str(verify_data(flipped, name, index))
+    # Without blocks, the size only: a flipped bit passes, a wrong size does not.
+    assert verify_data(flipped, name, index, blocks=False) is None
+    assert "bytes, not" in str(verify_data(files[name][:-1], name, index, blocks=False))
+    assert "bytes, not" in str(verify_data(files[name] + b"x", name, index))
+    other = data_file_name(1, save_id)
+    assert "names no data file" in str(verify_data(files[name], other, index))
 
 
 def test_a_stored_part_is_checked_as_it_is_read(
@@ -90,11 +96,14 @@ def test_a_stored_part_is_checked_as_it_is_read(
         flipped[where] ^= 1
         data_file.write_bytes(bytes(flipped))
         assert "checksums" in str(check_stored_part(str(path), 0, save_id, 1)), where
-        assert verify_part(read_part(str(path), 0, save_id), 0, save_id, 1) is not None
+        assert check_stored_part(str(path), 0, save_id, 1, blocks=False) is None
     data_file.write_bytes(good[:-1])
     assert "bytes, not" in str(check_stored_part(str(path), 0, save_id, 1))
+    assert "bytes, not" in str(check_stored_part(str(path), 0, save_id, 1, blocks=False))
     data_file.unlink()
     assert "missing" in str(check_stored_part(str(path), 0, save_id, 1))
+    assert "not 0123456789abcdef" in str(check_stored_part(str(path), 0, "0123456789abcdef", 1))
+    assert "does not decode" in str(_with_index(path, b"{", save_id))
     os.symlink(tmp_path / "elsewhere", data_file)
     (tmp_path / "elsewhere").write_bytes(good)
     with pytest.raises(OSError):
@@ -104,24 +113,50 @@ def test_a_stored_part_is_checked_as_it_is_read(
     assert check_stored_part(str(path), 0, save_id, 1) is None
 
 
-def test_pack_round_trips_and_refuses_hostile_messages(tmp_path: pathlib.Path) -> None:
+def _with_index(path: pathlib.Path, index: bytes, save_id: str) -> str | None:
+    """check_stored_part of ``path`` with its index replaced by ``index`` (then put back)."""
+    good = (path / INDEX_NAME).read_bytes()
+    (path / INDEX_NAME).write_bytes(index)
+    try:
+        return check_stored_part(str(path), 0, save_id, 1)
+    finally:
+        (path / INDEX_NAME).write_bytes(good)
+
+
+def test_a_data_file_is_mapped_to_be_sent_and_made_to_be_received(
+    tmp_path: pathlib.Path,
+) -> None:
     save_id, files = _saved(tmp_path / "part")
-    packed = pack_part(files)
-    assert read_packed_part(str(tmp_path / "part"), 0, save_id) == packed  # read in one go
-    assert unpack_part(packed) == files
-    assert unpack_part(bytearray(packed)) == files
-    assert unpack_part(pack_part({INDEX_NAME: b"{}"})) == {INDEX_NAME: b"{}"}
-    for hostile in (
-        b"",
-        packed[:-1],
-        packed + b"x",
-        (1 << 40).to_bytes(8, "little") + packed[8:],
-        pack_part({INDEX_NAME: b"", "../../etc/passwd": b"x"}),
-        pack_part({data_file_name(0, save_id): b"x"}),
-        (7).to_bytes(8, "little") + b"[[1, 2]]",
-    ):
-        with pytest.raises(CheckpointError):
-            unpack_part(hostile)
+    name = data_file_name(0, save_id)
+    mapped = map_data_file(str(tmp_path / "part"), 0, save_id)
+    assert mapped is not None and bytes(mapped) == files[name]
+    assert read_index(str(tmp_path / "part")) == files[INDEX_NAME]
+    assert map_data_file(str(tmp_path / "part"), 1, save_id) is None  # no such data file
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    incoming = IncomingDataFile(str(copy), name, len(files[name]))
+    incoming.buffer[:] = mapped  # what the transport does, from one mapping into the other
+    incoming.close()
+    incoming.close()  # twice: nothing to do
+    mapped.close()
+    assert (copy / name).read_bytes() == files[name]
+    with pytest.raises(FileExistsError):  # never over a file that is there
+        IncomingDataFile(str(copy), name, 10)
+    for hostile in ("../x", INDEX_NAME, "data/../../x", f"data/{os.path.basename(name)}/x"):
+        with pytest.raises(ValueError, match="not a part's data file"):
+            IncomingDataFile(str(copy), hostile, 10)
+    with pytest.raises(ValueError, match="not a part's data file"):
+        IncomingDataFile(str(tmp_path / "part"), data_file_name(1, save_id), 0)
+    # A link where the data file is: never followed, for sending or for receiving.
+    linked = tmp_path / "linked"
+    (linked / "data").mkdir(parents=True)
+    (linked / INDEX_NAME).write_bytes(files[INDEX_NAME])
+    (linked / name).symlink_to(copy / name)
+    with pytest.raises(OSError):
+        map_data_file(str(linked), 0, save_id)
+    with pytest.raises(OSError):
+        IncomingDataFile(str(linked), name, 10)
+    assert (copy / name).read_bytes() == files[name]
 
 
 def test_write_and_link_into_a_restore_directory(tmp_path: pathlib.Path) -> None:
@@ -129,7 +164,7 @@ def test_write_and_link_into_a_restore_directory(tmp_path: pathlib.Path) -> None
     copy = tmp_path / "copy"
     copy.mkdir()
     write_part(str(copy), files)
-    assert read_part(str(copy), 0, save_id) == files
+    assert _files(copy, save_id) == files
     with pytest.raises(FileExistsError):
         write_part(str(copy), files)
     with pytest.raises(ValueError, match="not the files of a part"):
