@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LoadResult",
-    "files_read",
+    "ranges_read",
     "load",
     "load_from_storage",
     "load_tensor",
@@ -304,17 +304,38 @@ class _PlanningReader(CheckpointReader):
         return None
 
 
-def files_read(
+def ranges_read(
     state_dict: MutableMapping[str, Any], index: Index, options: LoadOptions
-) -> set[str]:
-    """The data files (``data/...`` names of ``index``) that loading ``state_dict`` from a
-    checkpoint of ``index`` reads on this rank, planned as :func:`load` plans, nothing read
-    (the local tier fetches only these parts). Raises what planning the load raises."""
+) -> dict[str, list[tuple[int, int]]]:
+    """The bytes of the data files (``data/...`` names of ``index``) that loading
+    ``state_dict`` from a checkpoint of ``index`` reads on this rank, planned as :func:`load`
+    plans, nothing read: by file, ``[begin, end)`` ranges in order, disjoint and not
+    touching, each of whole blocks (a verified read reads the whole blocks it touches; the
+    last block ends at the file's end), and covering every read (the local tier fetches only
+    these). Raises what planning the load raises."""
     reader = _PlanningReader(LocalStorage("."), index, "")  # its storage is never used
     planned = _plan_load(flatten(state_dict), reader, options)
-    files = {job.chunk.file for job in planned.jobs if job.chunk.nbytes}
-    files.update(item.blob.file for _, item in planned.objects if item.blob is not None)
-    return files
+    spans = [
+        (job.chunk.file, job.read.file_offset, job.read.file_offset + job.read.nbytes)
+        for job in planned.jobs
+        if job.read.nbytes
+    ]
+    spans.extend(
+        (item.blob.file, item.blob.begin, item.blob.end)
+        for _, item in planned.objects
+        if item.blob is not None and item.blob.nbytes
+    )
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for file, begin, end in sorted(spans):
+        if index.block_size:
+            first, sums = index.blocks_of(file, begin, end)
+            begin, end = first, min(first + len(sums) * index.block_size, index.files[file])
+        runs = ranges.setdefault(file, [])
+        if runs and begin <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+        else:
+            runs.append((begin, end))
+    return ranges
 
 
 def _decode(reader: CheckpointReader, item: ObjectRecord, like: Any, payload: bytes | None) -> Any:

@@ -31,6 +31,8 @@ from shardwise.errors import CheckpointFormatError
 
 __all__ = [
     "MAX_STEP",
+    "Needs",
+    "needs_to_json",
     "MAX_WORLD_SIZE",
     "HeldStep",
     "Holdings",
@@ -237,16 +239,56 @@ def choose_step(holdings: Sequence[Holdings], durable_step: int | None) -> Verdi
     return Verdict(source="durable", step=durable_step, notes=tuple(notes))
 
 
-def parse_needs(record: object, *, rank: int, world_size: int) -> frozenset[int]:
-    """The parts (saved ranks, below ``world_size``) live rank ``rank`` needs, from ``record``
-    (decoded JSON, untrusted: a list of distinct ints).
+#: What a live rank needs of a step: by part (saved rank), the ``[begin, end)`` byte ranges of
+#: its data file, in order, disjoint and not touching.
+Needs = Mapping[int, tuple[tuple[int, int], ...]]
+
+
+def needs_to_json(needs: Needs) -> list[list[Any]]:
+    """``needs`` as the JSON :func:`parse_needs` reads: ``[[part, [[begin, end], ...]], ...]``."""
+    return [[part, [list(run) for run in runs]] for part, runs in sorted(needs.items())]
+
+
+def parse_needs(record: object, *, rank: int, sizes: Mapping[int, int]) -> Needs:
+    """What live rank ``rank`` needs, from ``record`` (decoded JSON, untrusted: see
+    :func:`needs_to_json`), where ``sizes`` are the data files' sizes by part (a part without
+    one is never needed): parts of ``sizes``, none twice, each with byte ranges inside its
+    file, in order, disjoint and not touching (empty ones refused).
 
     Raises:
-        CheckpointFormatError: It is not such a list (naming ``rank``).
+        CheckpointFormatError: It is not such a record (naming ``rank``).
     """
     if type(record) is not list:
         raise _refuse(rank, f"the needed parts are a {type(record).__name__}, not a list")
-    return _part_set(record, world_size, rank, "needed part", "the needed parts")
+    needs: dict[int, tuple[tuple[int, int], ...]] = {}
+    for entry in record:
+        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not list:
+            raise _refuse(rank, f"a needed part {entry!r} is not [part, [[begin, end], ...]]")
+        part, runs = entry
+        if type(part) is not int or part not in sizes:
+            raise _refuse(rank, f"needed part {part!r} is no part with a data file")
+        if part in needs:
+            raise _refuse(rank, f"needed part {part} is listed twice")
+        end = -1  # a range must start after the one before ends
+        checked = []
+        for run in runs:
+            if (
+                type(run) is not list
+                or len(run) != 2
+                or not _int_in(run[0], end + 1, sizes[part] - 1)
+                or not _int_in(run[1], run[0] + 1, sizes[part])
+            ):
+                raise _refuse(
+                    rank,
+                    f"needed part {part}: {run!r} is not a byte range after the one before, "
+                    f"inside its data file of {sizes[part]} bytes",
+                )
+            checked.append((run[0], run[1]))
+            end = run[1]
+        if not checked:
+            raise _refuse(rank, f"needed part {part} lists no byte range")
+        needs[part] = tuple(checked)
+    return needs
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -280,7 +322,7 @@ def plan_transfers(
     verdict: Verdict, needs: Sequence[frozenset[int]], topology: Topology | None = None
 ) -> TransferPlan:
     """Who sends each part to each live rank that needs it (``needs[r]``: rank ``r``'s, from
-    :func:`parse_needs`), for a local ``verdict``.
+    :func:`parse_needs`, as a set), for a local ``verdict``.
 
     A rank that holds a part reads its own copy. Every other need is served by one holder: one
     on the receiver's node where ``topology`` (of the live ranks) says there is one, else any;

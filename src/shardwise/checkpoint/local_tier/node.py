@@ -28,21 +28,23 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import collectives
 from shardwise.checkpoint.index import INDEX_NAME, Index, data_file_name, decode_index
-from shardwise.checkpoint.loading.load import files_read, load_from_storage, report_load
+from shardwise.checkpoint.loading.load import load_from_storage, ranges_read, report_load
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.agreement import (
     HeldStep,
     Holdings,
+    Needs,
     TransferPlan,
     Verdict,
     choose_step,
+    needs_to_json,
     parse_gathered,
     parse_needs,
     plan_transfers,
@@ -523,17 +525,24 @@ class TierNode:
         if found is None:  # the same on every rank: the broadcast index is what decides
             return failed(f"the index of local step {verdict.step} is not to be had")
         index, text, mine = found
+        save_id = verdict.save_id
+        assert save_id is not None
+        sizes = {
+            part: index.files[name]
+            for part in range(verdict.world_size)
+            if (name := data_file_name(part, save_id)) in index.files
+        }
         try:
             needs = [
-                parse_needs(record, rank=rank, world_size=verdict.world_size)
-                for rank, record in enumerate(self.comm.all_gather_json(sorted(mine)))
+                parse_needs(record, rank=rank, sizes=sizes)
+                for rank, record in enumerate(self.comm.all_gather_json(needs_to_json(mine)))
             ]
         except CheckpointFormatError as err:
             self._fall_back(f"a rank's needed parts are malformed: {err}")
             return None
-        plan = plan_transfers(verdict, needs, self.topology)
+        plan = plan_transfers(verdict, [frozenset(need) for need in needs], self.topology)
         me = self.rank
-        received = self._transfer(verdict, plan, index)
+        received = self._transfer(verdict, plan, needs)
         try:
             try:
                 storage, _ = self.comm.agree_or_raise(
@@ -561,12 +570,12 @@ class TierNode:
         verdict: Verdict,
         state_dict: MutableMapping[str, Any],
         options: LoadOptions,
-    ) -> tuple[Index, bytes, frozenset[int]] | None:
+    ) -> tuple[Index, bytes, Needs] | None:
         """The step's index (read by the lowest rank holding a part, broadcast: untrusted
-        here, decoded and checked against the verdict), its bytes, and the parts loading
-        ``state_dict`` reads on this rank, planned as :func:`load` plans (collective); every
-        part with a data file when the plan fails (the load itself then says why). None on
-        every rank when the index is not to be had."""
+        here, decoded and checked against the verdict), its bytes, and what loading
+        ``state_dict`` reads on this rank (the byte ranges of the parts' data files), planned
+        as :func:`load` plans (collective); every part's data section when the plan fails
+        (the load itself then says why). None on every rank when the index is not to be had."""
         assert verdict.step is not None and verdict.save_id is not None
         source = min(holders[0] for holders in verdict.holders)
         text = None
@@ -590,16 +599,22 @@ class TierNode:
         if (index.save.save_id, index.save.world_size) != (verdict.save_id, verdict.world_size):
             return None
         names = {
-            data_file_name(rank, verdict.save_id): rank for rank in range(index.save.world_size)
+            data_file_name(rank, verdict.save_id): rank
+            for rank in range(index.save.world_size)
+            if data_file_name(rank, verdict.save_id) in index.files
         }
-        every = frozenset(rank for name, rank in names.items() if name in index.files)
+        every = {  # the data sections (a load never reads a data file's header)
+            rank: ((index.data_starts[name], index.files[name]),)
+            for name, rank in names.items()
+            if index.data_starts[name] < index.files[name]
+        }
         try:
-            files = files_read(state_dict, index, options)
+            ranges = ranges_read(state_dict, index, options)
         except Exception:
             return index, raw, every
-        if not files <= names.keys():
+        if not ranges.keys() <= names.keys():
             return index, raw, every
-        return index, raw, frozenset(names[name] for name in files)
+        return index, raw, {names[name]: tuple(runs) for name, runs in ranges.items()}
 
     def _fall_back(self, why: str) -> None:
         warnings.warn(
@@ -612,16 +627,18 @@ class TierNode:
         return self.topology.node_of(rank) == self.topology.node_of(self.rank)
 
     def _transfer(
-        self, verdict: Verdict, plan: TransferPlan, index: Index
-    ) -> dict[int, memoryview | None]:
-        """Send the parts' data files the plan has this rank send to other nodes (from
-        mappings of its node's files), and receive those it gets from other nodes into
-        memory (a same-node part is read from the node's directory); the received bytes, by
-        part (None: it did not come)."""
+        self, verdict: Verdict, plan: TransferPlan, needs: Sequence[Needs]
+    ) -> dict[int, list[tuple[int, memoryview | None]]]:
+        """Send the byte ranges of the parts' data files the plan has this rank send to other
+        nodes (each as its receiver asked, from a mapping of its node's file), and receive
+        those it gets from other nodes into memory (a same-node part is read from the node's
+        directory); the pieces received, by part: ``(begin, bytes or None: it did not come)``."""
         assert verdict.step is not None and verdict.save_id is not None
-        step, save_id = verdict.step, verdict.save_id
-        sends: list[tuple[int, mmap.mmap | None]] = []
-        for transfer in plan.sends_from(self.rank):
+        step, save_id, me = verdict.step, verdict.save_id, self.rank
+        maps: list[mmap.mmap] = []
+        views: list[memoryview] = []
+        sends: list[tuple[int, memoryview | None]] = []
+        for transfer in plan.sends_from(me):
             if self._on_my_node(transfer.receiver):
                 continue
             body: mmap.mmap | None
@@ -631,64 +648,79 @@ class TierNode:
             except OSError as err:
                 logger.warning("local tier: cannot read part %d to send: %s", transfer.part, err)
                 body = None
-            sends.append((transfer.receiver, body))
-        incoming = [t for t in plan.receives_at(self.rank) if not self._on_my_node(t.sender)]
+            whole = None if body is None else memoryview(body)
+            if body is not None and whole is not None:
+                maps.append(body)
+                views.append(whole)
+            for begin, end in needs[transfer.receiver][transfer.part]:
+                # A file shorter than the index says sends nothing (the holder checked its
+                # size; the receiver would refuse another size anyway).
+                piece = None if whole is None or end > len(whole) else whole[begin:end]
+                if piece is not None:
+                    views.append(piece)
+                sends.append((transfer.receiver, piece))
+        incoming = [t for t in plan.receives_at(me) if not self._on_my_node(t.sender)]
         if self.comm.group is None:
             return {}
         group = self._group()  # on every rank: it may be made here
         if not sends and not incoming:
             return {}
 
-        def place(part: int) -> Place:
-            def make(sender: int, size: int) -> memoryview | None:
-                if index.files.get(data_file_name(part, save_id)) != size:
-                    return None
-                if not self._has_room(sender, size):
-                    return None
-                try:  # memory the bytes touch first: not zeroed, as a bytearray would be
-                    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())  # type: ignore[arg-type]
-                except RuntimeError:  # no memory for it
-                    return None
+        def place(sender: int, size: int) -> memoryview | None:
+            if not self._has_room(sender, size):
+                return None
+            try:  # memory the bytes touch first: not zeroed, as a bytearray would be
+                return memoryview(torch.empty(size, dtype=torch.uint8).numpy())  # type: ignore[arg-type]
+            except RuntimeError:  # no memory for it
+                return None
 
-            return make
+        def expecting(length: int) -> Place:
+            return lambda sender, size: place(sender, size) if size == length else None
 
+        receives = [
+            (t.sender, expecting(end - begin)) for t in incoming for begin, end in needs[me][t.part]
+        ]
         try:
-            received = exchange_buffers(group, sends, [(t.sender, place(t.part)) for t in incoming])
+            got = iter(exchange_buffers(group, sends, receives))
         finally:
-            for _, body in sends:
-                if body is not None:
-                    with contextlib.suppress(BufferError):  # still exported after a failure
-                        body.close()
-        return {t.part: data for t, data in zip(incoming, received, strict=True)}
+            for view in reversed(views):
+                with contextlib.suppress(BufferError):  # still exported after a failure
+                    view.release()
+            for body in maps:
+                with contextlib.suppress(BufferError):
+                    body.close()
+        return {t.part: [(begin, next(got)) for begin, _ in needs[me][t.part]] for t in incoming}
 
     def _assemble(
         self,
         verdict: Verdict,
-        needed: frozenset[int],
-        received: Mapping[int, memoryview | None],
+        needed: Needs,
+        received: Mapping[int, list[tuple[int, memoryview | None]]],
         index: Index,
         text: bytes,
         thorough: bool,
     ) -> part_files.ReceivedParts:
         """This rank's restore directory: the step's index ``text`` (of ``index``) and the
         parts of the verdict's step it ``needed``, its node's hard-linked (their index must
-        be ``text``), the others' data files read from the bytes ``received`` (their size
-        checked first, and every block when ``thorough``: the load checks the blocks it
-        reads)."""
+        be ``text``), the others' data files read from the pieces ``received`` (every block
+        of them checked when ``thorough``; else the load checks the blocks it reads)."""
         assert verdict.step is not None and verdict.save_id is not None
         step, save_id = verdict.step, verdict.save_id
         path = self.directory.make_restore(self.rank)
-        in_memory: dict[str, memoryview] = {}
+        in_memory: dict[str, list[tuple[int, memoryview]]] = {}
         for part in sorted(needed):
             if part in received:
-                data = received[part]
-                if data is None:
-                    raise CheckpointDataError(f"part {part} of local step {step} did not come")
                 name = data_file_name(part, save_id)
-                problem = part_files.verify_data(data, name, index, blocks=thorough)
-                if problem is not None:
-                    raise CheckpointDataError(f"part {part} of local step {step}: {problem}")
-                in_memory[name] = data
+                pieces = []
+                for begin, data in received[part]:
+                    if data is None:
+                        raise CheckpointDataError(f"part {part} of local step {step} did not come")
+                    pieces.append((begin, data))
+                if thorough:
+                    problem = part_files.verify_pieces(pieces, name, index)
+                    if problem is not None:
+                        raise CheckpointDataError(f"part {part} of local step {step}: {problem}")
+                in_memory[name] = pieces
             else:
                 source = self.directory.part_path(step, part)
                 if part_files.link_part(source, path, part, save_id) != text:
@@ -696,4 +728,4 @@ class TierNode:
                         f"part {part} of local step {step} holds another index than the step's"
                     )
         part_files.write_part(path, {INDEX_NAME: text})
-        return part_files.ReceivedParts(path, in_memory)
+        return part_files.ReceivedParts(path, index, in_memory)

@@ -16,6 +16,7 @@ Verifying is pure (bytes in, a verdict out); reading and writing go through desc
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import mmap
@@ -39,7 +40,7 @@ from shardwise.checkpoint.local_tier.directory import (  # the tier's one set of
     _READ_FLAGS,
 )
 from shardwise.checkpoint.storage import LocalStorage, Reader
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointDataError, CheckpointError
 
 __all__ = [
     "check_stored_part",
@@ -48,7 +49,7 @@ __all__ = [
     "map_data_file",
     "read_index",
     "ReceivedParts",
-    "verify_data",
+    "verify_pieces",
     "write_part",
 ]
 
@@ -288,24 +289,27 @@ def _index_problem(
     return index, None
 
 
-def verify_data(
-    data: bytes | bytearray | memoryview, name: str, index: Index, *, blocks: bool = True
+def verify_pieces(
+    pieces: Sequence[tuple[int, bytes | bytearray | memoryview]], name: str, index: Index
 ) -> str | None:
-    """Why ``data`` (from another rank: untrusted) is not the data file ``name`` of the save
-    of ``index``: a name it does not list, another size, or, with ``blocks``, a block whose
-    checksum is wrong; None when it is. Without ``blocks`` only the size is checked: for a
-    data file whose blocks are checked as they are read (a load verifies every block it
-    reads)."""
+    """Why the ``pieces`` (from another rank: untrusted; ``(begin, bytes)``) are not bytes of
+    the data file ``name`` of the save of ``index``: a name it does not list, a piece outside
+    the file or not of whole blocks, or a block whose checksum is wrong; None when they are."""
     if name not in index.files:
         return f"its index names no data file {name}"
-    view = memoryview(data).cast("B")
-    size, start = index.files[name], index.data_starts[name]
-    if len(view) != size:
-        return f"its data file {name} is {len(view)} bytes, not {size}"
-    if not blocks:
-        return None
-    if block_checksums(view[start:], index.block_size) != index.file_checksums[name]:
-        return _FAILS.format(name)
+    size, block = index.files[name], index.block_size
+    for begin, data in pieces:
+        view = memoryview(data).cast("B")
+        end = begin + len(view)
+        if not 0 <= begin < end <= size:
+            return f"bytes [{begin}, {end}) of its data file {name} are outside its {size} bytes"
+        if not block:
+            return f"its data file {name} has no block checksums"
+        first, sums = index.blocks_of(name, begin, end)
+        if first != begin or (end != size and (end - index.data_starts[name]) % block):
+            return f"bytes [{begin}, {end}) of its data file {name} are not whole blocks"
+        if block_checksums(view, block) != "".join(sums):
+            return _FAILS.format(name)
     return None
 
 
@@ -378,21 +382,35 @@ _FAILS = "its data file {} fails its block checksums"
 
 
 class _MemoryReader:
-    """A data file received from another rank, read from the message it came in."""
+    """A data file of ``size`` bytes received from another rank as ``pieces`` (``(begin,
+    bytes)``, in order, disjoint), read from the memory they came in: only their bytes (the
+    blocks the load reads), anything else is a :class:`CheckpointDataError`."""
 
-    def __init__(self, path: str, data: memoryview) -> None:
+    def __init__(self, path: str, size: int, pieces: Sequence[tuple[int, memoryview]]) -> None:
         self.path = path
-        self.size = len(data)
-        self._data = data
+        self.size = size
+        self._pieces = sorted(pieces, key=lambda piece: piece[0])
+        self._begins = [begin for begin, _ in self._pieces]
 
     @property
     def identity(self) -> object:
-        return ("received", id(self._data))
+        return ("received", id(self))
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
-        count = max(0, min(len(buffer), self.size - offset))
-        buffer[:count] = self._data[offset : offset + count]
-        return count
+        total, wanted = 0, min(len(buffer), max(0, self.size - offset))
+        while total < wanted:
+            at = offset + total
+            number = bisect.bisect_right(self._begins, at) - 1
+            begin, data = self._pieces[number] if number >= 0 else (0, memoryview(b""))
+            if not begin <= at < begin + len(data):
+                raise CheckpointDataError(
+                    f"byte {at} of {self.path} was not received (only the blocks this rank's "
+                    "load was planned to read were)"
+                )
+            count = min(wanted - total, begin + len(data) - at)
+            buffer[total : total + count] = data[at - begin : at - begin + count]
+            total += count
+        return total
 
     def read_vector(self, offset: int, buffers: Sequence[memoryview]) -> int:
         total = 0
@@ -409,15 +427,20 @@ class _MemoryReader:
 
 class ReceivedParts(LocalStorage):
     """A restore directory (its index, the node's parts hard-linked into ``data/``) whose
-    ``received`` data files (``data/...`` name: the bytes, verified) are read from memory:
-    writing them into ``/dev/shm`` first, to read them back once, cost more than the load."""
+    ``received`` data files (``data/...`` name: the pieces received, ``(begin, bytes)``) are
+    read from memory: writing them into ``/dev/shm`` first, to read them back once, cost more
+    than the load. Their sizes are ``index``'s."""
 
-    def __init__(self, root: str, received: Mapping[str, memoryview]) -> None:
+    def __init__(
+        self, root: str, index: Index, received: Mapping[str, Sequence[tuple[int, memoryview]]]
+    ) -> None:
         super().__init__(root)
-        self._received = {self.join(name): view for name, view in received.items()}
+        self._received = {
+            self.join(name): (index.files[name], pieces) for name, pieces in received.items()
+        }
 
     def open_reader(self, path: str) -> Reader:
-        view = self._received.get(path)
-        if view is not None:
-            return _MemoryReader(path, view)
+        found = self._received.get(path)
+        if found is not None:
+            return _MemoryReader(path, *found)
         return super().open_reader(path)

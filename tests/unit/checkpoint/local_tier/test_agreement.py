@@ -22,7 +22,7 @@ from shardwise.checkpoint.local_tier import (
     place_replicas,
     plan_transfers,
 )
-from shardwise.checkpoint.local_tier.agreement import MAX_STEP
+from shardwise.checkpoint.local_tier.agreement import MAX_STEP, needs_to_json
 from shardwise.errors import CheckpointError, CheckpointFormatError
 
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
@@ -291,20 +291,42 @@ def test_plan_refusals() -> None:
         plan_transfers(_local(((0,),)), [frozenset()], Topology(world_size=2, local_world_size=1))
 
 
+_SIZES = {0: 100, 3: 50}  # parts with a data file, and its size
+
+
 @pytest.mark.parametrize(
     ("record", "words"),
     [
         ({"0": 1}, "not a list"),
-        ([4], "part 4"),
-        ([-1], "part -1"),
-        ([1, 1], "repeat"),
+        ([[4, [[0, 1]]]], "part 4"),
+        ([[1, [[0, 1]]]], "part 1 is no part"),  # no data file: never needed
+        ([[-1, [[0, 1]]]], "part -1"),
+        ([[True, [[0, 1]]]], "part True"),
+        ([[0, [[0, 1]]], [0, [[2, 3]]]], "twice"),
         ([None], "None"),
+        ([[0]], "not \\[part"),
+        ([[0, [[0, 1]], 5]], "not \\[part"),
+        ([[0, []]], "no byte range"),
+        ([[0, [[0, 101]]]], "inside its data file of 100"),
+        ([[0, [[-1, 5]]]], "not a byte range"),
+        ([[0, [[5, 5]]]], "not a byte range"),  # empty
+        ([[0, [[5, 9], [9, 12]]]], "not a byte range"),  # touching the one before
+        ([[0, [[5, 9], [2, 3]]]], "not a byte range"),  # out of order
+        ([[0, [[0, 1.5]]]], "not a byte range"),
+        ([[0, [[0, 1, 2]]]], "not a byte range"),
+        ([[0, [[0, False]]]], "not a byte range"),
     ],
 )
 def test_needs_are_untrusted(record: object, words: str) -> None:
     with pytest.raises(CheckpointFormatError, match=words):
-        parse_needs(record, rank=2, world_size=4)
-    assert parse_needs([3, 0], rank=2, world_size=4) == frozenset({0, 3})
+        parse_needs(record, rank=2, sizes=_SIZES)
+
+
+def test_needs_round_trip_through_json() -> None:
+    needs = {3: ((0, 10), (20, 50)), 0: ((99, 100),)}
+    record = json.loads(json.dumps(needs_to_json(needs)))
+    assert parse_needs(record, rank=2, sizes=_SIZES) == needs
+    assert parse_needs([], rank=2, sizes=_SIZES) == {}
 
 
 _PLANS = st.integers(1, 6).flatmap(

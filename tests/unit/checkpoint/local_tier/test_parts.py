@@ -15,7 +15,7 @@ import torch
 
 from shardwise import collectives
 from shardwise.checkpoint import load
-from shardwise.checkpoint.index import INDEX_NAME, data_file_name, decode_index
+from shardwise.checkpoint.index import INDEX_NAME, Index, data_file_name, decode_index
 from shardwise.checkpoint.local_tier import TierDirectory
 from shardwise.checkpoint.local_tier import parts as part_files
 from shardwise.checkpoint.local_tier.parts import (
@@ -24,12 +24,12 @@ from shardwise.checkpoint.local_tier.parts import (
     link_part,
     map_data_file,
     read_index,
-    verify_data,
+    verify_pieces,
     write_part,
 )
 from shardwise.checkpoint.saving.save import save_parts
 from shardwise.checkpoint.saving.snapshot import describe_or_error
-from shardwise.errors import CheckpointStorageError
+from shardwise.errors import CheckpointDataError, CheckpointStorageError
 
 
 def _saved(path: pathlib.Path) -> tuple[str, dict[str, bytes]]:
@@ -51,26 +51,67 @@ def test_a_part_is_a_checkpoint_and_verifies(tmp_path: pathlib.Path) -> None:
     save_id, files = _saved(tmp_path / "part")
     assert sorted(files) == [data_file_name(0, save_id), INDEX_NAME]
     name = data_file_name(0, save_id)
-    assert verify_data(files[name], name, decode_index(files[INDEX_NAME])) is None
+    index = decode_index(files[INDEX_NAME])
+    start = index.data_starts[name]  # the data section: blocks from there on
+    assert verify_pieces([(start, files[name][start:])], name, index) is None
+    assert "not whole blocks" in str(verify_pieces([(0, files[name])], name, index))
     state = {"w": torch.zeros(8, 5), "step": 0}
     load(state, tmp_path / "part")
     assert torch.equal(state["w"], torch.arange(40, dtype=torch.float32).reshape(8, 5))
     assert state["step"] == 3
 
 
-def test_verify_data_names_what_is_wrong(tmp_path: pathlib.Path) -> None:
-    save_id, files = _saved(tmp_path / "part")
+def _big(path: pathlib.Path) -> tuple[str, bytes, Index]:
+    """A part of 3 MiB and more (several blocks): its save id, data file and index."""
+    path.mkdir()
+    state = {"w": torch.arange(800_000, dtype=torch.float32), "step": 3}
+    snapshot, error = describe_or_error(state, False)
+    assert error is None
+    save_id = save_parts(snapshot, str(path), collectives.Comm(None), sync_files=False)
+    files = _files(path, save_id)
+    return save_id, files[data_file_name(0, save_id)], decode_index(files[INDEX_NAME])
+
+
+def test_verify_pieces_names_what_is_wrong(tmp_path: pathlib.Path) -> None:
+    save_id, data, index = _big(tmp_path / "part")
     name = data_file_name(0, save_id)
-    index = decode_index(files[INDEX_NAME])
-    flipped = bytearray(files[name])
-    flipped[-1] ^= 1
-    assert "checksums" in str(verify_data(flipped, name, index))
-    # Without blocks, the size only: a flipped bit passes, a wrong size does not.
-    assert verify_data(flipped, name, index, blocks=False) is None
-    assert "bytes, not" in str(verify_data(files[name][:-1], name, index, blocks=False))
-    assert "bytes, not" in str(verify_data(files[name] + b"x", name, index))
-    other = data_file_name(1, save_id)
-    assert "names no data file" in str(verify_data(files[name], other, index))
+    start, block = index.data_starts[name], index.block_size
+    assert block is not None and len(data) > start + 2 * block
+    second = (start + block, data[start + block : start + 2 * block])
+    tail = (start + 2 * block, data[start + 2 * block :])  # the last block ends at the end
+    assert verify_pieces([second, tail], name, index) is None
+    flipped = bytearray(second[1])
+    flipped[7] ^= 1
+    assert "checksums" in str(verify_pieces([(second[0], flipped)], name, index))
+    assert "not whole blocks" in str(verify_pieces([(second[0] + 1, second[1])], name, index))
+    assert "not whole blocks" in str(verify_pieces([(second[0], second[1][:-1])], name, index))
+    assert "outside" in str(verify_pieces([(tail[0], tail[1] + b"x")], name, index))
+    assert "outside" in str(verify_pieces([(-1, b"x")], name, index))
+    assert "outside" in str(verify_pieces([(5, b"")], name, index))
+    assert "names no data file" in str(verify_pieces([second], data_file_name(1, save_id), index))
+
+
+def test_received_pieces_are_read_from_memory_and_nothing_else(tmp_path: pathlib.Path) -> None:
+    save_id, data, index = _big(tmp_path / "part")
+    name = data_file_name(0, save_id)
+    start, block = index.data_starts[name], index.block_size
+    assert block is not None
+    pieces = [
+        (start, memoryview(data[start : start + block])),
+        (start + block, memoryview(data[start + block : start + 2 * block])),
+    ]
+    root = tmp_path / "restore"
+    root.mkdir()
+    storage = part_files.ReceivedParts(str(root), index, {name: pieces})
+    reader = storage.open_reader(storage.join(name))
+    assert reader.size == len(data)
+    buffer = memoryview(bytearray(block))
+    assert reader.read_into(start + block // 2, buffer) == block  # across the two pieces
+    assert bytes(buffer) == data[start + block // 2 : start + block // 2 + block]
+    for outside in (0, start + 2 * block):
+        with pytest.raises(CheckpointDataError, match="not received"):
+            reader.read_into(outside, memoryview(bytearray(16)))
+    assert reader.read_into(len(data), buffer) == 0  # at the end: nothing to read
 
 
 def test_a_stored_part_is_checked_as_it_is_read(
