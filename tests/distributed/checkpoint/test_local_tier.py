@@ -5,13 +5,15 @@ peers' replicas, and equals that step saved to durable storage; a corrupt copy c
 absent (one that the load reads, by a second round that checks every block); one node's
 copies gone and the other's corrupt, or both nodes' copies gone, falls back to the durable
 tier; a restart on 3 ranks (3 nodes, two of them new) restores from the tier written by 4; a
-full directory skips the local save on every rank."""
+full directory skips the local save on every rank, one with room for its own parts only holds
+no replicas (and the step is still complete)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,6 +244,41 @@ def test_a_full_directory_skips_the_local_save_on_every_rank(tmp_path: Path) -> 
     assert fresh.restore(None, _state(0)) is None
     assert fresh.restored_from is None
     fresh.close()
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_a_node_with_room_for_its_own_parts_only_holds_no_replicas(tmp_path: Path) -> None:
+    base = _shared_dir(tmp_path)
+    node = dist.get_rank() // LOCAL
+    never = ckpt.SavePolicy(every_steps=10**9)
+    tier = _tier(base, node, min_free_bytes=0)
+    manager = ckpt.CheckpointManager(
+        base / "run", save_policy=never, async_save=False, local_tier=tier
+    )
+    if node == 1:  # 3 MiB free: its own two parts fit (about 1 MiB each), not with replicas
+        assert manager._tier is not None
+        directory = manager._tier.directory
+        check = directory.check_space
+
+        def three_mib(needed: int, *, min_free_bytes: int, free_bytes: int | None = None) -> Any:
+            return check(needed, min_free_bytes=min_free_bytes, free_bytes=3 << 20)
+
+        directory.check_space = three_mib  # type: ignore[method-assign]
+        with pytest.warns(ckpt.LocalTierWarning, match="holds no replicas"):
+            manager.save(2, _state(2))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.LocalTierWarning)
+            manager.save(2, _state(2))
+    manager.close()
+    held = {n: sorted(p.name for p in (base / f"node{n}" / "step_2").iterdir()) for n in (0, 1)}
+    assert held == {0: [f"rank_{r}" for r in range(WORLD)], 1: ["rank_2", "rank_3"]}
+    # The step is complete: node 1 lost, node 0 holds every part.
+    _barrier_then(lambda: shutil.rmtree(base / "node1"))
+    step, source, state = _restore(base)
+    assert (step, source) == (2, "local")
+    for got, want in zip(_values(state), _values(_state(2)), strict=True):
+        assert torch.equal(got, want)
 
 
 def _fill(state: dict[str, Any], step: int) -> None:

@@ -260,19 +260,28 @@ class TierNode:
             except (CheckpointError, OSError) as err:
                 reason = f"pruning {self.directory.path} failed ({err})"
         sizes = comm.all_gather_json(_snapshot_bytes(snapshot) + _index_margin(snapshot))
+        hold = True  # whether this rank takes the replicas it holds, this time
         if reason is None:
-            node = topology.node_of(me)
-            needed = sum(
-                sizes[rank] + sum(sizes[owner] for owner in self.placement.held_by(rank))
-                for rank in topology.ranks_of(node)
-            )
+            ranks = topology.ranks_of(topology.node_of(me))
+            own = sum(sizes[rank] for rank in ranks)
+            held = sum(sizes[owner] for rank in ranks for owner in self.placement.held_by(rank))
             try:
-                space = self.directory.check_space(needed, min_free_bytes=self.tier.min_free_bytes)
+                space = self.directory.check_space(
+                    own + held, min_free_bytes=self.tier.min_free_bytes
+                )
+                alone = self.directory.check_space(own, min_free_bytes=self.tier.min_free_bytes)
             except OSError as err:
                 reason = f"the free space of {self.directory.path} is unknown ({err})"
             else:
-                if not space.fits:
-                    reason = space.describe(self.directory.path)
+                if not alone.fits:  # not even the node's own parts: no complete step
+                    reason = alone.describe(self.directory.path)
+                elif not space.fits and held:  # its own parts, and the replicas elsewhere
+                    hold = False
+                    report(
+                        f"the local save of step {step} holds no replicas on rank {me}: "
+                        f"{space.describe(self.directory.path)}; the parts it would hold are "
+                        "kept by their owners only"
+                    )
         reasons = comm.all_gather_json(reason)
         refused = [(rank, why) for rank, why in enumerate(reasons) if why is not None]
         if refused:
@@ -296,7 +305,7 @@ class TierNode:
             return False
         world = topology.world_size
         self._commit(PartRecord(step=step, rank=me, world_size=world, save_id=save_id), report)
-        self._send_replicas(step, path, save_id, group, report)
+        self._send_replicas(step, path, save_id, group, report, hold)
         return True
 
     def _has_room(self, sender: int, size: int) -> bool:
@@ -330,11 +339,12 @@ class TierNode:
         save_id: str,
         group: Callable[[], ProcessGroup | None],
         report: Report,
+        hold: bool,
     ) -> None:
-        """Send this rank's data file to its holders; keep the parts it holds (collective over
-        the ranks of the placement). Only data files travel, from a mapping of the sender's
-        file straight into a mapping of the holder's new one: every part of a save holds the
-        same index, which each holder has in its own part."""
+        """Send this rank's data file to its holders; keep the parts it holds if ``hold``, else
+        refuse them (collective over the ranks of the placement). Only data files travel,
+        from a mapping of the sender's file straight into a mapping of the holder's new one:
+        every part of a save holds the same index, which each holder has in its own part."""
         if not self.placement.replicas:
             return
         me = self.rank
@@ -353,7 +363,7 @@ class TierNode:
         def place(owner: int) -> Place:
             def make(sender: int, size: int) -> mmap.mmap | None:
                 name = data_file_name(owner, save_id)
-                if index is None or index.files.get(name) != size:
+                if not hold or index is None or index.files.get(name) != size:
                     return None
                 if not self._has_room(sender, size):
                     return None
@@ -381,7 +391,7 @@ class TierNode:
             if body is not None:
                 with contextlib.suppress(BufferError):  # still exported after a failure
                     body.close()
-        if index is None:
+        if index is None or not hold:
             return
         world = self.topology.world_size
         for owner, got in zip(owners, received, strict=True):
