@@ -12,16 +12,23 @@ A local save runs in the background (:meth:`TierNode.start_save`, the manager's 
 thread of its own writes the part and sends the replicas over a gloo group of its own, every
 step of which (file writes, checksums, gloo) runs without the GIL (``docs/local-tier.md``,
 *Save path*, says why not in the async writer process). :meth:`TierNode.save` is the same
-save run to its end in the caller's thread. Parts travel as whole messages in memory; every
-rank of a restore needs every part of the step (each assembles the whole checkpoint, by hard
-links to its node's copies and from the parts it receives), which is what makes a restore on
-another world size work (the load's planner reshards).
+save run to its end in the caller's thread. Only data files travel at a save, from a
+mapping of the sender's file into a mapping of the holder's new one (every part holds the
+same index).
+
+A restore takes two rounds at most: the first trusts the layout of the parts held and
+leaves their blocks to the load, which checks every block it reads; a failure after the
+agreement starts the second, which checks every block first. Each rank gets only the byte
+ranges its load reads (planned without reading, by the load's own planner, which is what
+makes a restore on another world size work: it reshards), its node's copies hard-linked,
+the rest received into memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -61,6 +68,7 @@ from shardwise.checkpoint.options import LoadOptions
 from shardwise.checkpoint.saving.save import save_parts
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.saving.staging import StagingArea, open_views
+from shardwise.checkpoint.storage import LocalStorage
 from shardwise.errors import (
     CheckpointDataError,
     CheckpointError,
@@ -531,33 +539,40 @@ class TierNode:
             )
             return _AGAIN
 
-        found = self._needs(verdict, state_dict, options)
-        if found is None:  # the same on every rank: the broadcast index is what decides
-            return failed(f"the index of local step {verdict.step} is not to be had")
-        index, text, mine = found
-        save_id = verdict.save_id
-        assert save_id is not None
-        sizes = {
-            part: index.files[name]
-            for part in range(verdict.world_size)
-            if (name := data_file_name(part, save_id)) in index.files
-        }
-        try:
-            needs = [
-                parse_needs(record, rank=rank, sizes=sizes)
-                for rank, record in enumerate(self.comm.all_gather_json(needs_to_json(mine)))
-            ]
-        except CheckpointFormatError as err:
-            self._fall_back(f"a rank's needed parts are malformed: {err}")
-            return None
-        plan = plan_transfers(verdict, [frozenset(need) for need in needs], self.topology)
         me = self.rank
-        received = self._transfer(verdict, plan, needs)
+        assemble: Callable[[], LocalStorage]
+        if self._every_node_holds_every_part(verdict):
+            # A restart with no node lost: each rank loads from its node's copies, and what
+            # it reads need not be known (nothing travels).
+            assemble = functools.partial(self._assemble_from_node, verdict)
+        else:
+            found = self._needs(verdict, state_dict, options)
+            if found is None:  # the same on every rank: the broadcast index decides
+                return failed(f"the index of local step {verdict.step} is not to be had")
+            index, text, mine = found
+            save_id = verdict.save_id
+            assert save_id is not None
+            sizes = {
+                part: index.files[name]
+                for part in range(verdict.world_size)
+                if (name := data_file_name(part, save_id)) in index.files
+            }
+            try:
+                needs = [
+                    parse_needs(record, rank=rank, sizes=sizes)
+                    for rank, record in enumerate(self.comm.all_gather_json(needs_to_json(mine)))
+                ]
+            except CheckpointFormatError as err:
+                self._fall_back(f"a rank's needed parts are malformed: {err}")
+                return None
+            plan = plan_transfers(verdict, [frozenset(need) for need in needs], self.topology)
+            received = self._transfer(verdict, plan, needs)
+            assemble = functools.partial(
+                self._assemble, verdict, needs[me], received, index, text, thorough
+            )
         try:
             try:
-                storage, _ = self.comm.agree_or_raise(
-                    lambda: self._assemble(verdict, needs[me], received, index, text, thorough)
-                )
+                storage, _ = self.comm.agree_or_raise(assemble)
             except (CheckpointError, OSError, ValueError) as err:
                 return failed(f"assembling local step {verdict.step} failed: {err}")
             try:
@@ -700,6 +715,32 @@ class TierNode:
                 with contextlib.suppress(BufferError):
                     body.close()
         return {t.part: [(begin, next(got)) for begin, _ in needs[me][t.part]] for t in incoming}
+
+    def _every_node_holds_every_part(self, verdict: Verdict) -> bool:
+        """Whether every live node holds every part of the verdict's step (pure: the same
+        answer on every rank)."""
+        topology = self.topology
+        return all(
+            any(topology.node_of(holder) == node for holder in holders)
+            for node in range(topology.num_nodes)
+            for holders in verdict.holders
+        )
+
+    def _assemble_from_node(self, verdict: Verdict) -> LocalStorage:
+        """This rank's restore directory when its node holds every part of the verdict's
+        step: every part hard-linked, and their index (the same on every part)."""
+        assert verdict.step is not None and verdict.save_id is not None
+        assert verdict.world_size is not None
+        step, save_id = verdict.step, verdict.save_id
+        path = self.directory.make_restore(self.rank)
+        indexes = {
+            part_files.link_part(self.directory.part_path(step, part), path, part, save_id)
+            for part in range(verdict.world_size)
+        }
+        if len(indexes) != 1:
+            raise CheckpointDataError(f"the parts of local step {step} hold different indexes")
+        part_files.write_part(path, {INDEX_NAME: indexes.pop()})
+        return LocalStorage(path)
 
     def _assemble(
         self,
