@@ -107,6 +107,14 @@ def _logged(name: str) -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+def _corrupt(part: Path) -> None:
+    """One bit of the part's data file flipped, near its end (in its last block)."""
+    data = next((part / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[-2] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
 def _barrier_then(action: Any) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -131,14 +139,8 @@ def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
     for got, want in zip(_values(state), _values(reference), strict=True):
         assert torch.equal(got, want)
 
-    # Node 0's copy of part 2 (a replica) corrupt: counts as absent, node 1's is used.
-    def corrupt() -> None:
-        data = next((base / "node0" / "step_6" / "rank_2" / "data").iterdir())
-        raw = bytearray(data.read_bytes())
-        raw[-2] ^= 0x01
-        data.write_bytes(bytes(raw))
-
-    _barrier_then(corrupt)
+    # Node 0's copy of part 2 (a replica) corrupt: no load reads it there, node 1's is used.
+    _barrier_then(lambda: _corrupt(base / "node0" / "step_6" / "rank_2"))
     step, source, state = _restore(base)
     assert (step, source) == (6, "local")
     for got, want in zip(_values(state), _values(reference), strict=True):
@@ -147,13 +149,7 @@ def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
     # Node 1's copy of part 3, which rank 3's load reads there: the first round trusts its
     # layout, the load finds the bad block, the second round checks every block, counts it
     # as absent and fetches node 0's copy.
-    def corrupt_own() -> None:
-        data = next((base / "node1" / "step_6" / "rank_3" / "data").iterdir())
-        raw = bytearray(data.read_bytes())
-        raw[-2] ^= 0x01
-        data.write_bytes(bytes(raw))
-
-    _barrier_then(corrupt_own)
+    _barrier_then(lambda: _corrupt(base / "node1" / "step_6" / "rank_3"))
     with _logged("shardwise.checkpoint.local_tier") as messages:
         step, source, state = _restore(base)
     assert (step, source) == (6, "local")

@@ -117,6 +117,14 @@ def _open_data_file(part_fd: int, name: str) -> int | None:
     return fd
 
 
+def _data_directory(part_fd: int) -> int:
+    """The ``data/`` directory of the part directory ``part_fd``, made if missing, opened
+    (a link or a file in its place is refused: ``OSError``)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(DATA_DIR, 0o700, dir_fd=part_fd)
+    return os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=part_fd)
+
+
 def _read_exactly(fd: int, view: memoryview, offset: int) -> bool:
     """Fill ``view`` from byte ``offset`` of ``fd``; False if the file ends first."""
     done = 0
@@ -165,9 +173,7 @@ class IncomingDataFile:
             raise ValueError(f"not a part's data file: {name!r} of {size} bytes")
         fd = os.open(path, _DIRECTORY_FLAGS)
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(DATA_DIR, 0o700, dir_fd=fd)
-            directory = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
+            directory = _data_directory(fd)
         finally:
             os.close(fd)
         try:
@@ -207,9 +213,7 @@ def write_part(path: str, files: Mapping[str, bytes | memoryview], *, sync: bool
         for name, data in files.items():
             parent = fd
             if name != INDEX_NAME:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(DATA_DIR, 0o700, dir_fd=fd)
-                parent = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=fd)
+                parent = _data_directory(fd)
             try:
                 out = os.open(os.path.basename(name), _CREATE_FLAGS, 0o600, dir_fd=parent)
                 try:
@@ -250,9 +254,7 @@ def link_part(source: str, target: str, rank: int, save_id: str) -> bytes:
             return index
         target_fd = os.open(target, _DIRECTORY_FLAGS)
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(DATA_DIR, 0o700, dir_fd=target_fd)
-            into = os.open(DATA_DIR, _DIRECTORY_FLAGS, dir_fd=target_fd)
+            into = _data_directory(target_fd)
             try:
                 if not stat.S_ISREG(status.st_mode):
                     raise OSError(errno.EINVAL, "not a regular file", name)
