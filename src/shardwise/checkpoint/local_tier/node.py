@@ -100,6 +100,13 @@ _AGAIN = _Again()
 Report = Callable[[str], None]
 
 
+def _data_files(index: Index, save_id: str) -> dict[int, str]:
+    """The data files of the save of ``index`` (id ``save_id``), by saved rank: those of the
+    ranks that wrote one."""
+    names = (data_file_name(rank, save_id) for rank in range(index.save.world_size))
+    return {rank: name for rank, name in enumerate(names) if name in index.files}
+
+
 def _snapshot_bytes(snapshot: Snapshot) -> int:
     """What a rank's part of ``snapshot`` takes, at most (a replicated tensor counted on every
     rank, though one writes it), before the headers and the index."""
@@ -550,12 +557,10 @@ class TierNode:
             if found is None:  # the same on every rank: the broadcast index decides
                 return failed(f"the index of local step {verdict.step} is not to be had")
             index, text, mine = found
-            save_id = verdict.save_id
-            assert save_id is not None
+            assert verdict.save_id is not None
             sizes = {
                 part: index.files[name]
-                for part in range(verdict.world_size)
-                if (name := data_file_name(part, save_id)) in index.files
+                for part, name in _data_files(index, verdict.save_id).items()
             }
             try:
                 needs = [
@@ -623,11 +628,7 @@ class TierNode:
             return None
         if (index.save.save_id, index.save.world_size) != (verdict.save_id, verdict.world_size):
             return None
-        names = {
-            data_file_name(rank, verdict.save_id): rank
-            for rank in range(index.save.world_size)
-            if data_file_name(rank, verdict.save_id) in index.files
-        }
+        names = {name: rank for rank, name in _data_files(index, verdict.save_id).items()}
         every = {  # the data sections (a load never reads a data file's header)
             rank: ((index.data_starts[name], index.files[name]),)
             for name, rank in names.items()
@@ -673,9 +674,10 @@ class TierNode:
             except OSError as err:
                 logger.warning("local tier: cannot read part %d to send: %s", transfer.part, err)
                 body = None
-            whole = None if body is None else memoryview(body)
-            if body is not None and whole is not None:
+            whole: memoryview | None = None
+            if body is not None:
                 maps.append(body)
+                whole = memoryview(body)
                 views.append(whole)
             for begin, end in needs[transfer.receiver][transfer.part]:
                 # A file shorter than the index says sends nothing (the holder checked its

@@ -185,7 +185,6 @@ class IncomingDataFile:
             self._map: mmap.mmap | None = mmap.mmap(out, size, access=mmap.ACCESS_WRITE)
         finally:
             os.close(out)
-        self.size = size
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -299,16 +298,19 @@ def verify_pieces(
     the file or not of whole blocks, or a block whose checksum is wrong; None when they are."""
     if name not in index.files:
         return f"its index names no data file {name}"
-    size, block = index.files[name], index.block_size
+    size, start, block = index.files[name], index.data_starts[name], index.block_size
     for begin, data in pieces:
         view = memoryview(data).cast("B")
         end = begin + len(view)
-        if not 0 <= begin < end <= size:
-            return f"bytes [{begin}, {end}) of its data file {name} are outside its {size} bytes"
+        if not start <= begin < end <= size:  # blocks are the data section's
+            return (
+                f"bytes [{begin}, {end}) of its data file {name} are outside its data section "
+                f"[{start}, {size})"
+            )
         if not block:
             return f"its data file {name} has no block checksums"
         first, sums = index.blocks_of(name, begin, end)
-        if first != begin or (end != size and (end - index.data_starts[name]) % block):
+        if first != begin or (end != size and (end - start) % block):
             return f"bytes [{begin}, {end}) of its data file {name} are not whole blocks"
         if block_checksums(view, block) != "".join(sums):
             return _FAILS.format(name)

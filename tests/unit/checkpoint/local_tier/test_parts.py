@@ -54,7 +54,8 @@ def test_a_part_is_a_checkpoint_and_verifies(tmp_path: pathlib.Path) -> None:
     index = decode_index(files[INDEX_NAME])
     start = index.data_starts[name]  # the data section: blocks from there on
     assert verify_pieces([(start, files[name][start:])], name, index) is None
-    assert "not whole blocks" in str(verify_pieces([(0, files[name])], name, index))
+    # The header is no block: a piece from byte 0 is refused, never hashed against a block.
+    assert "outside its data section" in str(verify_pieces([(0, files[name])], name, index))
     state = {"w": torch.zeros(8, 5), "step": 0}
     load(state, tmp_path / "part")
     assert torch.equal(state["w"], torch.arange(40, dtype=torch.float32).reshape(8, 5))
@@ -88,6 +89,9 @@ def test_verify_pieces_names_what_is_wrong(tmp_path: pathlib.Path) -> None:
     assert "outside" in str(verify_pieces([(tail[0], tail[1] + b"x")], name, index))
     assert "outside" in str(verify_pieces([(-1, b"x")], name, index))
     assert "outside" in str(verify_pieces([(5, b"")], name, index))
+    assert "outside" in str(
+        verify_pieces([(start - 1, data[start - 1 : start + block])], name, index)
+    )
     assert "names no data file" in str(verify_pieces([second], data_file_name(1, save_id), index))
 
 
