@@ -131,6 +131,8 @@ def test_restore_from_own_copies_peers_and_durable(tmp_path: Path) -> None:
             held = sorted(p.name for p in (base / f"node{node}" / f"step_{step}").iterdir())
             assert held == [f"rank_{r}" for r in range(WORLD)]
     assert not (base / "node0" / "step_2").exists()  # keep=2
+    for node in (0, 1):  # step 2's data files, own and replicas, became step 6's
+        assert list((base / f"node{node}" / "spare").iterdir()) == []
     reference = _state(0)
     ckpt.load(reference, base / "reference-6")
 

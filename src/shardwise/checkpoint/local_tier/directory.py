@@ -10,6 +10,9 @@ Layout::
     <directory>/step_<N>/rank_<R>/part.json  its part record, written last: "committed"
     <directory>/restore_<R>/              rank R's checkpoint assembled from parts during a
                                           restore (removed after it, and before the next)
+    <directory>/spare/<R>.<token>         a data file of a pruned step (of saved rank R), kept
+                                          for the save that pruned it to write into instead of
+                                          a new file (removed at the next prune if unused)
 
 Safety: the directory itself must be a real directory (not a link) owned by this user; one
 whose marker names another job, or that holds anything without a marker, is ignored: never
@@ -34,12 +37,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise._codec import strict_json
+from shardwise.checkpoint.index.names import is_data_file_name
 from shardwise.checkpoint.local_tier.agreement import MAX_STEP, MAX_WORLD_SIZE
 from shardwise.errors import CheckpointStorageError
 
 __all__ = [
     "JOB_FILE",
     "PART_FILE",
+    "SPARE_DIR",
     "PartRecord",
     "Space",
     "TierDirectory",
@@ -68,6 +73,11 @@ _SAVE_ID = re.compile(r"[0-9a-f]{16}")
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# A spare file taken, opened to be written over (never a link, never waiting on a FIFO).
+_REUSE_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+SPARE_DIR = "spare"
+# A spare's name: the saved rank whose data file it was, and a random token.
+_SPARE = re.compile(r"(0|[1-9][0-9]{0,7})\.[0-9a-f]{16}")
 
 
 def step_name(step: int) -> str:
@@ -236,6 +246,116 @@ def _subdirectory(parent: int, name: str, *, create: bool) -> int:
                 f"{name} in the local tier's directory is a link or not a directory", file=name
             ) from err
         raise
+
+
+def _set_aside(fd: int, step: str, spare_fd: int) -> None:
+    """Move the data files of step directory ``step`` into the spare directory: only regular
+    files of a data file's name with no other name, in real directories (nothing followed);
+    what cannot be moved is left for the step's removal."""
+    try:
+        step_fd = os.open(step, _DIRECTORY_FLAGS, dir_fd=fd)
+    except OSError:
+        return
+    try:
+        with os.scandir(step_fd) as entries:
+            ranks = [
+                (rank, entry.name)
+                for entry in entries
+                if (rank := parse_rank_name(entry.name)) is not None
+                and entry.is_dir(follow_symlinks=False)
+            ]
+        for rank, name in ranks:
+            with contextlib.suppress(OSError):
+                data_fd = _subdirectory_at(step_fd, f"{name}/data")
+                try:
+                    _set_aside_files(data_fd, rank, spare_fd)
+                finally:
+                    os.close(data_fd)
+    finally:
+        os.close(step_fd)
+
+
+def _subdirectory_at(parent: int, relative: str) -> int:
+    """A descriptor of the real directory ``relative`` (``a/b``) below ``parent``, no link
+    followed on the way (OSError)."""
+    fd = os.dup(parent)
+    try:
+        for name in relative.split("/"):
+            child = os.open(name, _DIRECTORY_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _set_aside_files(data_fd: int, rank: int, spare_fd: int) -> None:
+    with os.scandir(data_fd) as entries:
+        for entry in entries:
+            if not is_data_file_name(entry.name):
+                continue
+            with contextlib.suppress(OSError):
+                status = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(status.st_mode) and status.st_nlink == 1:
+                    spare = f"{rank}.{secrets.token_hex(8)}"
+                    os.rename(entry.name, spare, src_dir_fd=data_fd, dst_dir_fd=spare_fd)
+
+
+def _spares_by_preference(spare_fd: int, rank: int, size: int | None) -> list[str]:
+    """The spares' names, best first (:meth:`TierDirectory.take_spare`)."""
+    found = []
+    with os.scandir(spare_fd) as entries:
+        for entry in entries:
+            match = _SPARE.fullmatch(entry.name)
+            if match is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                status = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(status.st_mode):
+                    found.append((int(match[1]), status.st_size, entry.name))
+
+    def preference(spare: tuple[int, int, str]) -> tuple[bool, bool, int]:
+        owner, length, _ = spare
+        if size is None or length >= size:  # the smallest that holds it
+            return owner != rank, False, length if size is not None else -length
+        return owner != rank, True, -length  # else the largest
+
+    return [name for *_, name in sorted(found, key=preference)]
+
+
+def _take(spare_fd: int, spare: str, parent: int, name: str) -> int | None:
+    """``spare`` claimed, checked and moved to ``name`` in ``parent``, opened; None if it was
+    taken meanwhile or is no regular file of one name (then removed)."""
+    claimed = f".taken.{secrets.token_hex(8)}"
+    try:
+        os.rename(spare, claimed, src_dir_fd=spare_fd, dst_dir_fd=spare_fd)
+    except FileNotFoundError:  # another rank took it
+        return None
+    try:
+        try:
+            fd = os.open(claimed, _REUSE_FLAGS, dir_fd=spare_fd)
+        except OSError as err:  # a link (ELOOP), or vanished
+            logger.debug("local tier: spare %s refused: %s", spare, err)
+            return None
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+                os.close(fd)
+                return None
+            os.link(claimed, name, src_dir_fd=spare_fd, dst_dir_fd=parent, follow_symlinks=False)
+        except BaseException:  # FileExistsError included: name is there already
+            os.close(fd)
+            raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(claimed, dir_fd=spare_fd)
+    if os.fstat(fd).st_nlink != 1:  # given a second name meanwhile: never written
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=parent)
+        return None
+    return fd
 
 
 def _ignore_vanished(function: Callable[..., Any], path: str, info: Any) -> None:
@@ -476,9 +596,14 @@ class TierDirectory:
 
         With ``writing`` (the step about to be written), it counts as one of the ``keep``, and
         every step directory from it on is removed first: a run writes a step only after
-        restoring an older one, so those are of a run the restore abandoned. Only real
-        directories of :func:`step_name`'s form are counted and removed, and nothing inside
-        them is followed (``shutil.rmtree`` on a descriptor removes a link as a link).
+        restoring an older one, so those are of a run the restore abandoned. Then the data
+        files of the steps removed are not freed but kept as spares, for that save to write
+        into (:meth:`take_spare`: freeing a file and reserving the memory of a new one cost
+        more CPU than writing it; ``docs/local-tier.md``, *Save path*); spares an earlier save
+        left unused are removed first. Only real directories of :func:`step_name`'s form are
+        counted and removed, only regular data files with no other name become spares, and
+        nothing inside them is followed (``shutil.rmtree`` on a descriptor removes a link as
+        a link).
 
         Raises:
             CheckpointStorageError: The directory is not this job's.
@@ -488,32 +613,107 @@ class TierDirectory:
             raise ValueError(f"keep must be an int >= 1, not {keep!r}")
         if writing is not None:
             step_name(writing)
-        removed = []
         with self._open() as fd:
             steps = sorted(self._step_directories(fd), reverse=True)
             if writing is None:
                 kept = steps[:keep]
             else:
                 kept = [step for step in steps if step < writing][: keep - 1]
-            for step in steps:
-                if step not in kept:
-                    shutil.rmtree(step_name(step), dir_fd=fd, onerror=_ignore_vanished)
-                    removed.append(step)
+            removed = sorted(step for step in steps if step not in kept)
+            self._remove_spares(fd)
+            if writing is not None and removed:
+                spare_fd = _subdirectory(fd, SPARE_DIR, create=True)
+                try:
+                    for step in removed:
+                        _set_aside(fd, step_name(step), spare_fd)
+                finally:
+                    os.close(spare_fd)
+            for step in removed:
+                shutil.rmtree(step_name(step), dir_fd=fd, onerror=_ignore_vanished)
             os.fsync(fd)
-        return sorted(removed)
+        return removed
+
+    def _remove_spares(self, fd: int) -> None:
+        """Empty the spare directory, if there is one (a link there is refused, untouched)."""
+        try:
+            spare_fd = _subdirectory(fd, SPARE_DIR, create=False)
+        except FileNotFoundError:
+            return
+        try:
+            with os.scandir(spare_fd) as entries:
+                names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+            for name, is_directory in names:
+                with contextlib.suppress(FileNotFoundError):  # taken meanwhile
+                    if is_directory:
+                        shutil.rmtree(name, dir_fd=spare_fd, onerror=_ignore_vanished)
+                    else:
+                        os.unlink(name, dir_fd=spare_fd)
+        finally:
+            os.close(spare_fd)
+
+    def spare_bytes(self) -> int:
+        """The bytes of the spares held (what :meth:`take_spare` gives back to a save)."""
+        total = 0
+        with self._open() as fd:
+            try:
+                spare_fd = _subdirectory(fd, SPARE_DIR, create=False)
+            except FileNotFoundError:
+                return 0
+            try:
+                with os.scandir(spare_fd) as entries:
+                    for entry in entries:
+                        with contextlib.suppress(FileNotFoundError):
+                            status = entry.stat(follow_symlinks=False)
+                            if stat.S_ISREG(status.st_mode) and status.st_nlink == 1:
+                                total += status.st_blocks * 512
+            finally:
+                os.close(spare_fd)
+        return total
+
+    def take_spare(self, parent: int, name: str, *, rank: int, size: int | None) -> int | None:
+        """A spare file moved to ``name`` in the directory ``parent`` (a descriptor) and opened
+        to be written over from its start, or None when no spare can be had (the caller then
+        creates the file). Preferred: a spare of saved rank ``rank`` (a part keeps its size
+        from save to save), then the smallest holding ``size`` bytes, then the largest. Its
+        old bytes are still in it: the caller writes every byte and truncates the file to
+        what it wrote. Several ranks may take at once: a spare is claimed by renaming it to a
+        name of the taker's own; only a regular file with no other name is taken (a link,
+        or a file with a second name, hard-linked from elsewhere or meanwhile, is removed
+        here, never written).
+
+        Raises:
+            FileExistsError: ``name`` exists in ``parent`` (as a new file's creation would).
+        """
+        try:
+            with self._open() as fd:
+                spare_fd = _subdirectory(fd, SPARE_DIR, create=False)
+        except (FileNotFoundError, CheckpointStorageError) as err:
+            logger.debug("local tier: no spare file (%s)", err)
+            return None
+        try:
+            for candidate in _spares_by_preference(spare_fd, rank, size):
+                taken = _take(spare_fd, candidate, parent, name)
+                if taken is not None:
+                    return taken
+            return None
+        finally:
+            os.close(spare_fd)
 
     def check_space(
         self, needed_bytes: int, *, min_free_bytes: int, free_bytes: int | None = None
     ) -> Space:
         """Whether ``needed_bytes`` more (this node's part and the replicas it receives, after
-        :meth:`prune`) fit, leaving ``min_free_bytes``; ``free_bytes`` overrides the free
-        space of the file system (``shutil.disk_usage``), for tests.
+        :meth:`prune`) fit, leaving ``min_free_bytes``; the free space is the file system's
+        (``shutil.disk_usage``) and the spares' (the save writes into them), or
+        ``free_bytes``, for tests.
 
         Raises:
             OSError: The file system cannot be asked.
         """
         if free_bytes is None:
             free_bytes = shutil.disk_usage(self.path).free
+            with contextlib.suppress(CheckpointStorageError):  # no longer this job's: none
+                free_bytes += self.spare_bytes()
         return Space(
             free_bytes=free_bytes, needed_bytes=needed_bytes, min_free_bytes=min_free_bytes
         )

@@ -313,8 +313,11 @@ class TierNode:
                 f"rank {me} ({err})",
                 rank=me,
             )
+        storage = part_files.RecyclingStorage(path, self._take(me)) if path else None
         try:
-            save_id = save_parts(snapshot, path, comm, local_error=error, sync_files=False)
+            save_id = save_parts(
+                snapshot, path, comm, local_error=error, sync_files=False, storage=storage
+            )
         except (CheckpointError, OSError) as err:
             report(f"the local save of step {step} failed: {err}")
             return False
@@ -322,6 +325,15 @@ class TierNode:
         self._commit(PartRecord(step=step, rank=me, world_size=world, save_id=save_id), report)
         self._send_replicas(step, path, save_id, group, report, hold)
         return True
+
+    def _take(self, rank: int) -> part_files.Take:
+        """Takes a spare file of this node's directory for a data file of saved rank ``rank``."""
+        directory = self.directory
+
+        def take(parent: int, name: str, size: int | None) -> int | None:
+            return directory.take_spare(parent, name, rank=rank, size=size)
+
+        return take
 
     def _has_room(self, sender: int, size: int) -> bool:
         """Whether a part of ``size`` bytes from ``sender`` fits this node's directory."""
@@ -384,7 +396,9 @@ class TierNode:
                     return None
                 try:
                     target = self.directory.make_part(step, owner)
-                    incoming[owner] = part_files.IncomingDataFile(target, name, size)
+                    incoming[owner] = part_files.IncomingDataFile(
+                        target, name, size, self._take(owner)
+                    )
                 except (CheckpointError, OSError, ValueError) as err:
                     logger.warning("local tier: rank %d cannot take part %d: %s", me, owner, err)
                     return None

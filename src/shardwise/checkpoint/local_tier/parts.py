@@ -22,7 +22,7 @@ import errno
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from shardwise.checkpoint.index import (
     DATA_DIR,
@@ -33,7 +33,7 @@ from shardwise.checkpoint.index import (
     data_file_name,
     decode_index,
 )
-from shardwise.checkpoint.index.names import is_data_file_name
+from shardwise.checkpoint.index.names import is_data_file_name, is_temporary_name
 from shardwise.checkpoint.local_tier.directory import (  # the tier's one set of open flags
     _CREATE_FLAGS,
     _DIRECTORY_FLAGS,
@@ -49,12 +49,22 @@ __all__ = [
     "map_data_file",
     "read_index",
     "ReceivedParts",
+    "RecyclingStorage",
+    "Take",
     "verify_pieces",
     "write_part",
 ]
 
 # A data file received is created to be mapped for writing.
 _MAP_FLAGS = (_CREATE_FLAGS & ~os.O_WRONLY) | os.O_RDWR
+# Mappings are filled or read whole at once: their pages are mapped in one call, not one
+# fault each (151 MiB received into a mapping of tmpfs: 0.034 s against 0.070 s).
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+Take = Callable[[int, str, "int | None"], "int | None"]
+"""A spare file put at a name: ``(directory descriptor, name, size or None)`` -> the file's
+descriptor, open to be written over, or None (:meth:`.TierDirectory.take_spare`, bound to
+the saved rank)."""
 
 
 def _is_part_file(name: object) -> bool:
@@ -157,18 +167,24 @@ def map_data_file(path: str, rank: int, save_id: str) -> mmap.mmap | None:
         size = os.fstat(data_fd).st_size
         if size == 0:  # nothing to map; a data file holds a header at least
             raise OSError(errno.EINVAL, "an empty data file", path)
-        return mmap.mmap(data_fd, size, access=mmap.ACCESS_COPY)
+        return mmap.mmap(
+            data_fd,
+            size,
+            flags=mmap.MAP_PRIVATE | _POPULATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,  # copy-on-write: gloo wants it writable
+        )
     finally:
         os.close(data_fd)
 
 
 class IncomingDataFile:
     """A data file ``name`` (``data/...``) of ``size`` bytes made in the part directory
-    ``path`` for the transport to receive into: its blocks reserved first (a full file
-    system is an ``OSError`` here, never a fault while it is written), then mapped, so
-    that the bytes land in the file with no copy. :meth:`close` when the transfer is over."""
+    ``path`` for the transport to receive into: a spare when ``take`` gives one (its old
+    bytes are all written over), else a new file; its blocks reserved first (a full file
+    system is an ``OSError`` here, never a fault while it is written), then mapped, so that
+    the bytes land in the file with no copy. :meth:`close` when the transfer is over."""
 
-    def __init__(self, path: str, name: str, size: int) -> None:
+    def __init__(self, path: str, name: str, size: int, take: Take | None = None) -> None:
         if not _is_part_file(name) or name == INDEX_NAME or size <= 0:
             raise ValueError(f"not a part's data file: {name!r} of {size} bytes")
         fd = os.open(path, _DIRECTORY_FLAGS)
@@ -176,13 +192,20 @@ class IncomingDataFile:
             directory = _data_directory(fd)
         finally:
             os.close(fd)
+        base = name.removeprefix(f"{DATA_DIR}/")
         try:
-            out = os.open(name.removeprefix(f"{DATA_DIR}/"), _MAP_FLAGS, 0o600, dir_fd=directory)
+            out = None if take is None else take(directory, base, size)
+            if out is None:
+                out = os.open(base, _MAP_FLAGS, 0o600, dir_fd=directory)
+            else:
+                os.ftruncate(out, size)  # a spare may have been longer
         finally:
             os.close(directory)
         try:
             os.posix_fallocate(out, 0, size)
-            self._map: mmap.mmap | None = mmap.mmap(out, size, access=mmap.ACCESS_WRITE)
+            self._map: mmap.mmap | None = mmap.mmap(
+                out, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
         finally:
             os.close(out)
 
@@ -196,6 +219,28 @@ class IncomingDataFile:
             with contextlib.suppress(BufferError):  # still exported after a failed transfer
                 self._map.close()
             self._map = None
+
+
+class RecyclingStorage(LocalStorage):
+    """The storage a local save writes its part through (the directory ``root``): a data file
+    is put in place from a spare when ``take`` gives one, written over and truncated where
+    the writes end (:meth:`LocalStorage.create_file`); every other file is new."""
+
+    def __init__(self, root: str, take: Take) -> None:
+        super().__init__(root)
+        self._take = take
+
+    def create_file(self, path: str) -> tuple[int, bool]:
+        directory, name = os.path.split(path)
+        if is_data_file_name(name) or is_temporary_name(name):
+            parent = os.open(directory, _DIRECTORY_FLAGS)
+            try:
+                fd = self._take(parent, name, None)
+            finally:
+                os.close(parent)
+            if fd is not None:
+                return fd, True
+        return super().create_file(path)
 
 
 def write_part(path: str, files: Mapping[str, bytes | memoryview], *, sync: bool = False) -> None:

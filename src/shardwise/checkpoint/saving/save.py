@@ -49,6 +49,7 @@ from shardwise.checkpoint.saving import writer as data_writer
 from shardwise.checkpoint.saving.lock import LOCK_NAME, SaveLock
 from shardwise.checkpoint.saving.snapshot import Snapshot, describe_or_error
 from shardwise.checkpoint.storage import (
+    LocalStorage,
     Storage,
     UnsafePathError,
     open_shared_storage,
@@ -211,6 +212,7 @@ class _SaveExchange:
         local_error: BaseException | None,
         members: dict[int, int] | None,
         parts: bool = False,
+        storage: Storage | None = None,
     ) -> None:
         self.snapshot = snapshot
         #: Each rank's ``path`` is a directory of its own (:func:`save_parts`): no rank sees
@@ -222,7 +224,8 @@ class _SaveExchange:
         self._ranks = _members(comm) if members is None else members
         self.coordinator_rank = options.coordinator_rank
         self.coordinating = comm.rank == self.coordinator_rank
-        self.storage: Storage | None = None
+        #: The storage of ``path`` (opened in exchange 1b, unless given).
+        self.storage: Storage | None = storage
         #: The save lock, once this save holds it (only a lock this save holds is released).
         self.lock: SaveLock | None = None
         self.table: _save_tables.RankTable | None = None
@@ -289,9 +292,11 @@ class _SaveExchange:
         if self.table_error is not None:
             raise self.table_error
         options = self.options
-        storage = self.storage = open_shared_storage(
-            self.path, options.storage_options, self.comm.world_size
-        )
+        if self.storage is None:
+            self.storage = open_shared_storage(
+                self.path, options.storage_options, self.comm.world_size
+            )
+        storage = self.storage
         if options.base is not None:  # every rank reads it: each compares its own chunks
             self.base = _incremental.open_base(self.path, options.base, options.storage_options)
         if self.table is None:
@@ -501,6 +506,7 @@ def save_outcome(
     members: dict[int, int] | None = None,
     on_save_id: Callable[[str], None] | None = None,
     parts: bool = False,
+    storage: Storage | None = None,
 ) -> tuple[dict[str, Any], str, Metadata | None]:
     """:func:`save_snapshot`, returning what the commit told every rank (``outcome.outcome``),
     the save's id, and the coordinator's metadata (``None`` on other ranks): what a writer
@@ -512,9 +518,10 @@ def save_outcome(
         on_save_id: Called with the save's id once this rank knows it (exchange 2), before
             this rank writes anything, so before the coordinator can commit.
         parts: Each rank's ``path`` is its own directory (:func:`save_parts`).
+        storage: The storage of ``path`` to write through (default: opened from ``path``).
     """
     started = time.monotonic()
-    exchange = _SaveExchange(snapshot, path, comm, options, local_error, members, parts)
+    exchange = _SaveExchange(snapshot, path, comm, options, local_error, members, parts, storage)
     # Exchange 1a: the coordinator's digest (a rank whose table has it sends no table).
     exchange.share_digest()
     try:
@@ -601,6 +608,7 @@ def save_parts(
     *,
     local_error: BaseException | None = None,
     sync_files: bool = True,
+    storage: LocalStorage | None = None,
 ) -> str:
     """Save ``snapshot`` (:func:`~.snapshot.describe_or_error`'s) as parts (collective over
     ``comm``): ``path`` is a directory of this rank's own (node-local), where it writes its
@@ -608,14 +616,17 @@ def save_parts(
     the ranks' data files, beside one copy of the index, is the checkpoint :func:`save` would
     have written (the local tier's parts: ``docs/local-tier.md``). Each ``path`` should be
     new: the save's lock and its cleanup of earlier saves are the coordinator's, in its own
-    directory only. A ``local_error`` is raised on every rank.
+    directory only. A ``local_error`` is raised on every rank. ``storage``, the storage of
+    ``path``, is written through when given (the local tier's, which recycles files).
 
     Returns:
         The save's id (the same on every rank).
     """
     options = SaveOptions(process_group=comm.group, sync_files=sync_files)
     with paused_gc():
-        _, save_id, _ = save_outcome(snapshot, path, comm, options, local_error, parts=True)
+        _, save_id, _ = save_outcome(
+            snapshot, path, comm, options, local_error, parts=True, storage=storage
+        )
     return save_id
 
 

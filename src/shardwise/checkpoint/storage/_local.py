@@ -109,7 +109,9 @@ class _LocalWriter:
     def __init__(self, storage: LocalStorage, path: str) -> None:
         self._storage = storage
         self._path = path
-        self._fd = _create(path)  # a writer only ever writes a name it created
+        # A writer only ever writes a name it created.
+        self._fd, self._recycled = storage.create_file(path)
+        self._written = 0
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
         self.write_vector([data])
@@ -119,9 +121,12 @@ class _LocalWriter:
         expected = sum(map(len, views))
         if _vectored(views, lambda buffers, _: os.writev(self._fd, buffers)) < expected:
             raise OSError(errno.EIO, "writev wrote nothing", self._path)
+        self._written += expected
 
     def close(self, sync: bool) -> None:
         try:
+            if self._recycled:  # it ends where the writes did (it may have held more)
+                os.ftruncate(self._fd, self._written)
             if sync:
                 os.fsync(self._fd)
         finally:
@@ -294,6 +299,14 @@ class LocalStorage:
     def open_write(self, path: str) -> Writer:
         self._check_parents(path)
         return _LocalWriter(self, path)
+
+    def create_file(self, path: str) -> tuple[int, bool]:
+        """A descriptor of a new file at ``path``, open for writing from its start (what
+        :meth:`open_write` writes through), and whether it is recycled: :func:`_create`'s,
+        never. A subclass may hand out a file it recycles instead (the local tier's spares),
+        put at ``path`` the same way (never over an existing entry), regular, of one name:
+        its old bytes are written over, and the writer truncates it where its writes end."""
+        return _create(path), False
 
     def open_parts(self, path: str, size: int | None = None) -> PartWriter:
         """``path`` for writes in parts: created (never an existing entry: ``FileExistsError``)

@@ -10,10 +10,12 @@ import stat
 
 import pytest
 
+from shardwise.checkpoint.index import data_file_name
 from shardwise.checkpoint.local_tier import PartRecord, TierDirectory
 from shardwise.checkpoint.local_tier.directory import (
     JOB_FILE,
     PART_FILE,
+    SPARE_DIR,
     parse_rank_name,
     parse_step_name,
     rank_name,
@@ -329,6 +331,133 @@ def test_prune_refuses_bad_arguments(tier: TierDirectory) -> None:
         tier.prune(0)
     with pytest.raises(ValueError, match="step"):
         tier.prune(1, writing=-3)
+
+
+# -- spares: the data files of pruned steps, written over by the next save -------------------
+
+
+def _data_name(rank: int) -> str:
+    return os.path.basename(data_file_name(rank, SAVE))
+
+
+def _save_data(tier: TierDirectory, step: int, rank: int, data: bytes) -> pathlib.Path:
+    """A part of ``step`` whose data file (of a data file's name) holds ``data``; its path."""
+    _save(tier, step, rank)
+    path = pathlib.Path(tier.part_path(step, rank), "data", _data_name(rank))
+    path.write_bytes(data)
+    return path
+
+
+def _spares(tier: TierDirectory) -> list[str]:
+    return sorted(os.listdir(os.path.join(tier.path, SPARE_DIR)))
+
+
+def _take(tier: TierDirectory, target: pathlib.Path, rank: int, size: int | None) -> int | None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    parent = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return tier.take_spare(parent, target.name, rank=rank, size=size)
+    finally:
+        os.close(parent)
+
+
+def test_prune_before_writing_keeps_data_files_as_spares(tier: TierDirectory) -> None:
+    _save_data(tier, 1, 0, b"a" * 100)
+    _save_data(tier, 1, 3, b"b" * 300)
+    _save_data(tier, 2, 0, b"c" * 50)
+    assert tier.prune(2, writing=3) == [1]
+    # Only data files become spares (part.bin is none): by saved rank.
+    assert [name.split(".")[0] for name in _spares(tier)] == ["0", "3"]
+    assert tier.spare_bytes() >= 400
+    free = tier.check_space(0, min_free_bytes=0)
+    assert free.free_bytes >= tier.spare_bytes()
+    target = pathlib.Path(tier.part_path(3, 0), "data", _data_name(0))
+    fd = _take(tier, target, 0, 10)  # rank 0's first, whatever the size
+    assert fd is not None
+    try:
+        assert os.read(fd, 200) == b"a" * 100  # the old bytes, to be written over
+        assert os.fstat(fd).st_ino == target.stat().st_ino
+    finally:
+        os.close(fd)
+    assert target.stat().st_nlink == 1
+    other = pathlib.Path(tier.part_path(3, 1), "data", _data_name(1))
+    fd = _take(tier, other, 1, 10)  # no spare of rank 1's: another
+    assert fd is not None
+    os.close(fd)
+    assert other.read_bytes() == b"b" * 300
+    assert _spares(tier) == []
+    assert _take(tier, pathlib.Path(tier.path, "x", "y"), 0, None) is None  # none left
+
+
+def test_spares_by_size(tier: TierDirectory) -> None:
+    for step, length in ((1, 10), (2, 300), (3, 100)):
+        _save_data(tier, step, 3, b"z" * length)
+    tier.prune(1, writing=4)
+    targets = [pathlib.Path(tier.path, "t", name) for name in ("a", "b", "c")]
+    sizes = []
+    for target, want in zip(targets, (50, 500, None), strict=True):
+        fd = _take(tier, target, 0, want)
+        assert fd is not None
+        sizes.append(os.fstat(fd).st_size)
+        os.close(fd)
+    # The smallest that holds 50; none holds 500: the largest; then what is left.
+    assert sizes == [100, 300, 10]
+
+
+def test_a_prune_removes_the_spares_left_unused(tier: TierDirectory) -> None:
+    _save_data(tier, 1, 0, b"a" * 100)
+    tier.prune(1, writing=2)
+    assert len(_spares(tier)) == 1
+    tier.prune(1, writing=3)  # nothing pruned now: the unused spare is freed
+    assert _spares(tier) == []
+    assert tier.spare_bytes() == 0
+    _save_data(tier, 4, 0, b"a" * 100)
+    tier.prune(1)  # no save follows: nothing set aside
+    assert _spares(tier) == []
+
+
+def test_a_spare_that_exists_at_the_name_is_an_error(tier: TierDirectory) -> None:
+    _save_data(tier, 1, 0, b"a" * 100)
+    tier.prune(1, writing=2)
+    target = pathlib.Path(tier.path, "t", "file")
+    target.parent.mkdir()
+    target.write_bytes(b"mine")
+    with pytest.raises(FileExistsError):
+        _take(tier, target, 0, None)
+    assert target.read_bytes() == b"mine"
+
+
+def test_hostile_spares_are_never_written(tier: TierDirectory, outside: pathlib.Path) -> None:
+    precious = outside / "rank_0" / "weights"
+    before = _tree(outside)
+    tier.prune(1, writing=1)  # no spare directory yet: none to take
+    assert _take(tier, pathlib.Path(tier.path, "t", "a"), 0, None) is None
+    spare = pathlib.Path(tier.path, SPARE_DIR)
+    spare.mkdir()
+    (spare / f"0.{'1' * 16}").symlink_to(precious)
+    os.link(precious, spare / f"0.{'2' * 16}")  # a second name of a file outside
+    (spare / f"0.{'3' * 16}").mkdir()
+    (spare / "garbage").write_bytes(b"not a spare's name")
+    assert _take(tier, pathlib.Path(tier.path, "t", "b"), 0, None) is None
+    assert _tree(outside) == before
+    assert os.stat(precious).st_nlink == 1  # the tier's second name of it is gone
+    assert not pathlib.Path(tier.path, "t", "b").exists()
+    tier.prune(1, writing=2)
+    assert _spares(tier) == []
+    assert _tree(outside) == before
+
+
+def test_a_data_file_with_another_name_is_no_spare(
+    tier: TierDirectory, outside: pathlib.Path
+) -> None:
+    data = _save_data(tier, 1, 0, b"a" * 100)
+    os.link(data, outside / "second")  # e.g. a restore directory's link, left by a crash
+    link = pathlib.Path(tier.part_path(1, 0), "data", _data_name(1))
+    link.symlink_to(outside / "rank_0" / "weights")
+    tier.prune(1, writing=2)
+    assert _spares(tier) == []
+    assert (outside / "second").read_bytes() == b"a" * 100
+    assert (outside / "rank_0" / "weights").read_bytes() == b"keep me"
 
 
 # -- free space ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ falling back to the durable tier, the warning when placement degrades, settings 
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -42,9 +43,11 @@ def test_local_saves_beside_the_policy_and_restore(tmp_path: pathlib.Path) -> No
     assert saved == [3, 6]  # the durable policy's; the local rule is its own
     assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == [
         "job.json",
+        "spare",  # step 2's data file, pruned, became step 6's
         "step_4",
         "step_6",
     ]
+    assert list((tmp_path / "shm" / "spare").iterdir()) == []
     state = _state(0)
     manager = _manager(tmp_path)
     assert manager.restored_from is None
@@ -62,6 +65,31 @@ def test_local_saves_beside_the_policy_and_restore(tmp_path: pathlib.Path) -> No
     assert manager.restored_from == "durable"
     manager.close()
     assert not any(p.name.startswith("restore_") for p in (tmp_path / "shm").iterdir())
+
+
+def _data_file(tmp_path: pathlib.Path, step: int) -> pathlib.Path:
+    [data] = (tmp_path / "shm" / f"step_{step}" / "rank_0" / "data").iterdir()
+    return data
+
+
+def test_a_save_writes_into_the_files_of_the_step_it_prunes(tmp_path: pathlib.Path) -> None:
+    with _manager(tmp_path) as manager:
+        manager.save(2, {"w": torch.arange(5000.0), "step": 2})
+        # Held open, step 2's file keeps its inode: a new file could not get its number.
+        with _data_file(tmp_path, 2).open("rb") as first:
+            status = os.fstat(first.fileno())
+            inode, size = status.st_ino, status.st_size
+            manager.save(4, {"w": torch.arange(5000.0), "step": 4})
+            manager.save(8, {"w": torch.arange(1000.0) + 8, "step": 8})  # a shorter file
+            reused = _data_file(tmp_path, 8)
+            assert reused.stat().st_ino == inode
+            assert reused.stat().st_size < size  # truncated where the writes ended
+    assert list((tmp_path / "shm" / "spare").iterdir()) == []
+    state = {"w": torch.zeros(1000), "step": 0}
+    with _manager(tmp_path) as manager:
+        assert manager.restore(None, state) == 8  # every block checked: not one old byte
+        assert manager.restored_from == "local"
+    assert torch.equal(state["w"], torch.arange(1000.0) + 8)  # type: ignore[arg-type]
 
 
 def test_a_corrupt_own_copy_falls_back_to_durable(tmp_path: pathlib.Path) -> None:

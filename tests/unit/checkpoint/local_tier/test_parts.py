@@ -239,3 +239,58 @@ def test_restore_directories(tmp_path: pathlib.Path) -> None:
     with pytest.raises(CheckpointStorageError, match="link"):
         tier.make_restore(3)
     assert (outside / "keep").exists()
+
+
+@pytest.mark.parametrize("spare_bytes", [100, 1 << 20])  # shorter and longer than the file
+def test_a_data_file_is_received_into_a_spare(tmp_path: pathlib.Path, spare_bytes: int) -> None:
+    save_id, files = _saved(tmp_path / "part")
+    name = data_file_name(0, save_id)
+    tier = TierDirectory(str(tmp_path / "tier"), "job")
+    assert tier.claim() is None
+    old = pathlib.Path(tier.make_part(1, 0), "data", os.path.basename(name))
+    old.parent.mkdir()
+    old.write_bytes(b"\xff" * spare_bytes)
+    inode = old.stat().st_ino
+    tier.prune(1, writing=2)
+
+    def take(parent: int, base: str, size: int | None) -> int | None:
+        return tier.take_spare(parent, base, rank=0, size=size)
+
+    target = pathlib.Path(tier.make_part(2, 0))
+    incoming = IncomingDataFile(str(target), name, len(files[name]), take)
+    incoming.buffer[:] = files[name]
+    incoming.close()
+    received = target / name
+    assert received.stat().st_ino == inode
+    assert received.read_bytes() == files[name]  # exactly its size, not a byte of the old
+
+
+def test_a_part_is_written_into_a_spare_and_its_index_is_new(tmp_path: pathlib.Path) -> None:
+    tier = TierDirectory(str(tmp_path / "tier"), "job")
+    assert tier.claim() is None
+    state = {"w": torch.arange(40, dtype=torch.float32), "step": 3}
+    snapshot, error = describe_or_error(state, False)
+    assert error is None
+    first = tier.make_part(1, 0)
+    save_id = save_parts(snapshot, first, collectives.Comm(None), sync_files=False)
+    old = pathlib.Path(first, data_file_name(0, save_id))
+    with old.open("ab") as grown:  # a spare longer than the next part
+        grown.write(b"\xff" * 5000)
+    inode = old.stat().st_ino
+    tier.prune(1, writing=2)
+    second = tier.make_part(2, 0)
+
+    def take(parent: int, base: str, size: int | None) -> int | None:
+        return tier.take_spare(parent, base, rank=0, size=size)
+
+    storage = part_files.RecyclingStorage(second, take)
+    save_id = save_parts(
+        snapshot, second, collectives.Comm(None), sync_files=False, storage=storage
+    )
+    data = pathlib.Path(second, data_file_name(0, save_id))
+    assert data.stat().st_ino == inode
+    assert check_stored_part(second, 0, save_id, 1) is None  # its size and every block
+    state = {"w": torch.zeros(40), "step": 0}
+    load(state, second)
+    assert torch.equal(state["w"], torch.arange(40, dtype=torch.float32))
+    assert state["step"] == 3
