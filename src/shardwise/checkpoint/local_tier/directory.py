@@ -326,27 +326,34 @@ def _spares_by_preference(spare_fd: int, rank: int, size: int | None) -> list[st
 
 def _take(spare_fd: int, spare: str, parent: int, name: str) -> int | None:
     """``spare`` claimed, checked and moved to ``name`` in ``parent``, opened; None if it was
-    taken meanwhile or is no regular file of one name (then removed)."""
+    taken or removed meanwhile, or is no regular file of one name (then removed).
+
+    Raises:
+        FileExistsError: ``name`` is there already.
+    """
     claimed = f".taken.{secrets.token_hex(8)}"
     try:
         os.rename(spare, claimed, src_dir_fd=spare_fd, dst_dir_fd=spare_fd)
     except FileNotFoundError:  # another rank took it
         return None
+    fd = -1
     try:
-        try:
-            fd = os.open(claimed, _REUSE_FLAGS, dir_fd=spare_fd)
-        except OSError as err:  # a link (ELOOP), or vanished
-            logger.debug("local tier: spare %s refused: %s", spare, err)
-            return None
-        try:
-            status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
-                os.close(fd)
-                return None
-            os.link(claimed, name, src_dir_fd=spare_fd, dst_dir_fd=parent, follow_symlinks=False)
-        except BaseException:  # FileExistsError included: name is there already
+        # No link is followed (ELOOP), and no FIFO waited on; it may vanish meanwhile (a
+        # prune empties the spares), and then it is simply not had.
+        fd = os.open(claimed, _REUSE_FLAGS, dir_fd=spare_fd)
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+            raise OSError(errno.EMLINK, "not a regular file of one name", spare)
+        os.link(claimed, name, src_dir_fd=spare_fd, dst_dir_fd=parent, follow_symlinks=False)
+    except FileExistsError:
+        if fd >= 0:
             os.close(fd)
-            raise
+        raise
+    except OSError as err:
+        logger.debug("local tier: spare %s not taken: %s", spare, err)
+        if fd >= 0:
+            os.close(fd)
+        return None
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(claimed, dir_fd=spare_fd)
@@ -599,10 +606,13 @@ class TierDirectory:
         restoring an older one, so those are of a run the restore abandoned. Then the data
         files of the steps removed are not freed but kept as spares, for that save to write
         into (:meth:`take_spare`: freeing a file and reserving the memory of a new one cost
-        more CPU than writing it; ``docs/local-tier.md``, *Save path*); spares an earlier save
-        left unused are removed first. Only real directories of :func:`step_name`'s form are
-        counted and removed, only regular data files with no other name become spares, and
-        nothing inside them is followed (``shutil.rmtree`` on a descriptor removes a link as
+        more CPU than writing it; ``docs/local-tier.md``, *Save path*), except those of the
+        newest step before ``writing`` (with ``keep=1``: the save before may still be sending
+        them from a mapping, which a file written over or truncated would fault); spares an
+        earlier save left unused are removed first (a link or a file at ``spare/``: no spares,
+        a warning). Only real directories of :func:`step_name`'s form are counted and
+        removed, only regular data files with no other name become spares, and nothing
+        inside them is followed (``shutil.rmtree`` on a descriptor removes a link as
         a link).
 
         Raises:
@@ -620,14 +630,24 @@ class TierDirectory:
             else:
                 kept = [step for step in steps if step < writing][: keep - 1]
             removed = sorted(step for step in steps if step not in kept)
-            self._remove_spares(fd)
-            if writing is not None and removed:
-                spare_fd = _subdirectory(fd, SPARE_DIR, create=True)
-                try:
-                    for step in removed:
-                        _set_aside(fd, step_name(step), spare_fd)
-                finally:
-                    os.close(spare_fd)
+            # The newest step before the one written may still be sent or received by a rank
+            # of this node (a rank is at most one save behind another): removed (keep=1),
+            # its files are unlinked only, never written over while mapped.
+            recycled: list[int] = []
+            if writing is not None:
+                last = max((step for step in steps if step < writing), default=None)
+                recycled = [step for step in removed if step != last]
+            try:
+                self._remove_spares(fd)
+                if recycled:
+                    spare_fd = _subdirectory(fd, SPARE_DIR, create=True)
+                    try:
+                        for step in recycled:
+                            _set_aside(fd, step_name(step), spare_fd)
+                    finally:
+                        os.close(spare_fd)
+            except CheckpointStorageError as err:  # a link or a file at spare/: none kept
+                logger.warning("local tier: no spare files in %s: %s", self.path, err)
             for step in removed:
                 shutil.rmtree(step_name(step), dir_fd=fd, onerror=_ignore_vanished)
             os.fsync(fd)
@@ -652,12 +672,17 @@ class TierDirectory:
             os.close(spare_fd)
 
     def spare_bytes(self) -> int:
-        """The bytes of the spares held (what :meth:`take_spare` gives back to a save)."""
+        """The bytes of the spares held (what :meth:`take_spare` gives back to a save; none
+        where ``spare/`` is missing, a link or a file).
+
+        Raises:
+            CheckpointStorageError: The directory is not this job's.
+        """
         total = 0
         with self._open() as fd:
             try:
                 spare_fd = _subdirectory(fd, SPARE_DIR, create=False)
-            except FileNotFoundError:
+            except (FileNotFoundError, CheckpointStorageError):
                 return 0
             try:
                 with os.scandir(spare_fd) as entries:
@@ -687,11 +712,16 @@ class TierDirectory:
         try:
             with self._open() as fd:
                 spare_fd = _subdirectory(fd, SPARE_DIR, create=False)
-        except (FileNotFoundError, CheckpointStorageError) as err:
+        except OSError as err:  # none there, a link there, or no longer this job's
             logger.debug("local tier: no spare file (%s)", err)
             return None
         try:
-            for candidate in _spares_by_preference(spare_fd, rank, size):
+            candidates = _spares_by_preference(spare_fd, rank, size)
+        except OSError as err:
+            logger.debug("local tier: the spares cannot be listed (%s)", err)
+            candidates = []
+        try:
+            for candidate in candidates:
                 taken = _take(spare_fd, candidate, parent, name)
                 if taken is not None:
                     return taken

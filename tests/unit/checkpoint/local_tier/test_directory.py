@@ -389,10 +389,27 @@ def test_prune_before_writing_keeps_data_files_as_spares(tier: TierDirectory) ->
     assert _take(tier, pathlib.Path(tier.path, "x", "y"), 0, None) is None  # none left
 
 
+def test_the_step_before_the_one_written_is_never_a_spare(tier: TierDirectory) -> None:
+    # keep=1 removes the previous save's step, which a rank of the node may still be sending
+    # from a mapping: its files are unlinked, never written over (older ones are spares).
+    _save_data(tier, 1, 0, b"a" * 100)
+    sending = _save_data(tier, 2, 1, b"b" * 100)
+    with sending.open("rb") as mapped:  # as the sender's mapping holds it
+        assert tier.prune(1, writing=3) == [1, 2]
+        assert [name.split(".")[0] for name in _spares(tier)] == ["0"]
+        assert os.fstat(mapped.fileno()).st_nlink == 0
+        assert mapped.read() == b"b" * 100
+    # Steps from the one written on are of an abandoned run: spares too.
+    _save_data(tier, 7, 1, b"c" * 100)
+    assert tier.prune(1, writing=5) == [7]
+    assert [name.split(".")[0] for name in _spares(tier)] == ["1"]
+
+
 def test_spares_by_size(tier: TierDirectory) -> None:
     for step, length in ((1, 10), (2, 300), (3, 100)):
         _save_data(tier, step, 3, b"z" * length)
-    tier.prune(1, writing=4)
+    _save(tier, 4, 0)  # the step before the one written: no spare
+    tier.prune(1, writing=5)
     targets = [pathlib.Path(tier.path, "t", name) for name in ("a", "b", "c")]
     sizes = []
     for target, want in zip(targets, (50, 500, None), strict=True):
@@ -406,9 +423,10 @@ def test_spares_by_size(tier: TierDirectory) -> None:
 
 def test_a_prune_removes_the_spares_left_unused(tier: TierDirectory) -> None:
     _save_data(tier, 1, 0, b"a" * 100)
-    tier.prune(1, writing=2)
+    _save(tier, 2, 0)
+    tier.prune(1, writing=3)
     assert len(_spares(tier)) == 1
-    tier.prune(1, writing=3)  # nothing pruned now: the unused spare is freed
+    tier.prune(1, writing=4)  # no spare made now: the unused one is freed
     assert _spares(tier) == []
     assert tier.spare_bytes() == 0
     _save_data(tier, 4, 0, b"a" * 100)
@@ -418,7 +436,8 @@ def test_a_prune_removes_the_spares_left_unused(tier: TierDirectory) -> None:
 
 def test_a_spare_that_exists_at_the_name_is_an_error(tier: TierDirectory) -> None:
     _save_data(tier, 1, 0, b"a" * 100)
-    tier.prune(1, writing=2)
+    _save(tier, 2, 0)
+    tier.prune(1, writing=3)
     target = pathlib.Path(tier.path, "t", "file")
     target.parent.mkdir()
     target.write_bytes(b"mine")
@@ -447,6 +466,38 @@ def test_hostile_spares_are_never_written(tier: TierDirectory, outside: pathlib.
     assert _tree(outside) == before
 
 
+def test_a_link_at_the_spare_directory_means_no_spares(
+    tier: TierDirectory, outside: pathlib.Path
+) -> None:
+    before = _tree(outside)
+    pathlib.Path(tier.path, SPARE_DIR).symlink_to(outside / "rank_0")
+    _save_data(tier, 1, 0, b"a" * 100)
+    _save(tier, 2, 0)
+    assert tier.prune(1, writing=3) == [1, 2]  # the save goes on: its files are new
+    assert _tree(outside) == before
+    assert tier.spare_bytes() == 0
+    assert _take(tier, pathlib.Path(tier.path, "t", "a"), 0, None) is None
+
+
+def test_a_spare_removed_while_taken_is_not_had(
+    tier: TierDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A prune by another rank of the node empties spare/ between the claim and the link.
+    _save_data(tier, 1, 0, b"a" * 100)
+    _save(tier, 2, 0)
+    tier.prune(1, writing=3)
+    link = os.link
+
+    def vanished(source: str, *args: object, **kwargs: object) -> None:
+        os.unlink(source, dir_fd=kwargs["src_dir_fd"])  # type: ignore[arg-type]
+        link(source, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "link", vanished)
+    target = pathlib.Path(tier.path, "t", "a")
+    assert _take(tier, target, 0, None) is None
+    assert not target.exists()
+
+
 def test_a_data_file_with_another_name_is_no_spare(
     tier: TierDirectory, outside: pathlib.Path
 ) -> None:
@@ -454,7 +505,8 @@ def test_a_data_file_with_another_name_is_no_spare(
     os.link(data, outside / "second")  # e.g. a restore directory's link, left by a crash
     link = pathlib.Path(tier.part_path(1, 0), "data", _data_name(1))
     link.symlink_to(outside / "rank_0" / "weights")
-    tier.prune(1, writing=2)
+    _save(tier, 2, 0)
+    tier.prune(1, writing=3)
     assert _spares(tier) == []
     assert (outside / "second").read_bytes() == b"a" * 100
     assert (outside / "rank_0" / "weights").read_bytes() == b"keep me"

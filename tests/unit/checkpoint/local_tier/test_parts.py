@@ -250,18 +250,20 @@ def test_a_data_file_is_received_into_a_spare(tmp_path: pathlib.Path, spare_byte
     old = pathlib.Path(tier.make_part(1, 0), "data", os.path.basename(name))
     old.parent.mkdir()
     old.write_bytes(b"\xff" * spare_bytes)
-    inode = old.stat().st_ino
-    tier.prune(1, writing=2)
+    tier.make_part(2, 0)  # the step before the one written: not recycled
+    with old.open("rb") as held:  # its inode stays taken: a new file gets another
+        inode = os.fstat(held.fileno()).st_ino
+        tier.prune(1, writing=3)
 
-    def take(parent: int, base: str, size: int | None) -> int | None:
-        return tier.take_spare(parent, base, rank=0, size=size)
+        def take(parent: int, base: str, size: int | None) -> int | None:
+            return tier.take_spare(parent, base, rank=0, size=size)
 
-    target = pathlib.Path(tier.make_part(2, 0))
-    incoming = IncomingDataFile(str(target), name, len(files[name]), take)
-    incoming.buffer[:] = files[name]
-    incoming.close()
-    received = target / name
-    assert received.stat().st_ino == inode
+        target = pathlib.Path(tier.make_part(3, 0))
+        incoming = IncomingDataFile(str(target), name, len(files[name]), take)
+        incoming.buffer[:] = files[name]
+        incoming.close()
+        received = target / name
+        assert received.stat().st_ino == inode
     assert received.read_bytes() == files[name]  # exactly its size, not a byte of the old
 
 
@@ -276,19 +278,21 @@ def test_a_part_is_written_into_a_spare_and_its_index_is_new(tmp_path: pathlib.P
     old = pathlib.Path(first, data_file_name(0, save_id))
     with old.open("ab") as grown:  # a spare longer than the next part
         grown.write(b"\xff" * 5000)
-    inode = old.stat().st_ino
-    tier.prune(1, writing=2)
-    second = tier.make_part(2, 0)
+    tier.make_part(2, 0)  # the step before the one written: not recycled
+    with old.open("rb") as held:  # its inode stays taken: a new file gets another
+        inode = os.fstat(held.fileno()).st_ino
+        tier.prune(1, writing=3)
+        second = tier.make_part(3, 0)
 
-    def take(parent: int, base: str, size: int | None) -> int | None:
-        return tier.take_spare(parent, base, rank=0, size=size)
+        def take(parent: int, base: str, size: int | None) -> int | None:
+            return tier.take_spare(parent, base, rank=0, size=size)
 
-    storage = part_files.RecyclingStorage(second, take)
-    save_id = save_parts(
-        snapshot, second, collectives.Comm(None), sync_files=False, storage=storage
-    )
-    data = pathlib.Path(second, data_file_name(0, save_id))
-    assert data.stat().st_ino == inode
+        storage = part_files.RecyclingStorage(second, take)
+        save_id = save_parts(
+            snapshot, second, collectives.Comm(None), sync_files=False, storage=storage
+        )
+        data = pathlib.Path(second, data_file_name(0, save_id))
+        assert data.stat().st_ino == inode
     assert check_stored_part(second, 0, save_id, 1) is None  # its size and every block
     state = {"w": torch.zeros(40), "step": 0}
     load(state, second)
