@@ -248,6 +248,17 @@ def _subdirectory(parent: int, name: str, *, create: bool) -> int:
         raise
 
 
+def _part_directories(step_fd: int) -> list[tuple[int, str]]:
+    """``(saved rank, name)`` of the real part directories in a step directory, by rank."""
+    with os.scandir(step_fd) as entries:
+        return sorted(
+            (rank, entry.name)
+            for entry in entries
+            if (rank := parse_rank_name(entry.name)) is not None
+            and entry.is_dir(follow_symlinks=False)
+        )
+
+
 def _set_aside(fd: int, step: str, spare_fd: int) -> None:
     """Move the data files of step directory ``step`` into the spare directory: only regular
     files of a data file's name with no other name, in real directories (nothing followed);
@@ -257,14 +268,7 @@ def _set_aside(fd: int, step: str, spare_fd: int) -> None:
     except OSError:
         return
     try:
-        with os.scandir(step_fd) as entries:
-            ranks = [
-                (rank, entry.name)
-                for entry in entries
-                if (rank := parse_rank_name(entry.name)) is not None
-                and entry.is_dir(follow_symlinks=False)
-            ]
-        for rank, name in ranks:
+        for rank, name in _part_directories(step_fd):
             with contextlib.suppress(OSError):
                 data_fd = _subdirectory_at(step_fd, f"{name}/data")
                 try:
@@ -575,14 +579,7 @@ class TierDirectory:
 
     def _parts_in(self, step_fd: int, step: int) -> dict[int, PartRecord]:
         parts = {}
-        with os.scandir(step_fd) as entries:
-            names = [
-                (rank, entry.name)
-                for entry in entries
-                if (rank := parse_rank_name(entry.name)) is not None
-                and entry.is_dir(follow_symlinks=False)
-            ]
-        for rank, name in sorted(names):
+        for rank, name in _part_directories(step_fd):
             try:
                 rank_fd = os.open(name, _DIRECTORY_FLAGS, dir_fd=step_fd)
             except OSError:
