@@ -269,29 +269,18 @@ def _set_aside(fd: int, step: str, spare_fd: int) -> None:
         return
     try:
         for rank, name in _part_directories(step_fd):
-            with contextlib.suppress(OSError):
-                data_fd = _subdirectory_at(step_fd, f"{name}/data")
+            with contextlib.suppress(OSError):  # a link or a file on the way: left as it is
+                rank_fd = _subdirectory(step_fd, name, create=False)
+                try:
+                    data_fd = _subdirectory(rank_fd, "data", create=False)
+                finally:
+                    os.close(rank_fd)
                 try:
                     _set_aside_files(data_fd, rank, spare_fd)
                 finally:
                     os.close(data_fd)
     finally:
         os.close(step_fd)
-
-
-def _subdirectory_at(parent: int, relative: str) -> int:
-    """A descriptor of the real directory ``relative`` (``a/b``) below ``parent``, no link
-    followed on the way (OSError)."""
-    fd = os.dup(parent)
-    try:
-        for name in relative.split("/"):
-            child = os.open(name, _DIRECTORY_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _set_aside_files(data_fd: int, rank: int, spare_fd: int) -> None:
@@ -306,26 +295,31 @@ def _set_aside_files(data_fd: int, rank: int, spare_fd: int) -> None:
                     os.rename(entry.name, spare, src_dir_fd=data_fd, dst_dir_fd=spare_fd)
 
 
-def _spares_by_preference(spare_fd: int, rank: int, size: int | None) -> list[str]:
-    """The spares' names, best first (:meth:`TierDirectory.take_spare`)."""
+def _list_spares(spare_fd: int) -> list[tuple[int, os.stat_result, str]]:
+    """``(saved rank, status, name)`` of the regular files of a spare's name in ``spare/``."""
     found = []
     with os.scandir(spare_fd) as entries:
         for entry in entries:
             match = _SPARE.fullmatch(entry.name)
             if match is None:
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):  # taken meanwhile
                 status = entry.stat(follow_symlinks=False)
                 if stat.S_ISREG(status.st_mode):
-                    found.append((int(match[1]), status.st_size, entry.name))
+                    found.append((int(match[1]), status, entry.name))
+    return found
 
-    def preference(spare: tuple[int, int, str]) -> tuple[bool, bool, int]:
-        owner, length, _ = spare
-        if size is None or length >= size:  # the smallest that holds it
-            return owner != rank, False, length if size is not None else -length
-        return owner != rank, True, -length  # else the largest
 
-    return [name for *_, name in sorted(found, key=preference)]
+def _spares_by_preference(spare_fd: int, rank: int, size: int | None) -> list[str]:
+    """The spares' names, best first (:meth:`TierDirectory.take_spare`)."""
+
+    def preference(spare: tuple[int, os.stat_result, str]) -> tuple[bool, bool, int]:
+        owner, status, _ = spare
+        fits = size is not None and status.st_size >= size
+        # Saved rank ``rank``'s first; then the smallest that holds ``size``, else the largest.
+        return owner != rank, not fits, status.st_size if fits else -status.st_size
+
+    return [name for *_, name in sorted(_list_spares(spare_fd), key=preference)]
 
 
 def _take(spare_fd: int, spare: str, parent: int, name: str) -> int | None:
@@ -675,24 +669,20 @@ class TierDirectory:
         Raises:
             CheckpointStorageError: The directory is not this job's.
         """
-        total = 0
         with self._open() as fd:
             try:
                 spare_fd = _subdirectory(fd, SPARE_DIR, create=False)
             except (FileNotFoundError, CheckpointStorageError):
                 return 0
             try:
-                with os.scandir(spare_fd) as entries:
-                    for entry in entries:
-                        with contextlib.suppress(FileNotFoundError):
-                            status = entry.stat(follow_symlinks=False)
-                            if stat.S_ISREG(status.st_mode) and status.st_nlink == 1:
-                                total += status.st_blocks * 512
+                spares = _list_spares(spare_fd)
             finally:
                 os.close(spare_fd)
-        return total
+        # Their blocks (a sparse file frees no more than it holds); one of several names is
+        # never taken.
+        return sum(status.st_blocks * 512 for _, status, _ in spares if status.st_nlink == 1)
 
-    def take_spare(self, parent: int, name: str, *, rank: int, size: int | None) -> int | None:
+    def take_spare(self, parent: int, name: str, size: int | None, *, rank: int) -> int | None:
         """A spare file moved to ``name`` in the directory ``parent`` (a descriptor) and opened
         to be written over from its start, or None when no spare can be had (the caller then
         creates the file). Preferred: a spare of saved rank ``rank`` (a part keeps its size

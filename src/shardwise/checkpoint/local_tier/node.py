@@ -284,7 +284,9 @@ class TierNode:
                 space = self.directory.check_space(
                     own + held, min_free_bytes=self.tier.min_free_bytes
                 )
-                alone = self.directory.check_space(own, min_free_bytes=self.tier.min_free_bytes)
+                alone = self.directory.check_space(
+                    own, min_free_bytes=self.tier.min_free_bytes, free_bytes=space.free_bytes
+                )
             except OSError as err:
                 reason = f"the free space of {self.directory.path} is unknown ({err})"
             else:
@@ -328,12 +330,7 @@ class TierNode:
 
     def _take(self, rank: int) -> part_files.Take:
         """Takes a spare file of this node's directory for a data file of saved rank ``rank``."""
-        directory = self.directory
-
-        def take(parent: int, name: str, size: int | None) -> int | None:
-            return directory.take_spare(parent, name, rank=rank, size=size)
-
-        return take
+        return functools.partial(self.directory.take_spare, rank=rank)
 
     def _has_room(self, sender: int, size: int) -> bool:
         """Whether a part of ``size`` bytes from ``sender`` fits this node's directory."""

@@ -194,11 +194,10 @@ class IncomingDataFile:
             out = None if take is None else take(directory, base, size)
             if out is None:
                 out = os.open(base, _MAP_FLAGS, 0o600, dir_fd=directory)
-            else:
-                os.ftruncate(out, size)  # a spare may have been longer
         finally:
             os.close(directory)
         try:
+            os.ftruncate(out, size)  # a spare may be longer, a new file is empty
             os.posix_fallocate(out, 0, size)
             self._map: mmap.mmap | None = mmap.mmap(
                 out, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE

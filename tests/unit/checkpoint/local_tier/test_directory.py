@@ -457,6 +457,7 @@ def test_hostile_spares_are_never_written(tier: TierDirectory, outside: pathlib.
     os.link(precious, spare / f"0.{'2' * 16}")  # a second name of a file outside
     (spare / f"0.{'3' * 16}").mkdir()
     (spare / "garbage").write_bytes(b"not a spare's name")
+    assert tier.spare_bytes() == 0  # nothing there is a spare to give back
     assert _take(tier, pathlib.Path(tier.path, "t", "b"), 0, None) is None
     assert _tree(outside) == before
     assert os.stat(precious).st_nlink == 1  # the tier's second name of it is gone
