@@ -360,6 +360,7 @@ def test_save_replaces_an_earlier_save_and_writes_what_load_file_reads(tmp_path:
         assert torch.equal(got[key], expected), key
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_targets_and_sources(tmp_path: Path) -> None:
     # Staged through pinned host memory on load (cast on the way), written from device memory.

@@ -382,6 +382,7 @@ def test_materialize_verifies_every_byte_and_commits_nothing_on_a_mismatch(
     assert not (tmp_path / "copy" / "shardwise.json").exists()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_chunks_are_hashed_through_the_host(tmp_path: Path) -> None:
     state = {

@@ -142,3 +142,29 @@ def test_background_local_saves_in_one_process(tmp_path: pathlib.Path) -> None:
     assert manager.restored_from == "local"
     assert torch.equal(restored["w"], torch.full((4, 3), 4.0))  # type: ignore[arg-type]
     manager.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_state_is_staged_before_a_later_update_and_restored_onto_the_gpu(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The background local save copies GPU tensors on a side stream: an update queued on the
+    # training stream right after the call must not overtake the copy.
+    n = 1 << 22
+    policy = ckpt.SavePolicy(every_steps=100)  # the local tier alone
+    state = {"w": torch.arange(n, device="cuda", dtype=torch.float32), "b": torch.ones(3).cuda()}
+    with ckpt.CheckpointManager(
+        tmp_path / "run", save_policy=policy, local_tier=_tier(tmp_path)
+    ) as manager:
+        manager.save(2, state)
+        state["w"].add_(1)
+        state["b"].zero_()
+    restored = {"w": torch.zeros(n, device="cuda"), "b": torch.zeros(3, device="cuda")}
+    manager = _manager(tmp_path)
+    assert manager.restore(None, restored) == 2
+    assert manager.restored_from == "local"
+    manager.close()
+    assert restored["w"].device.type == "cuda"
+    assert torch.equal(restored["w"].cpu(), torch.arange(n, dtype=torch.float32))
+    assert torch.equal(restored["b"].cpu(), torch.ones(3))
