@@ -128,17 +128,28 @@ def rpc_worker_id(worker_name: str) -> int:
 
 
 def new_gloo_group_like(process_group: ProcessGroup | None) -> ProcessGroup | None:
-    """A new gloo group over the same ranks, with the same timeout (collective over the default
-    group).
+    """A new gloo group over the same ranks, with the same timeout, made by those ranks alone
+    (collective over ``process_group``, not the default group).
 
     Background checkpoint writes use it so that they never interleave with the training
     job's own collectives on the original group; they wait for a missing rank no longer than
     the original group would (not torch's default of 30 minutes).
+
+    Over a subgroup the other ranks neither take part nor count the new group (torch's
+    ``use_local_synchronization``): they may be busy elsewhere, and the groups that the whole
+    world makes later still meet, which a group made the default way by some ranks only
+    breaks (it numbers the groups of its members only). Its name is torch's hash of the ranks
+    and of how many groups each of them knows, so they must have made the same groups before
+    (as SPMD code does).
     """
     if process_group is None and not is_initialized():
         return None
     original = resolve_group(process_group)
+    ranks = global_ranks(original)
     group: ProcessGroup | None = dist.new_group(
-        ranks=global_ranks(original), timeout=group_timeout(original), backend="gloo"
+        ranks=ranks,
+        timeout=group_timeout(original),
+        backend="gloo",
+        use_local_synchronization=len(ranks) < dist.get_world_size(),
     )
     return group

@@ -6,7 +6,8 @@ absent (one that the load reads, by a second round that checks every block); one
 copies gone and the other's corrupt, or both nodes' copies gone, falls back to the durable
 tier; a restart on 3 ranks (3 nodes, two of them new) restores from the tier written by 4; a
 full directory skips the local save on every rank, one with room for its own parts only holds
-no replicas (and the step is still complete)."""
+no replicas (and the step is still complete); a manager over a subgroup makes its tier's
+group among its own ranks, and the world's later groups still meet."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import logging
 import shutil
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
@@ -323,3 +327,50 @@ def test_a_background_local_save_skipped_warns_at_the_next_call(tmp_path: Path) 
     manager.close()
     assert not (base / "node0" / "step_2").exists()
     assert (base / "run").is_dir() and ckpt.CheckpointManager(base / "run").latest_step() == 2
+
+
+@distributed(world_size=WORLD, timeout=60)
+def test_a_manager_over_a_subgroup_makes_its_groups_among_its_own_ranks(tmp_path: Path) -> None:
+    # Each pair of ranks runs a job of its own over a subgroup (one rank per node), while the
+    # other pair is busy elsewhere and does not call: the tier's own gloo group (made at the
+    # first background save) is made by the pair alone, and the groups the whole world makes
+    # afterwards still meet.
+    base = _shared_dir(tmp_path)
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    never = ckpt.SavePolicy(every_steps=100)  # the local tier alone
+
+    def state(step: int, mesh: DeviceMesh) -> dict[str, Any]:
+        full = _full(step)
+        return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
+
+    for turn, group in enumerate(pairs):
+        if rank // 2 == turn:
+            mesh = DeviceMesh.from_group(group, "cpu")
+            job = base / f"pair{turn}"
+            tier = ckpt.LocalTier(
+                every_steps=1,
+                job_id=f"pair-{turn}",
+                directory=job / f"node{rank % 2}",
+                local_world_size=1,
+                min_free_bytes=0,
+            )
+            with ckpt.CheckpointManager(
+                job / "run", process_group=group, save_policy=never, local_tier=tier
+            ) as manager:
+                for step in (1, 2):
+                    manager.save(step, state(step, mesh))
+            manager = ckpt.CheckpointManager(job / "run", process_group=group, local_tier=tier)
+            restored = state(0, mesh)
+            assert manager.restore(None, restored) == 2
+            assert manager.restored_from == "local"
+            manager.close()
+            assert torch.equal(restored["w"].full_tensor(), _full(2))
+            assert sorted(p.name for p in (job / f"node{rank % 2}" / "step_2").iterdir()) == [
+                "rank_0",
+                "rank_1",
+            ]
+        everyone = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+        total = torch.ones(1)
+        dist.all_reduce(total, group=everyone)
+        assert total.item() == WORLD

@@ -176,7 +176,7 @@ class TierNode:
 
     def _group(self) -> ProcessGroup:
         """The group parts travel over: the manager's when it is gloo, else a gloo group over
-        the same ranks, made at the first transfer (collective over the default group)."""
+        the same ranks, made at the first transfer by the group's ranks alone."""
         if self._gloo is None:
             group = self.comm.group
             assert group is not None, "a world of one sends no part"
@@ -207,8 +207,8 @@ class TierNode:
         """:meth:`save` in the background (collective): wait for the local save before it,
         copy this rank's state into host memory (from GPUs: issued on a side stream, as
         ``async_save`` stages), and return; a thread writes the part and sends the replicas
-        over a gloo group of its own (made at the first call: collective over the default
-        group). What it reports comes as :class:`LocalTierWarning` at the next call (or
+        over a gloo group of its own (made at the first call, by the manager's ranks alone).
+        What it reports comes as :class:`LocalTierWarning` at the next call (or
         :meth:`finish_save`)."""
         self.finish_save()
         snapshot, error = describe_or_error(state_dict, False)
