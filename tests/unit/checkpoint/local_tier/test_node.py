@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -18,13 +19,13 @@ def _state(step: int) -> dict[str, object]:
 
 
 def _tier(tmp_path: pathlib.Path, **options: object) -> ckpt.LocalTier:
+    settings: dict[str, object] = {"job_id": "job", **options}
     return ckpt.LocalTier(
         every_steps=2,
         replicas=0,
-        job_id="job",
         directory=tmp_path / "shm",
         min_free_bytes=0,
-        **options,  # type: ignore[arg-type]
+        **settings,  # type: ignore[arg-type]
     )
 
 
@@ -105,6 +106,65 @@ def test_a_corrupt_own_copy_falls_back_to_durable(tmp_path: pathlib.Path) -> Non
     assert manager.restore(None, state) == 3  # step 4's only part fails its checksums
     assert manager.restored_from == "durable"
     manager.close()
+
+
+def _contents(path: pathlib.Path) -> dict[str, bytes | None]:
+    """Every entry below ``path``: a file's bytes, None for a directory."""
+    return {
+        str(p.relative_to(path)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(path.rglob("*"))
+    }
+
+
+def test_another_jobs_directory_is_never_used_nor_changed(tmp_path: pathlib.Path) -> None:
+    with _manager(tmp_path) as manager:  # job "job": local steps 6 and 8, durable 3 and 6
+        for step in range(1, 9):
+            manager.save(step, _state(step))
+    before = _contents(tmp_path / "shm")
+    other = ckpt.CheckpointManager(
+        tmp_path / "other-run",
+        save_policy=ckpt.SavePolicy(every_steps=3),
+        async_save=False,
+        local_tier=_tier(tmp_path, job_id="other-job"),
+    )
+    state = _state(0)
+    with pytest.warns(ckpt.LocalTierWarning, match="another job"):
+        assert other.restore(None, state) is None  # job's step 8 is not this job's
+    assert other.restored_from is None
+    assert torch.equal(state["w"], torch.zeros(4, 3))  # type: ignore[arg-type]
+    with pytest.warns(ckpt.LocalTierWarning, match="skipped the local save of step 2"):
+        other.save(2, _state(2))
+    other.close()
+    assert _contents(tmp_path / "shm") == before  # nothing written, pruned or recycled
+    with _manager(tmp_path) as manager:
+        assert manager.restore(None, state) == 8
+        assert manager.restored_from == "local"
+
+
+def test_a_local_save_cut_short_is_never_restored_and_the_series_goes_on(
+    tmp_path: pathlib.Path,
+) -> None:
+    # What a process killed while writing step 10 leaves: the part's files, its data file cut
+    # short, and no part.json (written last).
+    with _manager(tmp_path) as manager:
+        for step in range(1, 9):
+            manager.save(step, _state(step))
+    shm = tmp_path / "shm"
+    shutil.copytree(shm / "step_8", shm / "step_10")
+    (shm / "step_10" / "rank_0" / "part.json").unlink()
+    data = _data_file(tmp_path, 10)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    state = _state(0)
+    with _manager(tmp_path) as manager:
+        assert manager.restore(None, state) == 8  # the newest complete local step
+        assert manager.restored_from == "local"
+        assert torch.equal(state["w"], torch.full((4, 3), 8.0))  # type: ignore[arg-type]
+        manager.save(10, _state(10))  # the part left over is replaced, not mixed in
+    with _manager(tmp_path) as manager:
+        assert manager.restore(None, state) == 10
+        assert manager.restored_from == "local"
+    assert torch.equal(state["w"], torch.full((4, 3), 10.0))  # type: ignore[arg-type]
+    assert state["step"] == 10
 
 
 def test_fresh_start_and_degraded_placement(tmp_path: pathlib.Path) -> None:
