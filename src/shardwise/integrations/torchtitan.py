@@ -38,6 +38,7 @@ from torchtitan.tools import filesystem  # type: ignore[import-untyped,import-no
 
 from shardwise.checkpoint import (
     CheckpointManager,
+    LocalTier,
     RetentionPolicy,
     SavePolicy,
     load,
@@ -78,6 +79,38 @@ def _signal_of(name: str) -> signal.Signals:
 def _check_count(name: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
+#: The local tier's fields of the config and their defaults (each is ``LocalTier``'s field of
+#: the name without ``local_``), set only with ``local_interval``.
+_LOCAL_DEFAULTS = {
+    "local_replicas": 1,
+    "local_keep": 2,
+    "local_directory": None,
+    "local_job_id": None,
+}
+
+
+def _local_tier(config: ShardwiseCheckpointManager.Config) -> LocalTier | None:
+    """The local tier of ``config`` (None when ``local_interval`` is 0), made where the job
+    runs: its id defaults to torchrun's ``--rdzv-id``, read from the environment.
+
+    Raises:
+        TypeError, ValueError: A ``local_*`` setting is invalid (the message names
+            ``LocalTier``'s field, which is the setting's name without ``local_``).
+    """
+    if not config.local_interval:
+        return None
+    try:
+        return LocalTier(
+            every_steps=config.local_interval,
+            replicas=config.local_replicas,
+            keep=config.local_keep,
+            job_id=config.local_job_id,
+            directory=config.local_directory,
+        )
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"checkpoint local tier (local_* settings): {err}") from err
 
 
 class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
@@ -145,6 +178,28 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         storage_options: dict[str, Any] | None = None
         """fsspec options for a ``folder`` or ``initial_load_path`` that is a URL."""
 
+        local_interval: int = 0
+        """shardwise's local tier (``docs/manager.md``, *Local tier*): 0 is off; N keeps a
+        copy of every N-th step in node-local memory, each rank's part also held by
+        ``local_replicas`` ranks of other nodes, and ``load`` restores the newest such step
+        when it is newer than the folder's newest checkpoint, from memory and the peers
+        instead of the folder. Independent of ``interval``."""
+
+        local_replicas: int = 1
+        """Ranks on other nodes holding a copy of each rank's local part (``LocalTier.replicas``:
+        0 survives a restart of the processes, not the loss of a node)."""
+
+        local_keep: int = 2
+        """The newest local steps kept on each node, 1 or 2 (``LocalTier.keep``)."""
+
+        local_directory: str | None = None
+        """The node-local directory (``LocalTier.directory``); None: ``/dev/shm/shardwise-<job
+        id>``."""
+
+        local_job_id: str | None = None
+        """The job's id (``LocalTier.job_id``): None takes torchrun's ``--rdzv-id``; pass the
+        scheduler's job id to keep the local steps across a requeue on the same nodes."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             if self.initial_load_in_hf_quantized:
@@ -172,6 +227,15 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
                 raise ValueError(
                     f"storage_options must be a dict or None, got {type(self.storage_options)}"
                 )
+            interval = self.local_interval
+            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+                raise ValueError(
+                    f"local_interval must be an int >= 0 (0: no local tier), got {interval!r}"
+                )
+            if not interval:
+                for name, default in _LOCAL_DEFAULTS.items():
+                    if getattr(self, name) != default:
+                        raise ValueError(f"{name} has no effect without local_interval")
 
     def __init__(
         self,
@@ -222,6 +286,7 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self._group: ProcessGroup | None = None
         if self._async and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
+        self._local = None if self.load_only else _local_tier(config)
         self._manager = CheckpointManager(
             self.folder,
             save_policy=SavePolicy(should_save=_never),
@@ -237,6 +302,7 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             process_group=self._group,
             storage_options=self.storage_options,
             incremental=config.incremental,
+            local_tier=self._local,
         )
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
         self._staging: concurrent.futures.Future[bool] | None = None
@@ -291,7 +357,9 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         due = self._due(curr_step, last_step)
-        if not due and not self._preemptible:
+        # The local tier's steps go through the manager too: it saves them by its own rule.
+        local = self._local is not None and self._local.wants(curr_step)
+        if not due and not local and not self._preemptible:
             return False
         self._finish_staging()
         if due and last_step:
@@ -380,19 +448,27 @@ class ShardwiseCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             logger.info("restored %s", self.path(step))
             return True
         steps = self._manager.steps()
-        if steps:
-            # torchtitan's fault-tolerance branch: a series to resume ignores initial_*.
-            if steps[-1] == 0:  # a seed checkpoint: the model alone
+        # torchtitan's fault-tolerance branch: a series to resume (or a local step newer than
+        # the folder's newest checkpoint) ignores initial_*.
+        restored: int | None = None
+        if steps and steps[-1] == 0:  # a seed checkpoint: the model alone
+            if self._local is not None:  # unless the local tier holds a step trained from it
+                state = self._states_to_load(False)
+                restored = self._manager.restore_local(state, verify=verify)
+            if restored is None:
                 state = self._states_to_load(True)
                 restored = self._manager.restore(0, state, allow_dtype_cast=True, verify=verify)
-            else:
-                state = self._states_to_load(False)
-                restored = self._manager.restore(None, state, verify=verify)
-            if restored is not None:
-                self._loaded(state)
-                logger.info("restored %s", self.path(restored))
-                return True
-        return self._initial_load()
+        elif steps or self._local is not None:
+            state = self._states_to_load(False)
+            restored = self._manager.restore(None, state, verify=verify)
+        if restored is None:
+            return self._initial_load()
+        self._loaded(state)
+        if self._manager.restored_from == "local":
+            logger.info("restored step %d from the local tier", restored)
+        else:
+            logger.info("restored %s", self.path(restored))
+        return True
 
     def _initial_load(self) -> bool:
         path = self.initial_load_path

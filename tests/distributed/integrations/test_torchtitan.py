@@ -9,6 +9,7 @@ and the step: the same on any sharding) and runs the real optimizer and schedule
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -269,6 +270,62 @@ def corrupt_body(dump: str) -> None:
 
 def test_corrupt_newest_is_skipped(tmp_path: Any) -> None:
     run_on_ranks(corrupt_body, 2, args=(str(tmp_path),), timeout=120)
+
+
+# -- the local tier: a restart restores the newest local step, from a peer's replica -------
+
+
+def local_config(dump: str, folder: str, **fields: Any) -> ShardwiseCheckpointManager.Config:
+    """Durable saves every 2 steps into ``folder``, a local one every step: each rank a node
+    of its own (LOCAL_WORLD_SIZE=1), its tier directory under the dump folder."""
+    return ShardwiseCheckpointManager.Config(
+        enable=True,
+        folder=folder,
+        local_interval=1,
+        local_job_id="titan",
+        local_directory=os.path.join(dump, f"{folder}-node{dist.get_rank()}"),
+        **fields,
+    )
+
+
+def local_tier_body(dump: str) -> None:
+    want = uninterrupted(dump)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        # Steps 1-5: durable 2 and 4, local 4 and 5 (each part held by both ranks).
+        first = Job(local_config(dump, "ckpt", interval=2, last_save_model_only=False), dump)
+        first.train(5)
+        first.checkpointer.close()
+        at_step_5 = first.full_state()
+        if dist.get_rank() == 0:  # node 0 lost with its memory
+            shutil.rmtree(os.path.join(dump, "ckpt-node0"))
+        dist.barrier()
+        fresh = Job(local_config(dump, "ckpt", interval=2, last_save_model_only=False), dump, 1)
+        assert fresh.checkpointer.load() is True
+        assert fresh.train_state.step == 5  # newer than the folder's step 4: the local step
+        assert_same(fresh.full_state(), at_step_5)
+        fresh.train(TOTAL)
+        fresh.checkpointer.close()
+        assert_same(fresh.full_state(), want)
+
+        # A seed checkpoint (the model alone, step 0), then steps 1-3 saved locally only: a
+        # restart takes local step 3, the whole state, not the seed.
+        seeded = local_config(dump, "seeded", interval=100)
+        Job(seeded, dump).checkpointer.save(curr_step=0, last_step=True)
+        job = Job(seeded, dump, seed=1)
+        job.train(3)  # loads the seed (no local step yet), then trains from it
+        job.checkpointer.close()
+        again = Job(seeded, dump, seed=2)
+        assert again.checkpointer.load() is True
+        assert again.train_state.step == 3
+        assert_same(again.full_state(), job.full_state())
+        again.checkpointer.close()
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def test_local_tier_restores_a_newer_step_than_the_folder(tmp_path: Any) -> None:
+    run_on_ranks(local_tier_body, 2, args=(str(tmp_path),), timeout=120)
 
 
 # -- Hugging Face: initial load, last save -------------------------------------------------

@@ -52,6 +52,12 @@ def test_defaults() -> None:
         ({"preemption_signals": ["SIGNOPE"]}, "preemption_signals"),
         ({"preemption_signals": "SIGTERM"}, "preemption_signals"),
         ({"storage_options": "anon"}, "storage_options"),
+        ({"local_interval": -1}, "local_interval must be an int >= 0"),
+        ({"local_interval": True}, "local_interval"),
+        ({"local_interval": "50"}, "local_interval"),
+        ({"local_replicas": 2}, "local_replicas has no effect without local_interval"),
+        ({"local_directory": "/dev/shm/x"}, "local_directory has no effect without"),
+        ({"local_job_id": "job-1"}, "local_job_id has no effect without"),
         (
             {
                 "initial_load_path": "/w",
@@ -84,3 +90,36 @@ def test_valid_own_fields() -> None:
         async_save=False,
     )
     assert config.preemption_signals == ["SIGTERM", "SIGUSR1"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"local_replicas": -1}, "LocalTier.replicas must be >= 0"),
+        ({"local_keep": 3}, "LocalTier.keep must be from 1 to 2"),
+        ({"local_job_id": "../up"}, "not a portable name"),
+        (
+            {"local_directory": "s3://bucket/tier", "local_job_id": "job-1"},
+            "LocalTier.directory must be a local path",
+        ),
+        ({}, "pass job_id= .* or start torchrun with --rdzv-id"),  # no job id anywhere
+    ],
+)
+def test_local_tier_settings_are_checked_where_the_job_runs(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any], message: str
+) -> None:
+    # The job id defaults to torchrun's, in the job's environment: the tier is made when the
+    # trainer builds the manager, and its settings are checked there.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    config = Config(enable=True, async_save=False, local_interval=50, **fields)
+    with pytest.raises(ValueError, match=message) as raised:
+        config.build(
+            dataloader=None,
+            model_parts=[],
+            optimizers=None,
+            lr_schedulers=None,
+            states={},
+            sd_adapter=None,
+            base_folder=str(tmp_path),
+        )
+    assert "local_* settings" in str(raised.value)

@@ -190,10 +190,6 @@ class TierNode:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is a local save's (the same on every rank: a rule of the step)."""
-        return step % self.tier.every_steps == 0
-
     def save(self, step: int, state_dict: Mapping[str, Any]) -> bool:
         """Write this rank's part of ``step`` into its node's directory and send it to its
         holders (collective); whether the local save was made. A local save that cannot be

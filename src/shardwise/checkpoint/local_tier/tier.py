@@ -139,3 +139,8 @@ class LocalTier:
             )
         object.__setattr__(self, "resolved_job_id", job)
         object.__setattr__(self, "resolved_directory", directory)
+
+    def wants(self, step: int) -> bool:
+        """Whether ``step`` is a local save's: a multiple of :attr:`every_steps` (a rule of the
+        step alone, so every rank gives the same answer without exchanging it)."""
+        return step % self.every_steps == 0

@@ -421,7 +421,7 @@ class CheckpointManager:
         """
         self._check_open()
         step, agreed = self._agreed_call(step, bool(force))
-        if self._tier is not None and self._tier.due(step):  # its own rule, beside the policy
+        if self._tier is not None and self._tier.tier.wants(step):  # beside the save policy
             if self._async:
                 self._tier.start_save(step, state_dict)
             else:
@@ -619,6 +619,10 @@ class CheckpointManager:
         """Load the newest committed checkpoint (or ``step``'s) into ``state_dict``, in place:
         ``restore(step, state_dict)``, or ``restore(None, state_dict)`` for the newest.
 
+        With a ``local_tier``, ``restore(None, state_dict)`` first takes the tier's newest
+        step when it is newer than the series' newest checkpoint (:meth:`restore_local`);
+        :attr:`restored_from` says which tier the state came from.
+
         A checkpoint that turns out corrupt or incomplete (:class:`ChecksumError`,
         :class:`CheckpointDataError`, :class:`CheckpointFormatError`, its index gone) is
         skipped with a :class:`RestoreFallbackWarning` on every rank naming it and why, marked
@@ -680,12 +684,9 @@ class CheckpointManager:
         failed: list[str] = []
         self._check_open()
         good, rejected = self._comm.broadcast_or_raise(self._restorable, src=0)
-        if self._tier is not None:
-            local = self._tier.restore(state_dict, good[-1] if good else None, load_options)
-            if local is not None:
-                self._base_step = None  # not a checkpoint of the series: the next asks it
-                self.restored_from = "local"
-                return local
+        local = self._restore_local(state_dict, good, load_options)
+        if local is not None:
+            return local
         candidate: int
         for candidate in reversed(good):
             path = self.path(candidate)
@@ -722,6 +723,64 @@ class CheckpointManager:
                 stacklevel=3,  # at the caller of restore
             )
         return None
+
+    def restore_local(
+        self,
+        state_dict: MutableMapping[str, Any],
+        *,
+        strict: bool = True,
+        verify: bool = True,
+        allow_pickle: bool = False,
+        allow_dtype_cast: bool = False,
+        progress: bool = False,
+    ) -> int | None:
+        """Load the local tier's newest step into ``state_dict``, in place, if it is newer than
+        the series' newest committed checkpoint (collective): the first half of
+        ``restore(None, state_dict)``, for a caller that restores the series' checkpoint its
+        own way (torchtitan's seed checkpoint: the model alone).
+
+        Args:
+            state_dict: The state to fill, as for :func:`load`.
+            strict: As for :func:`load`.
+            verify: As for :func:`load` (the local tier's loads always verify).
+            allow_pickle: As for :func:`load`.
+            allow_dtype_cast: As for :func:`load`.
+            progress: As for :func:`load`.
+
+        Returns:
+            The step restored (then :attr:`restored_from` is ``"local"``), or None on every
+            rank (no local tier, no newer local step held, or the tier failed: a
+            :class:`LocalTierWarning` says why, and ``state_dict`` may then hold part of
+            the step: restore it from the series).
+
+        Raises:
+            CheckpointError: The load failed for a reason that is not the tier's (a key
+                missing from the checkpoint, with ``strict``).
+        """
+        self.wait()
+        good, _ = self._comm.broadcast_or_raise(self._restorable, src=0)
+        options = {
+            "strict": strict,
+            "verify": verify,
+            "allow_pickle": allow_pickle,
+            "allow_dtype_cast": allow_dtype_cast,
+            "progress": progress,
+        }
+        self.restored_from = None
+        return self._restore_local(state_dict, good, options)
+
+    def _restore_local(
+        self, state_dict: MutableMapping[str, Any], good: list[int], load_options: dict[str, Any]
+    ) -> int | None:
+        """The local tier's step newer than ``good[-1]`` (the series' newest restorable
+        checkpoint), loaded into ``state_dict``; None when there is none (collective)."""
+        if self._tier is None:
+            return None
+        local = self._tier.restore(state_dict, good[-1] if good else None, load_options)
+        if local is not None:
+            self._base_step = None  # not a checkpoint of the series: the next asks it
+            self.restored_from = "local"
+        return local
 
     def _agreed_restore_step(self, step: object) -> int | None:
         """``step`` of :meth:`restore` (None: the latest), once every rank has found it valid and

@@ -68,6 +68,27 @@ def test_local_saves_beside_the_policy_and_restore(tmp_path: pathlib.Path) -> No
     assert not any(p.name.startswith("restore_") for p in (tmp_path / "shm").iterdir())
 
 
+def test_restore_local_takes_only_a_local_step_newer_than_the_series(
+    tmp_path: pathlib.Path,
+) -> None:
+    with _manager(tmp_path) as manager:
+        for step in range(1, 7):  # durable 3 and 6, local 4 and 6
+            manager.save(step, _state(step))
+    state = _state(0)
+    with _manager(tmp_path) as manager:
+        assert manager.restore_local(state) is None  # local 6 is not newer than durable 6
+        assert manager.restored_from is None
+        assert torch.equal(state["w"], torch.zeros(4, 3))  # type: ignore[arg-type]
+        manager.save(8, _state(8))  # local only
+    with _manager(tmp_path) as manager:
+        assert manager.restore_local(state) == 8
+        assert manager.restored_from == "local"
+    assert torch.equal(state["w"], torch.full((4, 3), 8.0))  # type: ignore[arg-type]
+    with ckpt.CheckpointManager(tmp_path / "run", async_save=False) as manager:  # no tier
+        assert manager.restore_local(_state(0)) is None
+        assert manager.restored_from is None
+
+
 def _data_file(tmp_path: pathlib.Path, step: int) -> pathlib.Path:
     [data] = (tmp_path / "shm" / f"step_{step}" / "rank_0" / "data").iterdir()
     return data

@@ -1,4 +1,5 @@
-"""``LocalTier``: defaults, the job id's precedence, validation naming the field."""
+"""``LocalTier``: defaults, the steps it wants, the job id's precedence, validation naming the
+field."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def test_defaults() -> None:
     assert (tier.replicas, tier.keep, tier.min_free_bytes) == (1, 2, 1 << 30)
     assert tier.resolved_job_id == "job-7"
     assert tier.resolved_directory == "/dev/shm/shardwise-job-7"
+
+
+def test_wants_the_multiples_of_every_steps() -> None:
+    tier = LocalTier(every_steps=50, job_id="job-7")
+    assert [step for step in range(0, 201) if tier.wants(step)] == [0, 50, 100, 150, 200]
+    assert all(LocalTier(every_steps=1, job_id="j").wants(step) for step in range(5))
 
 
 def test_every_steps_is_required() -> None:
