@@ -16,19 +16,24 @@ from shardwise.integrations.torchtitan import ShardwiseCheckpointManager
 Config = ShardwiseCheckpointManager.Config
 
 
-def test_is_a_torchtitan_checkpoint_config_that_builds_our_manager() -> None:
-    config = Config(enable=False)
-    assert isinstance(config, BaseCheckpointManager.Config)
-    assert issubclass(ShardwiseCheckpointManager, BaseCheckpointManager)
-    manager = config.build(
+def _build(config: Any, dump_folder: str) -> Any:
+    """``config`` built as the trainer builds it, around nothing to save."""
+    return config.build(
         dataloader=None,
         model_parts=[],
         optimizers=None,
         lr_schedulers=None,
         states={},
         sd_adapter=None,
-        base_folder="/nowhere",
+        base_folder=dump_folder,
     )
+
+
+def test_is_a_torchtitan_checkpoint_config_that_builds_our_manager() -> None:
+    config = Config(enable=False)
+    assert isinstance(config, BaseCheckpointManager.Config)
+    assert issubclass(ShardwiseCheckpointManager, BaseCheckpointManager)
+    manager = _build(config, "/nowhere")
     assert type(manager) is ShardwiseCheckpointManager
     assert manager.load() is False and manager.save(10) is False  # disabled: nothing happens
     manager.close()
@@ -113,13 +118,5 @@ def test_local_tier_settings_are_checked_where_the_job_runs(
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     config = Config(enable=True, async_save=False, local_interval=50, **fields)
     with pytest.raises(ValueError, match=message) as raised:
-        config.build(
-            dataloader=None,
-            model_parts=[],
-            optimizers=None,
-            lr_schedulers=None,
-            states={},
-            sd_adapter=None,
-            base_folder=str(tmp_path),
-        )
+        _build(config, str(tmp_path))
     assert "local_* settings" in str(raised.value)
