@@ -8,7 +8,8 @@ line of the job's config::
 The manager keeps torchtitan's meaning of every shared field (``BaseCheckpointManager.Config``)
 and writes a series of shardwise checkpoints through :class:`CheckpointManager`: every byte
 verified on load, no pickle, resume falling back past a corrupt checkpoint, retention beyond
-the newest ``k``, preemption, incremental saves.
+the newest ``k``, preemption, incremental saves, and with ``local_interval`` a node-local,
+peer-replicated tier that a restart restores from.
 
 Importing this module imports torchtitan (an optional dependency: ``shardwise[torchtitan]``).
 """
