@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -61,6 +64,16 @@ def run_world(target: Callable[..., Any], config: Any, world_size: int) -> dict[
     with open(config.results) as file:
         result: dict[str, Any] = json.load(file)
     return result
+
+
+@contextlib.contextmanager
+def work_dir(root: str, prefix: str) -> Iterator[str]:
+    """A new directory under ``root`` (a benchmark's checkpoints), removed afterwards."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def fresh_dir(path: str, rank: int) -> str:

@@ -42,22 +42,19 @@ release the GIL). ``--profile-only`` skips the timed repetitions.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from _launch import free_port, run_world
+from _launch import free_port, run_world, work_dir
 from _training import worker
 from _training.model import BIG, MANY_SMALL, QUICK_BIG, QUICK_SMALL
 from checkpoint import _fs_type, _source_state
@@ -315,15 +312,6 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def _work_dir(root: str) -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="shardwise-bench-training-", dir=root)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def main() -> None:
     """Run both worlds and print the table (and the profiles, if asked)."""
     args = _parse()
@@ -343,7 +331,10 @@ def main() -> None:
         f"{RESHARD_WORLD} (gloo), {args.reps} reps + 1 warm-up, {os.cpu_count()} CPUs",
         file=sys.stderr,
     )
-    with _work_dir(args.tmpfs_dir) as root, tempfile.NamedTemporaryFile(suffix=".json") as out:
+    with (
+        work_dir(args.tmpfs_dir, "shardwise-bench-training-") as root,
+        tempfile.NamedTemporaryFile(suffix=".json") as out,
+    ):
         common = {
             "big": big,
             "small": small,

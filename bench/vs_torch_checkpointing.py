@@ -51,13 +51,12 @@ import importlib
 import importlib.util
 import logging
 import os
-import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,7 +67,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise.checkpoint as ckpt
 from _ckpt.worker import measure, peak_kib, reset_peak
-from _launch import free_port, freeze_gc, fresh_dir, remove_dir, rotate, run_rank, run_world
+from _launch import (
+    free_port,
+    freeze_gc,
+    fresh_dir,
+    remove_dir,
+    rotate,
+    run_rank,
+    run_world,
+    work_dir,
+)
 from _training import state as training
 from _training.model import BIG, QUICK_BIG, ModelShape
 from _training.worker import LOAD_PHASES, SAVE_PHASES, cprofiled, phase_times
@@ -492,15 +500,6 @@ class Report:
 # -- driver -------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _work_dir(root: str) -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="shardwise-bench-tc-", dir=root)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 7M-parameter model, 2 reps")
@@ -536,7 +535,10 @@ def main() -> None:
     )
     load_before = os.getloadavg()[0]
     began = time.perf_counter()
-    with _work_dir(args.tmpfs_dir) as root, tempfile.NamedTemporaryFile(suffix=".json") as out:
+    with (
+        work_dir(args.tmpfs_dir, "shardwise-bench-tc-") as root,
+        tempfile.NamedTemporaryFile(suffix=".json") as out,
+    ):
         config = Config(
             port=free_port(),
             results=out.name,
