@@ -34,13 +34,13 @@ import mmap
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import collectives
+from shardwise._warnings import warn_at_caller
 from shardwise.checkpoint.index import INDEX_NAME, Index, data_file_name, decode_index
 from shardwise.checkpoint.loading.load import load_from_storage, ranges_read, report_load
 from shardwise.checkpoint.local_tier import parts as part_files
@@ -138,12 +138,11 @@ class TierNode:
         self.topology = Topology(world_size=comm.world_size, local_world_size=local)
         self.placement = place_replicas(self.topology, tier.replicas)
         if self.placement.degraded:
-            warnings.warn(
+            warn_at_caller(
                 f"the local tier holds {self.placement.replicas} replica(s) of each part, not "
                 f"the {tier.replicas} asked for: the job has {self.topology.num_nodes} node(s), "
                 "and a part's replicas are on other nodes than its own",
                 LocalTierWarning,
-                stacklevel=3,  # at the caller of CheckpointManager
             )
         self.directory = TierDirectory(tier.resolved_directory, tier.resolved_job_id)
         self._refusal: str | None = None  # why this node's directory is not usable
@@ -172,7 +171,7 @@ class TierNode:
 
     @staticmethod
     def _warn(message: str) -> None:
-        warnings.warn(message, LocalTierWarning, stacklevel=5)  # at the manager's caller
+        warn_at_caller(message, LocalTierWarning)
 
     def _group(self) -> ProcessGroup:
         """The group parts travel over: the manager's when it is gloo, else a gloo group over
@@ -241,7 +240,7 @@ class TierNode:
             job.join()
         reports, self._reports = self._reports, []
         for message in reports:
-            warnings.warn(message, LocalTierWarning, stacklevel=3)
+            warn_at_caller(message, LocalTierWarning)
 
     def _stage(self, snapshot: Snapshot) -> tuple[Snapshot, list[Any]]:
         """``snapshot`` copied into this node's staging area (reused by every local save)."""
@@ -650,10 +649,9 @@ class TierNode:
         return index, raw, {names[name]: tuple(runs) for name, runs in ranges.items()}
 
     def _fall_back(self, why: str) -> None:
-        warnings.warn(
+        warn_at_caller(
             f"not restoring from the local tier: {why}; restoring from the durable tier",
             LocalTierWarning,
-            stacklevel=4,
         )
 
     def _on_my_node(self, rank: int) -> bool:

@@ -149,14 +149,23 @@ def test_another_jobs_directory_is_never_used_nor_changed(tmp_path: pathlib.Path
         local_tier=_tier(tmp_path, job_id="other-job"),
     )
     state = _state(0)
-    with pytest.warns(ckpt.LocalTierWarning, match="another job"):
+    with pytest.warns(ckpt.LocalTierWarning, match="another job") as restoring:
         assert other.restore(None, state) is None  # job's step 8 is not this job's
     assert other.restored_from is None
     assert torch.equal(state["w"], torch.zeros(4, 3))  # type: ignore[arg-type]
-    with pytest.warns(ckpt.LocalTierWarning, match="skipped the local save of step 2"):
+    with pytest.warns(ckpt.LocalTierWarning, match="skipped the local save of step 2") as saving:
         other.save(2, _state(2))
     other.close()
+    # In the background, the report comes at the next call (here: close).
+    background = ckpt.CheckpointManager(
+        tmp_path / "other-run", local_tier=_tier(tmp_path, job_id="other-job")
+    )
+    background.save(4, _state(4))
+    with pytest.warns(ckpt.LocalTierWarning, match="another job") as closing:
+        background.close()
     assert _contents(tmp_path / "shm") == before  # nothing written, pruned or recycled
+    # Each warning points at the line of this file that called the manager.
+    assert {w.filename for w in [*restoring, *saving, *closing]} == {__file__}
     with _manager(tmp_path) as manager:
         assert manager.restore(None, state) == 8
         assert manager.restored_from == "local"
