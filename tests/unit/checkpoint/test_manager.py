@@ -112,6 +112,7 @@ def test_restore_falls_back_past_a_corrupt_latest(tmp_path: Path, damage: str) -
     with pytest.warns(ckpt.RestoreFallbackWarning, match=r"step-00000003") as caught:
         assert manager.restore(state) == 2
     assert len(caught) == 1
+    assert caught[0].filename == __file__  # at the line that called restore
     # The step is refilled from scratch: every value is checkpoint 2's, none of 3's.
     assert torch.equal(state["w"], torch.full((64, 64), 2.0))
     assert torch.equal(state["b"], torch.arange(8) * 2.0) and state["step"] == 2
@@ -151,8 +152,11 @@ def test_a_restore_after_every_checkpoint_was_rejected_says_so(tmp_path: Path) -
         with pytest.warns(ckpt.RestoreFallbackWarning), pytest.raises(ckpt.CheckpointError):
             manager.restore(_blank())
         # Was: None in silence, as on a fresh run.
-        with pytest.warns(ckpt.RestoreFallbackWarning, match=r"rejected 1 committed checkpoint"):
+        with pytest.warns(
+            ckpt.RestoreFallbackWarning, match=r"rejected 1 committed checkpoint"
+        ) as caught:
             assert manager.restore(_blank()) is None
+        assert caught[0].filename == __file__
     with (
         ckpt.CheckpointManager(tmp_path / "fresh", async_save=False) as manager,
         warnings.catch_warnings(),

@@ -11,7 +11,6 @@ import pickle
 import secrets
 import sys
 import time
-import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from shardwise import collectives
+from shardwise._warnings import warn_at_caller
 from shardwise.checkpoint.entries.items import (
     LocalBox,
     decode_object,
@@ -486,7 +486,7 @@ def report_load(
         if keys
     ]
     if not strict and parts:
-        warnings.warn(f"loading {path_text}: {'; '.join(parts)}", stacklevel=3)
+        warn_at_caller(f"loading {path_text}: {'; '.join(parts)}", UserWarning)
 
 
 def _load(

@@ -5,11 +5,11 @@ storage as the ``CheckpointError`` it raises."""
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Mapping
 
 import torch
 
+from shardwise._warnings import warn_at_caller
 from shardwise.checkpoint.manager.policy import RetentionPolicy, SavePolicy
 from shardwise.checkpoint.manager.series import MAX_STEP
 from shardwise.errors import CheckpointError, CheckpointStorageError
@@ -90,14 +90,13 @@ def warn_if_unranked(
     if retention.keep_best is None or name is None or (metrics is not None and name in metrics):
         return False
     given = ", ".join(repr(key) for key in sorted(map(str, metrics or {}))) or "none"
-    warnings.warn(
+    warn_at_caller(
         f"RetentionPolicy(keep_best={retention.keep_best}, best_metric={name!r}) of the series "
         f"at {root} ranks checkpoints by {name!r}, but save(step={step}) got the metrics "
         f"{given}: a checkpoint saved without {name!r} is never ranked best (keep_last and "
         f"keep_every still keep it); pass metrics={{{name!r}: ...}} to save. Warned once "
         "per manager",
         UserWarning,
-        stacklevel=3,
     )
     return True
 

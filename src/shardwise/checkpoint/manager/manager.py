@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-import warnings
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from types import TracebackType
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 
 from shardwise import collectives
+from shardwise._warnings import warn_at_caller
 from shardwise.checkpoint.index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
@@ -715,12 +715,11 @@ class CheckpointManager:
                 f"no checkpoint under {self.root} could be restored: " + "; ".join(failed)
             )
         if rejected:  # a fresh start, but not a fresh series: say so
-            warnings.warn(
+            warn_at_caller(
                 f"no checkpoint under {self.root} can be restored: earlier restores rejected "
                 f"{rejected} committed checkpoint(s) (`shardwise ls` says why); starting "
                 "from scratch",
                 RestoreFallbackWarning,
-                stacklevel=3,  # at the caller of restore
             )
         return None
 
@@ -815,10 +814,9 @@ class CheckpointManager:
 
     def _reject(self, step: int, reason: str, record: bool = True) -> None:
         """Warn that ``step`` is skipped, and (``record``) mark it rejected on rank 0."""
-        warnings.warn(
+        warn_at_caller(
             f"cannot restore {self.path(step)}: {reason}; restoring the checkpoint before it",
             RestoreFallbackWarning,
-            stacklevel=4,  # at the caller of restore
         )
         if self._comm.rank != 0 or not record:
             return
