@@ -215,6 +215,11 @@ class Runner:
 
     # the operations of each library
 
+    def _manager(self, method: str) -> Any:
+        """torch_checkpointing's synchronous manager for ``method`` (with a resharder or not)."""
+        assert self.library is not None
+        return self.library.sync if method == TC else self.library.reshard
+
     def save(self, method: str, path: str) -> None:
         state = self.state.state
         if method == SHARDWISE:
@@ -222,9 +227,7 @@ class Runner:
         elif method == DCP:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
         else:
-            assert self.library is not None
-            manager = self.library.sync if method == TC else self.library.reshard
-            manager.save(path, state)
+            self._manager(method).save(path, state)
 
     def load(self, method: str, path: str) -> None:
         state = self.state.state
@@ -233,9 +236,7 @@ class Runner:
         elif method == DCP:
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))
         else:
-            assert self.library is not None
-            manager = self.library.sync if method == TC else self.library.reshard
-            manager.load(path, into=state)
+            self._manager(method).load(path, into=state)
 
     def start_async(self, method: str, path: str) -> Any:
         state = self.state.state
